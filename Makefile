@@ -1,0 +1,35 @@
+# Two entry points on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Both create .venv when missing and install into it; a second run reuses it.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.mcore_rl-installed
+NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
+
+export HF_HUB_OFFLINE := 1
+export RAY_AUTH_MODE := disabled
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test lint install
+
+install: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	# On a machine without an NVIDIA driver take the local CPU wheel; any other torch spec pulls CUDA builds.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q ninja
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m mcore_rl.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mcore_rl tests bench launch
+	$(VENV)/bin/ruff format --check mcore_rl tests bench launch
+	$(VENV)/bin/mypy

@@ -1,0 +1,1 @@
+"""Compatibility layers for third-party libraries (megatron-core on CPU)."""

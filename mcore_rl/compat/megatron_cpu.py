@@ -1,0 +1,208 @@
+"""Make megatron-core 0.16.1 run on a CPU-only torch build (gloo, fp32/bf16, local layer spec).
+
+megatron-core assumes CUDA in a handful of places. Each patch below names the failure it fixes; all of them
+are applied by :func:`apply`, which is a no-op when CUDA is available, so GPU runs use megatron untouched.
+``tests/compat/test_megatron_cpu.py`` has one test per patched behaviour; the patches target
+:data:`TARGET_MEGATRON_VERSION` and :func:`apply` warns on any other version.
+
+Scope, narrowest first:
+
+1. Megatron's own functions, replaced in place: the CUDA RNG state helpers and ``CudaRNGStatesTracker.add``
+   (they read ``torch.cuda.get_rng_state``), the torch-norm wrapper that refuses sequence parallelism, and
+   the DistributedOptimizer loader that trips on torch AdamW's ``step`` entry.
+2. ``torch.cuda.current_device`` and ``torch.cuda.synchronize``: megatron calls them in ~40 places (buffer
+   allocation, SP gathers, p2p). On a CPU-only build both can only raise, so answering "cpu" / doing
+   nothing changes no behaviour that worked before.
+3. :class:`MegatronCudaToCpuMode`, a ``TorchFunctionMode``, for hard-coded ``device="cuda"``, ``.cuda()``,
+   ``.to("cuda")`` and ``Tensor.type() == "torch.cuda.FloatTensor"`` checks inside megatron (schedules,
+   DDP buffers, optimizer, grad clipping, checkpointing). It rewrites a call only when the calling frame
+   is megatron's code; the same call from anywhere else (ours, a user's, torch's) is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+TARGET_MEGATRON_VERSION = "0.16.1"
+
+_state: dict[str, Any] = {"applied": False, "mode": None}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _called_from_megatron() -> bool:
+    """True when the nearest caller outside torch and this module is megatron code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith("torch") or name == __name__):
+            return name.startswith("megatron.")
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class MegatronCudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements requested by megatron code to the CPU; see the module docstring."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            if _called_from_megatron():
+                return args[0]
+        elif func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs and _called_from_megatron():
+                name = func(*args)
+                # megatron whitelists 'torch.cuda.FloatTensor' & co. for optimizer params and grads.
+                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        elif func is torch.Tensor.to:
+            if len(args) > 1 and _is_cuda_device(args[1]) and _called_from_megatron():
+                args = (args[0], "cpu", *args[2:])
+            elif _is_cuda_device(kwargs.get("device")) and _called_from_megatron():
+                kwargs = {**kwargs, "device": "cpu"}
+        elif _is_cuda_device(kwargs.get("device")) and _called_from_megatron():
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self: Any, name: str, seed: int) -> None:
+    """``CudaRNGStatesTracker.add`` on the CPU generator, with megatron's duplicate checks."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    original = torch.get_rng_state()
+    torch.manual_seed(seed)
+    self.states_[name] = torch.get_rng_state()
+    torch.set_rng_state(original)
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    mrandom.CudaRNGStatesTracker.add = _cpu_tracker_add
+
+
+def _sequence_parallel_torch_norm(
+    cls: Any,
+    config: Any,
+    hidden_size: int,
+    eps: float = 1e-5,
+    persist_layer_norm: bool = False,
+    zero_centered_gamma: bool = False,
+    normalization: str = "LayerNorm",
+) -> torch.nn.Module:
+    """``WrappedTorchNorm`` without its sequence-parallel refusal.
+
+    The norm is elementwise over the hidden dim, so it is correct on a sequence shard; its weight grads are
+    partial sums per rank, which megatron's ``finalize_model_grads`` all-reduces over TP for every param
+    tagged ``sequence_parallel``.
+    """
+    if zero_centered_gamma:
+        raise ValueError("zero_centered_gamma is not supported by the torch norm on CPU")
+    norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+    module = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+    for param in module.parameters():
+        param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+    return module
+
+
+def _patch_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    torch_norm.WrappedTorchNorm.__new__ = _sequence_parallel_torch_norm
+
+
+def _patch_distopt_step_entry() -> None:
+    """torch AdamW keeps a per-param ``step`` that the fully_reshardable loader does not expect."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_mcore_rl_patched", False):
+        return
+
+    def set_states_keeping_step(self: Any, model_param: Any, tensors: Any) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        step = state.pop("step", None)
+        try:
+            original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    set_states_keeping_step._mcore_rl_patched = True  # type: ignore[attr-defined]
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
+
+
+def _patch_torch_cuda_queries() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def apply() -> bool:
+    """Apply every patch once per process when CUDA is absent. Returns True when patches are active."""
+    if torch.cuda.is_available():
+        return False
+    if _state["applied"]:
+        return True
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != TARGET_MEGATRON_VERSION:
+        warnings.warn(
+            f"mcore_rl's CPU compatibility layer targets megatron-core {TARGET_MEGATRON_VERSION}, "
+            f"found {version}; CPU runs may fail",
+            stacklevel=2,
+        )
+    _patch_torch_cuda_queries()
+    _patch_rng()
+    _patch_torch_norm()
+    _patch_distopt_step_entry()
+    mode = MegatronCudaToCpuMode()
+    mode.__enter__()
+    _state.update(applied=True, mode=mode)
+    return True
+
+
+def is_applied() -> bool:
+    return bool(_state["applied"])
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Temporarily leave the process-wide mode (used by tests that check the unpatched behaviour)."""
+    mode = _state["mode"]
+    if mode is None:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()

@@ -1,0 +1,1 @@
+"""Megatron-core engines: model builders, actor, critic, checkpoints."""

@@ -1,0 +1,189 @@
+"""Model architecture read from a Hugging Face ``config.json``: the Llama family (Llama 2/3, Qwen2, Mistral).
+
+This module is pure (no megatron, no process groups): it turns the HF config into one typed record and
+computes the rotary frequencies exactly as ``transformers`` does, so that converted checkpoints reproduce
+HF logits. ``engine/model.py`` turns an :class:`ModelArch` into megatron-core modules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConfigError(ValueError):
+    """A model config we cannot represent; the message names the field (and the file when known)."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Decoder-only transformer with RMSNorm, SwiGLU MLP, rotary embeddings and grouped-query attention."""
+
+    family: str
+    """'llama', 'qwen2' or 'mistral' (the HF architecture the weights come from)."""
+    vocab_size: int
+    """Real vocabulary size (megatron pads it to a multiple of ``divisible_by * tp``)."""
+    hidden_size: int
+    ffn_hidden_size: int
+    """Intermediate size of the gated MLP (HF ``intermediate_size``)."""
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (HF ``num_key_value_heads``); equal to the heads without GQA."""
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """HF rope parameters besides theta, e.g. ``{'rope_type': 'llama3', 'factor': 8.0, ...}``; None = plain."""
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2 always; Llama with ``attention_bias``)."""
+    sliding_window: int | None = None
+    """Mistral's attention window in tokens (query i sees keys i-W+1..i); None = full causal attention."""
+    initializer_range: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The untouched HF config, kept for writing ``config.json`` back out."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_query_groups}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope_scaling.rope_type={rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any] | str | os.PathLike[str]) -> ModelArch:
+        """From a ``config.json`` dict, the file, or a checkpoint folder holding it."""
+        source = "config"
+        if isinstance(config, dict):
+            raw = config
+        else:
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            source = path
+            try:
+                with open(path) as f:
+                    raw = json.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"{path}: no such file") from None
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        try:
+            return _arch_from_dict(raw)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+
+def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
+    architectures = cfg.get("architectures") or []
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if family is None:
+        raise ConfigError(
+            f"architectures={architectures} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ConfigError("mlp_bias=true is not supported")
+    if family == "qwen2" and cfg.get("use_sliding_window"):
+        raise ConfigError("use_sliding_window=true is not supported for Qwen2")
+    heads = _required(cfg, "num_attention_heads")
+    hidden = _required(cfg, "hidden_size")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in rope and "rope_type" not in rope:  # transformers < 4.45 spelling
+        rope["rope_type"] = rope.pop("type")
+    partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    window = cfg.get("sliding_window") if family == "mistral" else None
+    return ModelArch(
+        family=family,
+        vocab_size=_required(cfg, "vocab_size"),
+        hidden_size=hidden,
+        ffn_hidden_size=_required(cfg, "intermediate_size"),
+        num_layers=_required(cfg, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=_required(cfg, "max_position_embeddings"),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        partial_rotary_factor=partial,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        sliding_window=int(window) if window else None,
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+        extra=dict(cfg),
+    )
+
+
+def _required(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"missing field {key!r}")
+    return cfg[key]
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Rotary inverse frequencies [rotary_dim / 2], fp32, computed as ``transformers`` computes them."""
+    dim = arch.rotary_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 rope scaling: long wavelengths slowed by ``factor``, short kept, a smooth band between."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low
+    high_freq_wavelen = old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,197 @@
+"""megatron-core GPTModel builders for :class:`~mcore_rl.engine.arch.ModelArch` (Llama, Qwen2, Mistral).
+
+One builder serves the actor, the reference policy, the critic and a reward model (``value_head=True``
+swaps the vocab projection for a scalar head). The layer spec is Transformer-Engine's when TE imports and
+CUDA is present, megatron's local spec otherwise (the CPU path). With virtual pipeline parallelism a rank
+holds several model chunks, so builders always return a list (megatron's convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.parallel.layout import padded_vocab_size
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to instantiate an architecture (independent of which checkpoint fills it)."""
+
+    dtype: torch.dtype = torch.float32
+    """Parameter / compute dtype: torch.float32 or torch.bfloat16 (bf16 keeps fp32 main params in the optimizer)."""
+    value_head: bool = False
+    """Replace the vocab projection by a scalar head (critic, reward model)."""
+    use_transformer_engine: bool | None = None
+    """None: use TE when it imports and CUDA is present; False forces megatron's local spec."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocab is padded to a multiple of this times TP, as megatron does."""
+    max_sequence_length: int | None = None
+    """Longest prompt+response the model will see; defaults to the HF ``max_position_embeddings``."""
+    recompute_activations: bool = False
+    """Full-layer activation recomputation (trades compute for memory on long sequences)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {self.dtype}")
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises assorted errors when its CUDA libraries are missing
+        return False
+    return True
+
+
+def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> Any:
+    """megatron ``TransformerConfig`` for ``arch`` in ``ctx``'s layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    layout = ctx.layout
+    layout.check_model(
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        num_layers=arch.num_layers,
+        vocab_size=arch.vocab_size,
+    )
+    fused = torch.cuda.is_available()  # megatron's fused kernels are CUDA-only
+    bf16 = options.dtype == torch.bfloat16
+    extra: dict[str, Any] = {}
+    if options.recompute_activations:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout.vpp and layout.pp == 2:
+        # Interleaved PP2 sends to the same peer in both directions at once; batched p2p then pairs the two
+        # messages by posting order and swaps activations with gradients (silently: same shapes). megatron's
+        # unbatched path routes the two directions through different groups.
+        extra["batch_p2p_comm"] = False
+    if arch.sliding_window is not None:
+        extra["window_size"] = (arch.sliding_window - 1, 0)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=layout.sp,
+        params_dtype=options.dtype,
+        pipeline_dtype=options.dtype,
+        bf16=bf16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=fused,
+        masked_softmax_fusion=fused,
+        bias_dropout_fusion=fused,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        variable_seq_lengths=True,  # RL batches change length every step; PP must exchange shapes
+        moe_token_dispatcher_type="alltoall",  # dense model; megatron rejects its default with the line above
+        **extra,
+    )
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head replacing ``GPTModel.output_layer``: hidden [s, b, h] -> values [s, b, 1].
+
+    Replicated on every TP rank. Under sequence parallelism the hidden states arrive split by sequence,
+    so they are gathered first; every rank then sees the full sequence and computes identical grads.
+    """
+
+    def __init__(self, hidden_size: int, config: Any, init_std: float, seed: int) -> None:
+        super().__init__()
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        # A private generator: identical weights on every TP/PP rank whatever RNG the model init used.
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(1, hidden_size, generator=generator) * init_std)
+        if torch.cuda.is_available():
+            self.weight.data = self.weight.data.cuda()
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
+        return F.linear(hidden, self.weight), None
+
+
+def build_model_chunks(
+    arch: ModelArch, ctx: ParallelContext, options: ModelOptions | None = None
+) -> list[Any]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised randomly.
+
+    Load real weights afterwards (``mcore_rl.convert`` or a distributed checkpoint).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    options = options or ModelOptions()
+    config = transformer_config(arch, ctx, options)
+    spec = _layer_spec(options)
+    vocab = padded_vocab_size(arch.vocab_size, ctx.tp_size, options.make_vocab_size_divisible_by)
+    max_len = options.max_sequence_length or arch.max_position_embeddings
+    inv_freq = rope_inv_freq(arch)
+    chunks = []
+    for vp_stage in range(ctx.layout.num_model_chunks):
+        vp = vp_stage if ctx.layout.vpp else None
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=max_len,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=post_process,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings and not options.value_head,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta),
+            rotary_percent=arch.partial_rotary_factor,
+            vp_stage=vp,
+        )
+        # transformers' exact frequencies (incl. llama3 scaling, whose constants megatron hard-codes).
+        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
+        if options.value_head and post_process:
+            model.output_layer = ValueHead(arch.hidden_size, config, arch.initializer_range, ctx.config.seed)
+        chunks.append(model.to(ctx.device))
+    return chunks
+
+
+def _layer_spec(options: ModelOptions) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    use_te = options.use_transformer_engine
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def causal_attention_mask(seq_length: int, device: torch.device | None = None) -> torch.Tensor:
+    """megatron's boolean mask [1, 1, s, s]: True where a query may NOT attend."""
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)

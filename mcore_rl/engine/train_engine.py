@@ -1,0 +1,211 @@
+"""A megatron-core training engine: model chunks under DDP, the (distributed) optimizer, pipeline schedules.
+
+Actor, critic and reward-model workers are thin layers over this: they say what a micro-batch is and what
+its loss is; the engine runs megatron's forward/backward schedule (no pipelining, 1F1B or interleaved,
+whichever the layout needs) and the optimizer step.
+
+Loss scaling is explicit. A loss function returns its micro-batch's share of the *global* loss (e.g. token
+sum divided by the global token count, see ``mcore_rl.algo``), and the engine makes sure nothing rescales
+it: megatron's per-token mode keeps the schedule from dividing by the number of micro-batches and DDP from
+averaging over DP, and our ``finalize`` skips megatron's division by the token count. The gradient is then
+exactly the gradient of the global loss, however the batch is split over DP ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.weights import load_full_state, unwrap
+from mcore_rl.parallel.context import ParallelContext
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam(W) as megatron runs it: fp32 main params and states, optionally sharded over DP."""
+
+    lr: float = 1e-6
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
+            raise ValueError(f"adam betas must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch for the model: right-padded token ids and whatever the loss needs."""
+
+    tokens: torch.Tensor  # [b, s] int64
+    position_ids: torch.Tensor  # [b, s] int64
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Loss inputs (labels, masks, advantages, ...), on the engine's device."""
+
+
+# loss_fn(model_output [b, s, V/tp] or [b, s, 1], micro_batch) -> (loss scalar, metrics of detached tensors)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    update_successful: bool
+    grad_norm: float
+    """Global gradient norm before clipping, over all ranks and shards."""
+
+
+def _finalize_without_token_scaling(
+    model: list[Any], num_tokens: Any = None, *args: Any, **kwargs: Any
+) -> None:
+    """megatron's grad finalisation (DP reduce, SP norms, tied embeddings) minus its 1/num_tokens scaling."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, *args, **kwargs)
+
+
+class TrainEngine:
+    """Model chunks + optimizer for one role (actor, critic, ...). Build with :meth:`build`."""
+
+    def __init__(
+        self, ctx: ParallelContext, arch: ModelArch, chunks: list[Any], optimizer: Any, config: Any
+    ) -> None:
+        self.ctx = ctx
+        self.arch = arch
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.config = config
+
+    @classmethod
+    def build(
+        cls,
+        arch: ModelArch,
+        ctx: ParallelContext,
+        model_options: ModelOptions | None = None,
+        optim: OptimizerConfig | None = None,
+    ) -> TrainEngine:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        model_options = model_options or ModelOptions()
+        optim = optim or OptimizerConfig()
+        bare = build_model_chunks(arch, ctx, model_options)
+        config = bare[0].config
+        config.calculate_per_token_loss = True
+        bf16 = model_options.dtype == torch.bfloat16
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
+        )
+        chunks = [
+            DistributedDataParallel(
+                config=config,
+                ddp_config=ddp_config,
+                module=Float16Module(config, chunk) if bf16 else chunk,
+                disable_bucketing=i > 0,  # megatron's rule for interleaved chunks
+            )
+            for i, chunk in enumerate(bare)
+        ]
+        config.finalize_model_grads_func = _finalize_without_token_scaling
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        optimizer = get_megatron_optimizer(
+            MegatronOptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                bf16=bf16,
+                params_dtype=model_options.dtype,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+            ),
+            chunks,
+        )
+        return cls(ctx, arch, chunks, optimizer, config)
+
+    @property
+    def models(self) -> list[Any]:
+        """The bare GPTModel chunks (for weight loading, export, resharding)."""
+        return [unwrap(c) for c in self.chunks]
+
+    def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
+        """Load a full (TP=1) state into this rank's shards and refresh the optimizer's main params."""
+        load_full_state(self.models, full, self.arch, self.ctx)
+        # bf16 keeps separate fp32 main params; without this the first step would undo the load.
+        self.optimizer.reload_model_params()
+
+    def forward_backward(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
+        """Run the schedule over ``micro_batches``; returns the loss metrics (last pipeline stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro_batches:
+            raise ValueError("micro_batches is empty")
+        for chunk in self.chunks:
+            chunk.train(not forward_only)
+        seq_length = max(mb.tokens.shape[1] for mb in micro_batches)
+        if self.ctx.layout.sp and seq_length % self.ctx.tp_size:
+            raise ValueError(
+                f"sequence length {seq_length} must be divisible by TP={self.ctx.tp_size} with SP"
+            )
+        iterators = [iter(micro_batches) for _ in self.chunks]
+        return get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batches[0].tokens.shape[0],
+            forward_only=forward_only,
+        )
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> StepResult:
+        update_successful, grad_norm, _ = self.optimizer.step()
+        return StepResult(bool(update_successful), float(grad_norm if grad_norm is not None else 0.0))
+
+    def train_step(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn
+    ) -> tuple[StepResult, list[dict[str, torch.Tensor]]]:
+        """zero grads -> forward/backward over all micro-batches -> optimizer step."""
+        self.zero_grad()
+        metrics = self.forward_backward(micro_batches, loss_fn)
+        return self.step(), metrics
+
+
+def _forward_step(loss_fn: LossFn, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+    micro_batch: MicroBatch = next(data_iterator)
+    output = model(micro_batch.tokens, micro_batch.position_ids, None)
+    return output, partial(_loss_for_schedule, loss_fn, micro_batch)
+
+
+def _loss_for_schedule(loss_fn: LossFn, micro_batch: MicroBatch, output: torch.Tensor) -> tuple:
+    loss, metrics = loss_fn(output, micro_batch)
+    # The count only feeds megatron's logging; our finalize ignores it (see module docstring).
+    return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics

@@ -1,0 +1,235 @@
+"""ParallelContext: the one place that initialises torch.distributed and megatron-core's parallel_state.
+
+Everything of ours that needs a process group takes a ``ParallelContext`` argument; nothing reads
+megatron's ``parallel_state`` globals directly. megatron-core itself still keeps those globals, so at most
+one context is active per process: building a second while one is live is an error, and
+:meth:`ParallelContext.destroy` releases megatron's state so a new layout can be built in the same world
+(the test pool does this between tests).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the training ranks are split. The world size comes from the launcher (torchrun, Ray, Slurm)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that split every weight matrix (megatron TP). Keep within one node."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages the layers are split into."""
+    virtual_pipeline_parallel_size: int | None = None
+    """Model chunks per stage for the interleaved 1F1B schedule; None disables interleaving."""
+    sequence_parallel: bool = False
+    """Split norm/dropout activations by sequence over the TP group (needs TP >= 2)."""
+    seed: int = 1234
+    """Base seed; megatron derives the data-parallel and per-TP-rank RNG streams from it."""
+    backend: str | None = None
+    """torch.distributed backend; None picks nccl with CUDA and gloo without."""
+    timeout_minutes: int = 30
+    """Collective timeout before a hung rank fails the job."""
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        return ParallelLayout(
+            world_size=world_size,
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            vpp=self.virtual_pipeline_parallel_size,
+            sp=self.sequence_parallel,
+        )
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _init_world(backend: str, timeout_minutes: int) -> None:
+    """Join the launcher's world (env:// rendezvous) unless this process already has one."""
+    if dist.is_initialized():
+        if dist.get_backend() != backend:
+            raise LayoutError(
+                f"process group uses backend {dist.get_backend()!r}, config asks for {backend!r}"
+            )
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing and os.environ.get("WORLD_SIZE", "1") == "1":
+        # A plain `python script.py`: a world of one on a free local port.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif missing:
+        raise LayoutError(f"torch.distributed rendezvous variables missing: {missing} (launch with torchrun)")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ParallelContext:
+    """The process groups and coordinates of this rank, built once and passed explicitly.
+
+    Build with :meth:`initialize`; ``__init__`` only stores.
+    """
+
+    _active: ClassVar[ParallelContext | None] = None
+
+    def __init__(
+        self, config: ParallelConfig, layout: ParallelLayout, rank: int, device: torch.device
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.rank = rank
+        self.device = device
+        self.coords = layout.coords(rank)
+        self._live = True
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def initialize(cls, config: ParallelConfig | None = None) -> ParallelContext:
+        """Join (or create) the torch.distributed world, then build megatron's groups for ``config``."""
+        config = config or ParallelConfig()
+        if cls._active is not None:
+            raise RuntimeError("a ParallelContext is already active in this process; destroy() it first")
+        backend = config.backend or _default_backend()
+        if backend == "gloo" and not torch.cuda.is_available():
+            from mcore_rl.compat import megatron_cpu
+
+            megatron_cpu.apply()
+        _init_world(backend, config.timeout_minutes)
+        layout = config.layout(dist.get_world_size())
+
+        from megatron.core import parallel_state, tensor_parallel
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            distributed_timeout_minutes=config.timeout_minutes,
+            create_gloo_process_groups=backend == "gloo",
+        )
+        torch.manual_seed(config.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        ctx = cls(config, layout, dist.get_rank(), device)
+        cls._active = ctx
+        return ctx
+
+    def destroy(self, destroy_process_group: bool = False) -> None:
+        """Release megatron's groups; with ``destroy_process_group`` also leave the torch.distributed world."""
+        if not self._live:
+            return
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        self._live = False
+        if ParallelContext._active is self:
+            ParallelContext._active = None
+        if destroy_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @classmethod
+    def release_active(cls) -> None:
+        """Destroy whatever context is live (test teardown after a failure); keeps the world."""
+        if cls._active is not None:
+            cls._active.destroy()
+
+    def __enter__(self) -> ParallelContext:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    # --- groups and coordinates -----------------------------------------------------------------------------
+    @property
+    def _ps(self) -> Any:
+        if not self._live:
+            raise RuntimeError("this ParallelContext was destroyed")
+        from megatron.core import parallel_state
+
+        return parallel_state
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self._ps.get_tensor_model_parallel_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self._ps.get_pipeline_model_parallel_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self._ps.get_data_parallel_group()
+
+    @property
+    def model_parallel_group(self) -> dist.ProcessGroup:
+        return self._ps.get_model_parallel_group()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def pg_collection(self) -> Any:
+        """megatron's ``ProcessGroupCollection`` for modules that accept groups explicitly."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        _ = self._ps
+        return ProcessGroupCollection.use_mpu_process_groups()
+
+    def __repr__(self) -> str:
+        c = self.coords
+        return (
+            f"ParallelContext(rank={self.rank}/{self.world_size}, tp={c.tp}/{self.tp_size}, "
+            f"pp={c.pp}/{self.pp_size}, dp={c.dp}/{self.dp_size}, vpp={self.layout.vpp}, sp={self.layout.sp})"
+        )

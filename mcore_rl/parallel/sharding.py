@@ -1,0 +1,94 @@
+"""How each megatron GPT parameter is split over tensor parallelism, and where its layer lives in the pipeline.
+
+Pure tensor slicing; no process groups. The "full" form of a parameter is its TP=1 megatron tensor with the
+*real* vocab (no padding rows); the "shard" form is what one TP rank holds. Two layouts need care:
+
+- ``linear_qkv`` is stored per query group ``[q heads of the group; k; v]``, and TP splits whole query
+  groups, so a contiguous split of dim 0 is exact.
+- ``linear_fc1`` of a gated MLP is ``[gate; up]`` and each TP rank holds ``[gate_r; up_r]``, so gate and
+  up are split separately.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+import torch
+
+
+class ShardKind(Enum):
+    REPLICATED = "replicated"
+    COLUMN = "column"  # split dim 0
+    ROW = "row"  # split dim 1
+    GATED_COLUMN = "gated_column"  # [gate; up], each half split on dim 0
+    VOCAB = "vocab"  # split dim 0 after padding to the padded vocab
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def shard_kind(name: str, value_head: bool = False) -> ShardKind:
+    """The TP split of megatron parameter ``name`` (local or global layer numbering alike)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return ShardKind.REPLICATED if value_head and name.startswith("output_layer") else ShardKind.VOCAB
+    if "layernorm" in name or "layer_norm" in name or name.endswith("norm.weight"):
+        return ShardKind.REPLICATED
+    if ".linear_qkv." in name:
+        return ShardKind.COLUMN
+    if ".linear_fc1." in name:
+        return ShardKind.GATED_COLUMN
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return ShardKind.ROW
+    if name.endswith("linear_proj.bias") or name.endswith("linear_fc2.bias"):
+        return ShardKind.REPLICATED
+    raise KeyError(f"no TP sharding rule for parameter {name!r}")
+
+
+def tp_shard(
+    full: torch.Tensor, kind: ShardKind, tp_rank: int, tp_size: int, padded_rows: int | None = None
+) -> torch.Tensor:
+    """The slice of ``full`` held by ``tp_rank`` (a view where possible)."""
+    if kind is ShardKind.REPLICATED or (tp_size == 1 and kind is not ShardKind.VOCAB):
+        return full
+    if kind is ShardKind.VOCAB:
+        rows = padded_rows if padded_rows is not None else full.shape[0]
+        if rows < full.shape[0] or rows % tp_size:
+            raise ValueError(f"padded vocab {rows} must be >= {full.shape[0]} and divisible by tp={tp_size}")
+        per = rows // tp_size
+        out = full.new_zeros((per, *full.shape[1:]))
+        start, stop = tp_rank * per, min((tp_rank + 1) * per, full.shape[0])
+        if stop > start:
+            out[: stop - start] = full[start:stop]
+        return out
+    if kind is ShardKind.ROW:
+        return torch.chunk(full, tp_size, dim=1)[tp_rank] if full.dim() > 1 else full
+    if kind is ShardKind.GATED_COLUMN:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat(
+            [torch.chunk(gate, tp_size, dim=0)[tp_rank], torch.chunk(up, tp_size, dim=0)[tp_rank]]
+        )
+    return torch.chunk(full, tp_size, dim=0)[tp_rank]
+
+
+def tp_merge(shards: list[torch.Tensor], kind: ShardKind, real_rows: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`tp_shard` over all ranks' shards; drops vocab padding rows."""
+    if kind is ShardKind.REPLICATED:
+        return shards[0]
+    if kind is ShardKind.ROW:
+        return torch.cat(shards, dim=1) if shards[0].dim() > 1 else shards[0]
+    if kind is ShardKind.GATED_COLUMN:
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    merged = torch.cat(shards, dim=0)
+    if kind is ShardKind.VOCAB and real_rows is not None:
+        merged = merged[:real_rows]
+    return merged
+
+
+def global_param_name(local_name: str, layer_offset: int) -> str:
+    """Rename a chunk-local ``decoder.layers.{i}.`` parameter to its global layer number."""
+    match = _LAYER.match(local_name)
+    if match is None:
+        return local_name
+    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"

@@ -1,0 +1,84 @@
+"""Build for mcore_rl.
+
+The C++ ops in ``csrc/*.cpp`` are always built (a CppExtension); the CUDA ops in ``csrc/cuda/`` join them
+only when the installed torch is a CUDA build and ``nvcc`` is found. ``MCORE_RL_NO_NATIVE=1`` skips the
+native build entirely: ``mcore_rl.ops`` then falls back to its pure-PyTorch references.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def native_extensions():
+    """The ``mcore_rl._C`` extension and its build command, or nothing when the native build is off."""
+    if os.environ.get("MCORE_RL_NO_NATIVE", "0") == "1":
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    if not cpu_sources:
+        return [], {}
+    cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+    # at::vec::Vectorized<float> uses AVX2 (and libtorch's exported Sleef exp) only when the including file is
+    # compiled for AVX2; without these flags it silently falls back to scalar loops. The build is made on the
+    # machine that runs it (in place / editable install), so target the build host when it has AVX2 + FMA.
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        cpu_flags = set()
+    if {"avx2", "fma"} <= cpu_flags:
+        cxx_flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    if with_cuda:
+        cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        cuda_sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        ext = CUDAExtension(
+            "mcore_rl._C",
+            cpu_sources + cuda_sources,
+            define_macros=[("MCORE_RL_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = CppExtension(
+            "mcore_rl._C", cpu_sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+        )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = native_extensions()
+
+setup(
+    name="mcore_rl",
+    version="0.1.0",
+    description="Megatron-core-centric backend for RL post-training of LLMs (PPO, GRPO and kin)",
+    packages=find_packages(include=["mcore_rl", "mcore_rl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "psutil",  # megatron's dist_checkpointing writer hangs without it
+        "ninja",
+        "ray>=2.40",
+        "sentencepiece",
+        "transformers>=4.45",
+        "safetensors",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        # GPU-only: never installed on CPU machines or in CI. NVIDIA apex is source-only and optional.
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,39 @@
+"""Tiny model configurations for tests (HF-style config dicts; no hub access)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcore_rl.engine.arch import ModelArch
+
+_FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def tiny_hf_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
+    """A config.json dict for a 2..4-layer model small enough for CPU tests."""
+    cfg: dict[str, Any] = {
+        "architectures": [_FAMILY_ARCH[family]],
+        "model_type": family,
+        "vocab_size": 250,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.05,
+    }
+    if family == "qwen2":
+        cfg["tie_word_embeddings"] = True
+    if family == "mistral":
+        cfg["sliding_window"] = 8
+    cfg.update(overrides)
+    return cfg
+
+
+def tiny_arch(family: str = "llama", **overrides: Any) -> ModelArch:
+    return ModelArch.from_hf_config(tiny_hf_config(family, **overrides))

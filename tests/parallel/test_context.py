@@ -1,0 +1,81 @@
+"""ParallelContext on a real gloo world: megatron's groups equal the pure layout's, errors are clear."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.layout import LayoutError
+
+
+def _groups_match_layout(tp: int, pp: int, vpp: int | None = None) -> dict:
+    with ParallelContext.initialize(
+        ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, virtual_pipeline_parallel_size=vpp)
+    ) as ctx:
+        layout = ctx.layout
+        rank = dist.get_rank()
+        return {
+            "tp": (dist.get_process_group_ranks(ctx.tp_group), layout.group_of(layout.tp_groups(), rank)),
+            "pp": (dist.get_process_group_ranks(ctx.pp_group), layout.group_of(layout.pp_groups(), rank)),
+            "dp": (dist.get_process_group_ranks(ctx.dp_group), layout.group_of(layout.dp_groups(), rank)),
+            "mp": (
+                dist.get_process_group_ranks(ctx.model_parallel_group),
+                layout.group_of(layout.model_parallel_groups(), rank),
+            ),
+            "coords": (
+                (
+                    ctx._ps.get_tensor_model_parallel_rank(),
+                    ctx._ps.get_pipeline_model_parallel_rank(),
+                    ctx._ps.get_data_parallel_rank(),
+                ),
+                (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank),
+            ),
+        }
+
+
+@pytest.mark.parametrize(
+    ("world_size", "tp", "pp"), [(2, 2, 1), (2, 1, 2), (2, 1, 1), (4, 2, 2), (4, 1, 2), (4, 2, 1)]
+)
+def test_megatron_groups_equal_layout_groups(run_distributed, world_size, tp, pp):
+    for per_rank in run_distributed(_groups_match_layout, tp, pp, world_size=world_size):
+        for name, (megatron_view, ours) in per_rank.items():
+            assert list(megatron_view) == list(ours), name
+
+
+def _second_context_refused() -> str:
+    with ParallelContext.initialize(ParallelConfig()):
+        try:
+            ParallelContext.initialize(ParallelConfig())
+        except RuntimeError as err:
+            return str(err)
+    return "no error"
+
+
+def test_only_one_active_context(run_distributed):
+    assert all("already active" in m for m in run_distributed(_second_context_refused))
+
+
+def _bad_size_error() -> str:
+    try:
+        ParallelContext.initialize(ParallelConfig(tensor_parallel_size=3))
+    except LayoutError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sizes_not_dividing_world_are_named(run_distributed):
+    for message in run_distributed(_bad_size_error):
+        assert "world_size=2" in message and "tensor_parallel_size" in message
+
+
+def _rebuild_in_same_world() -> list[int]:
+    sizes = []
+    for tp in (2, 1, 2):
+        with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=tp)) as ctx:
+            sizes.append(dist.get_world_size(ctx.tp_group))
+    return sizes
+
+
+def test_contexts_rebuild_in_one_world(run_distributed):
+    assert run_distributed(_rebuild_in_same_world) == [[2, 1, 2], [2, 1, 2]]
