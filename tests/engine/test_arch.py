@@ -1,0 +1,103 @@
+"""HF config.json -> ModelArch, and rotary frequencies identical to transformers'."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mcore_rl.engine.arch import ConfigError, ModelArch, rope_inv_freq
+from tests.models import tiny_hf_config
+
+
+def test_llama_fields_and_gqa():
+    arch = ModelArch.from_hf_config(tiny_hf_config("llama"))
+    assert (arch.family, arch.num_attention_heads, arch.num_query_groups, arch.head_dim) == (
+        "llama",
+        4,
+        2,
+        16,
+    )
+    assert not arch.qkv_bias and not arch.tie_word_embeddings and arch.sliding_window is None
+
+
+def test_qwen2_has_qkv_bias_and_mistral_keeps_window():
+    assert ModelArch.from_hf_config(tiny_hf_config("qwen2")).qkv_bias
+    assert ModelArch.from_hf_config(tiny_hf_config("mistral")).sliding_window == 8
+
+
+def test_reads_a_checkpoint_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen2", vocab_size=300)))
+    assert ModelArch.from_hf_config(tmp_path).vocab_size == 300
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "supported: \\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM'\\]",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn' is not supported"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ],
+)
+def test_bad_configs_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelArch.from_hf_config(tiny_hf_config("llama", **overrides))
+
+
+def test_missing_field_and_file_errors(tmp_path):
+    cfg = tiny_hf_config()
+    del cfg["intermediate_size"]
+    with pytest.raises(ConfigError, match="missing field 'intermediate_size'"):
+        ModelArch.from_hf_config(cfg)
+    with pytest.raises(ConfigError, match="no such file"):
+        ModelArch.from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config.json: not valid JSON"):
+        ModelArch.from_hf_config(tmp_path)
+
+
+ROPE_CASES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_CASES))
+def test_rope_inv_freq_matches_transformers(name):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    overrides = {"rope_theta": 500000.0, "max_position_embeddings": 256}
+    if ROPE_CASES[name]:
+        overrides["rope_scaling"] = ROPE_CASES[name]
+    cfg = tiny_hf_config("llama", head_dim=64, **overrides)
+    hf_config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    if name == "default":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[name](hf_config, torch.device("cpu"))
+    ours = rope_inv_freq(ModelArch.from_hf_config(cfg))
+    assert ours.shape == (32,)
+    assert torch.equal(ours, expected.float())
+    if name == "llama3":  # the low frequencies really were rescaled
+        assert not torch.equal(
+            ours,
+            rope_inv_freq(
+                ModelArch.from_hf_config(tiny_hf_config("llama", head_dim=64, rope_theta=500000.0))
+            ),
+        )
