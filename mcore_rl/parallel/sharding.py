@@ -86,9 +86,18 @@ def tp_merge(shards: list[torch.Tensor], kind: ShardKind, real_rows: int | None 
     return merged
 
 
+# Transformer-Engine's spec fuses the pre-attention / pre-MLP norms into the following linear layer; the full
+# state always uses the local spec's names so checkpoints and conversions do not depend on the spec.
+_TE_TO_CANONICAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
 def global_param_name(local_name: str, layer_offset: int) -> str:
-    """Rename a chunk-local ``decoder.layers.{i}.`` parameter to its global layer number."""
+    """Canonical full-state name of a chunk-local parameter: global layer number, local-spec naming."""
     match = _LAYER.match(local_name)
     if match is None:
         return local_name
-    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+    suffix = _TE_TO_CANONICAL.get(match.group(2), match.group(2))
+    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}"

@@ -1,0 +1,124 @@
+"""Model builders: value head, weight round trips, bf16 training, spec choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_rl.engine.model import ModelOptions, ValueHead, build_model_chunks
+from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.weights import gather_full_state, load_full_state, unwrap
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from tests.models import tiny_arch
+
+SEQ = 8
+
+
+def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    return tokens, torch.arange(SEQ).expand(2, SEQ)
+
+
+def _values_in_layout(parallel: dict) -> dict:
+    arch = tiny_arch("qwen2")  # tied embeddings: the value head must not tie to them
+    options = ModelOptions(value_head=True)
+    tokens, positions = _tokens(arch.vocab_size)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx, options), arch, ctx)
+    with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+        engine = TrainEngine.build(arch, ctx, options, OptimizerConfig(lr=1e-3))
+        engine.load_full_state(full)
+        out = engine.forward_backward(
+            [MicroBatch(tokens, positions)],
+            lambda o, mb: (o.sum() * 0, {"values": o.detach()}),
+            forward_only=True,
+        )
+        head = unwrap(engine.models[-1]).output_layer if ctx.is_last_stage else None
+        return {
+            "values": out[0]["values"] if out else None,
+            "head_is_value_head": isinstance(head, ValueHead) if head is not None else None,
+            "full_has_head": full["output_layer.weight"].shape,
+        }
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{}, {"tensor_parallel_size": 2, "sequence_parallel": True}, {"pipeline_parallel_size": 2}],
+    ids=["tp1", "tp2-sp", "pp2"],
+)
+def test_value_head_is_scalar_and_layout_invariant(run_distributed, parallel):
+    reference = run_distributed(_values_in_layout, {})[0]["values"]
+    assert reference.shape == (2, SEQ, 1)
+    for result in run_distributed(_values_in_layout, parallel):
+        assert result["full_has_head"] == (1, 64)
+        if result["values"] is not None:
+            assert result["head_is_value_head"]
+            assert (result["values"] - reference).abs().max() <= 1e-5
+
+
+def _round_trip(parallel: dict) -> bool:
+    arch = tiny_arch("llama")
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
+    perturbed = {k: v + 0.25 * torch.randn_like(v) for k, v in full.items()}
+    with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+        chunks = build_model_chunks(arch, ctx)
+        load_full_state(chunks, perturbed, arch, ctx)
+        back = gather_full_state(chunks, arch, ctx)
+    assert back.keys() == perturbed.keys()
+    assert back["embedding.word_embeddings.weight"].shape[0] == arch.vocab_size  # no padding rows
+    return all(torch.equal(back[k], perturbed[k]) for k in perturbed)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world_size"),
+    [
+        ({"tensor_parallel_size": 2}, 2),
+        ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, 2),
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
+    ],
+    ids=["tp2", "pp2-vpp2", "tp2-pp2"],
+)
+def test_full_state_round_trips_through_any_layout(run_distributed, parallel, world_size):
+    assert all(run_distributed(_round_trip, parallel, world_size=world_size))
+
+
+def _bf16_training() -> dict:
+    arch = tiny_arch("llama")
+    tokens, positions = _tokens(arch.vocab_size)
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimizerConfig(lr=3e-3))
+        batch = MicroBatch(tokens, positions, {"labels": torch.roll(tokens, -1, 1)})
+
+        def loss_fn(output, mb):
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            loss = vocab_parallel_cross_entropy(
+                output.float().transpose(0, 1).contiguous(), mb.extras["labels"].t().contiguous()
+            ).mean()
+            return loss, {"loss": loss.detach().clone()}
+
+        losses = [float(engine.train_step([batch], loss_fn)[1][0]["loss"]) for _ in range(6)]
+        dtypes = {p.dtype for m in engine.models for p in m.parameters()}
+        return {"losses": losses, "dtypes": dtypes, "rank": dist.get_rank()}
+
+
+def test_bf16_trains_with_fp32_main_params(run_distributed):
+    rank0, rank1 = run_distributed(_bf16_training)
+    assert rank0["dtypes"] == {torch.bfloat16}
+    assert rank0["losses"] == rank1["losses"]  # TP ranks agree on the loss
+    assert rank0["losses"][-1] < rank0["losses"][0] - 0.5  # and the bf16 model really learns
+
+
+def test_local_spec_is_used_without_transformer_engine():
+    from mcore_rl.engine.model import _layer_spec, transformer_engine_available
+
+    assert not transformer_engine_available()
+    spec = _layer_spec(ModelOptions())
+    assert "TE" not in repr(spec.submodules.self_attention.submodules.linear_qkv)
+
+
+def test_model_options_validate_dtype():
+    with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16"):
+        ModelOptions(dtype=torch.float16)
