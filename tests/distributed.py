@@ -51,10 +51,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any
     import torch
     import torch.distributed as dist
 
-    # Known-benign noise from megatron on CPU (no Apex/TE; deprecated gloo collective names).
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    warnings.filterwarnings("ignore", message=".*\\.grad attribute of a Tensor that is not a leaf.*")
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")  # before megatron's import
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     for name in _PRELOAD:

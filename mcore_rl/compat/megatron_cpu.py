@@ -165,6 +165,14 @@ def _patch_torch_cuda_queries() -> None:
     torch.cuda.synchronize = lambda device=None: None
 
 
+def _silence_known_warnings() -> None:
+    """Benign on CPU and repeated every step: missing Apex/TE, gloo's deprecated collective names, and
+    megatron reading ``.grad`` of non-leaf tensors."""
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
+    warnings.filterwarnings("ignore", message=".*\\.grad attribute of a Tensor that is not a leaf.*")
+
+
 def apply() -> bool:
     """Apply every patch once per process when CUDA is absent. Returns True when patches are active."""
     if torch.cuda.is_available():
@@ -180,6 +188,7 @@ def apply() -> bool:
             f"found {version}; CPU runs may fail",
             stacklevel=2,
         )
+    _silence_known_warnings()
     _patch_torch_cuda_queries()
     _patch_rng()
     _patch_torch_norm()

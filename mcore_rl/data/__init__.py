@@ -1,0 +1,1 @@
+"""Prompt datasets, tokenizers and the synthetic demo task."""
