@@ -23,17 +23,18 @@ def native_extensions():
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     if not cpu_sources:
         return [], {}
-    cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
-    # at::vec::Vectorized<float> uses AVX2 (and libtorch's exported Sleef exp) only when the including file is
-    # compiled for AVX2; without these flags it silently falls back to scalar loops. The build is made on the
-    # machine that runs it (in place / editable install), so target the build host when it has AVX2 + FMA.
+    # No -std flag: torch's BuildExtension adds the standard its headers need (C++20 from torch 2.10 on).
+    cxx_flags = ["-O3", "-fopenmp"]
+    # at::vec::Vectorized<float> uses AVX2 (and libtorch's exported Sleef exp) only when the including file
+    # is compiled for AVX2; without these flags it silently falls back to scalar loops. The build is made on
+    # the machine that runs it (in place / editable install), so target the build host when it has AVX2.
     try:
         with open("/proc/cpuinfo") as f:
             cpu_flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
         cpu_flags = set()
-    if {"avx2", "fma"} <= cpu_flags:
-        cxx_flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    if {"avx2", "fma", "f16c"} <= cpu_flags:
+        cxx_flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
     if with_cuda:
         cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
@@ -42,7 +43,7 @@ def native_extensions():
             "mcore_rl._C",
             cpu_sources + cuda_sources,
             define_macros=[("MCORE_RL_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             extra_link_args=["-fopenmp"],
         )
     else:

@@ -62,7 +62,7 @@ def sft_batch(
     problems: list[AdditionProblem], tokenizer: CharTokenizer
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (tokens [B, S], next-token labels [B, S], loss mask [B, S] on answer+EOS positions)."""
-    rows = [(tokenizer.encode(p.prompt), tokenizer.encode(p.answer) + [tokenizer.EOS]) for p in problems]
+    rows = [(tokenizer.encode(p.prompt), [*tokenizer.encode(p.answer), tokenizer.EOS]) for p in problems]
     length = max(len(q) + len(a) for q, a in rows)
     tokens = torch.full((len(rows), length), tokenizer.PAD, dtype=torch.long)
     labels = torch.full_like(tokens, tokenizer.PAD)
