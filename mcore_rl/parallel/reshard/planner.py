@@ -1,0 +1,129 @@
+"""Building a :class:`~mcore_rl.parallel.reshard.plan.ReshardPlan`: rollout coordinates, then sources.
+
+Split from ``plan.py`` so the data types read on their own; everything here is pure too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+from mcore_rl.parallel.reshard.plan import Interval, ParamSpec, ReshardPlan, Transfer, shard_intervals
+
+
+def rollout_coordinates(train: ParallelLayout, tp_g: int) -> dict[int, tuple[int, int]]:
+    """rank -> (rollout tp coord, rollout dp coord), nesting each rollout shard with the rank's train shard.
+
+    ``tp_g = m * tp``: m consecutive train TP groups form one rollout group; train coord t in block b takes
+    rollout coord ``t * m + b``, a sub-block of its train shard. ``tp = m * tp_g``: each train TP group splits
+    into m rollout groups; train coord t takes ``t // m``, a super-block of its train shard.
+    """
+    if tp_g < 1 or train.world_size % tp_g:
+        raise LayoutError(f"rollout tensor_parallel_size={tp_g} must divide world_size={train.world_size}")
+    tp = train.tp
+    if tp_g % tp and tp % tp_g:
+        raise LayoutError(
+            f"rollout tensor_parallel_size={tp_g} and training tensor_parallel_size={tp} must nest"
+        )
+    train_groups = train.tp_groups()  # rank order: consecutive ranks
+    coords: dict[int, tuple[int, int]] = {}
+    if tp_g >= tp:
+        m = tp_g // tp
+        for g_index, group in enumerate(train_groups):
+            block, rollout_group = g_index % m, g_index // m
+            for t, rank in enumerate(group):
+                coords[rank] = (t * m + block, rollout_group)
+    else:
+        m = tp // tp_g
+        for g_index, group in enumerate(train_groups):
+            for t, rank in enumerate(group):
+                coords[rank] = (t // m, g_index * m + t % m)
+    return coords
+
+
+def _subtract(needed: list[Interval], owned: list[Interval]) -> list[Interval]:
+    out = []
+    for seg, lo, hi in needed:
+        cuts = sorted((s_lo, s_hi) for s, s_lo, s_hi in owned if s == seg and s_lo < hi and s_hi > lo)
+        cursor = lo
+        for c_lo, c_hi in cuts:
+            if c_lo > cursor:
+                out.append((seg, cursor, c_lo))
+            cursor = max(cursor, c_hi)
+        if cursor < hi:
+            out.append((seg, cursor, hi))
+    return out
+
+
+def _intersect(a: Interval, b: Interval) -> Interval | None:
+    if a[0] != b[0]:
+        return None
+    lo, hi = max(a[1], b[1]), min(a[2], b[2])
+    return (a[0], lo, hi) if lo < hi else None
+
+
+def _owner_stages(spec: ParamSpec, train: ParallelLayout, num_layers: int, tied: bool) -> set[int]:
+    if spec.layer is not None:
+        stages = train.stage_layers(num_layers)
+        return {p for p, chunks in enumerate(stages) if any(spec.layer in r for r in chunks)}
+    if spec.name.startswith("embedding"):
+        # With tied embeddings the last stage keeps a synchronised copy as its output layer: a second source.
+        return {0, train.pp - 1} if tied else {0}
+    return {train.pp - 1}
+
+
+def _pieces(missing: Interval, shards: list[list[Interval]]) -> list[Interval]:
+    """Cut ``missing`` at every owner-shard boundary so each piece lies inside whole shards."""
+    seg, lo, hi = missing
+    cuts = {lo, hi}
+    for shard in shards:
+        for s, s_lo, s_hi in shard:
+            if s == seg:
+                cuts.update(c for c in (s_lo, s_hi) if lo < c < hi)
+    points = sorted(cuts)
+    return [(seg, a, b) for a, b in itertools.pairwise(points)]
+
+
+def _contains(shard: list[Interval], piece: Interval) -> bool:
+    return any(s == piece[0] and lo <= piece[1] and piece[2] <= hi for s, lo, hi in shard)
+
+
+def build_plan(
+    specs: list[ParamSpec],
+    train: ParallelLayout,
+    tp_g: int,
+    *,
+    num_layers: int,
+    tied_embeddings: bool,
+    bytes_per_element: int = 4,
+    vocab_divisible_by: int = 128,
+) -> ReshardPlan:
+    """The zero-redundancy plan; each piece comes from the owner that has sent the fewest bytes so far."""
+    coords = rollout_coordinates(train, tp_g)
+    sent: dict[int, int] = defaultdict(int)
+    transfers: list[Transfer] = []
+    local: dict[int, list[tuple[str, Interval]]] = defaultdict(list)
+    for spec in specs:
+        stages = _owner_stages(spec, train, num_layers, tied_embeddings)
+        owners = {
+            r: shard_intervals(spec, train.tp, train.coords(r).tp, vocab_divisible_by)
+            for r in range(train.world_size)
+            if train.coords(r).pp in stages
+        }
+        for rank in range(train.world_size):
+            needed = shard_intervals(spec, tp_g, coords[rank][0], vocab_divisible_by)
+            owned = owners.get(rank, [])
+            local[rank] += [(spec.name, k) for p in needed for o in owned if (k := _intersect(p, o))]
+            for missing in _subtract(needed, owned):
+                for piece in _pieces(missing, list(owners.values())):
+                    src = min(
+                        (r for r, shard in owners.items() if _contains(shard, piece)),
+                        key=lambda r: (sent[r], r),
+                    )
+                    size = (piece[2] - piece[1]) * spec.elements_per_unit * bytes_per_element
+                    sent[src] += size
+                    transfers.append(Transfer(spec.name, piece[0], piece[1], piece[2], src, rank, size))
+    return ReshardPlan(
+        train, tp_g, coords, {s.name: s for s in specs}, transfers, dict(local), bytes_per_element
+    )

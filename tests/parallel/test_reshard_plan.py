@@ -1,0 +1,168 @@
+"""ReshardPlan on many layouts, without processes: coverage, minimality, no foreign data, and a data-level check
+that applying the plan to real shards yields exactly the rollout shards."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+from mcore_rl.parallel.reshard import build_plan, model_param_specs, rollout_coordinates, shard_intervals
+from mcore_rl.parallel.reshard.plan import local_units, shard_view
+from mcore_rl.parallel.sharding import ShardKind, tp_shard
+
+ARCH = dict(
+    vocab_size=250,
+    hidden_size=16,
+    ffn_hidden_size=24,
+    num_layers=4,
+    num_attention_heads=8,
+    num_query_groups=4,
+    head_dim=2,
+    qkv_bias=True,
+)
+# (world, tp, pp, vpp, tp_g)
+LAYOUTS = [
+    (2, 1, 2, None, 1),
+    (2, 1, 2, None, 2),
+    (2, 2, 1, None, 1),
+    (2, 2, 1, None, 2),
+    (4, 2, 2, None, 1),
+    (4, 2, 2, None, 2),
+    (4, 2, 2, None, 4),
+    (4, 2, 1, None, 1),
+    (4, 2, 1, None, 4),
+    (8, 2, 2, None, 4),
+    (8, 4, 2, None, 2),
+    (8, 1, 4, None, 2),
+    (8, 2, 2, 2, 2),
+    (8, 1, 2, 2, 4),
+    (16, 4, 4, None, 4),
+]
+
+
+def _plan(world, tp, pp, vpp, tp_g, tied):
+    train = ParallelLayout(world, tp=tp, pp=pp, vpp=vpp)
+    specs = model_param_specs(**ARCH, tie_word_embeddings=tied)
+    plan = build_plan(specs, train, tp_g, num_layers=ARCH["num_layers"], tied_embeddings=tied)
+    return plan, specs
+
+
+def _units(intervals):
+    return {(s, u) for s, lo, hi in intervals for u in range(lo, hi)}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: "w{}-tp{}-pp{}-vpp{}-tpg{}".format(*v))
+def test_plan_covers_exactly_and_moves_the_minimum(layout, tied):
+    plan, specs = _plan(*layout, tied)
+    train = plan.train
+    received = defaultdict(lambda: defaultdict(list))
+    for t in plan.transfers:
+        spec = plan.specs[t.param]
+        assert t.src != t.dst
+        src = train.coords(t.src)
+        src_shard = shard_intervals(spec, train.tp, src.tp)
+        assert any(
+            s == t.segment and lo <= t.start and t.stop <= hi for s, lo, hi in src_shard
+        )  # sender owns it
+        received[t.dst][t.param].append((t.segment, t.start, t.stop))
+    minimum = {}
+    for rank in range(train.world_size):
+        need_bytes = 0
+        for spec in specs:
+            needed = _units(shard_intervals(spec, plan.tp_g, plan.rollout_coords[rank][0]))
+            kept = _units([iv for name, iv in plan.local_copies.get(rank, []) if name == spec.name])
+            got_list = [u for iv in received[rank][spec.name] for u in _units([iv])]
+            got = set(got_list)
+            assert len(got_list) == len(got), "a unit arrives twice"
+            assert not (kept & got), "a unit is both kept and received"
+            assert kept | got == needed, f"{spec.name} on rank {rank} not covered exactly"
+            need_bytes += len(needed - kept) * spec.elements_per_unit * 4
+        minimum[rank] = need_bytes
+    assert plan.received_bytes() == minimum
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: "w{}-tp{}-pp{}-vpp{}-tpg{}".format(*v))
+def test_rollout_shards_nest_with_train_shards(layout):
+    plan, specs = _plan(*layout, tied=False)
+    groups = plan.rollout_groups()
+    assert sorted(r for g in groups for r in g) == list(range(plan.train.world_size))
+    assert all(len(g) == plan.tp_g for g in groups)
+    for rank, (tp_coord, _) in plan.rollout_coords.items():
+        train_tp = plan.train.coords(rank).tp
+        for spec in specs:
+            if spec.kind in (ShardKind.REPLICATED, ShardKind.VOCAB):
+                continue
+            rollout = _units(shard_intervals(spec, plan.tp_g, tp_coord))
+            train = _units(shard_intervals(spec, plan.train.tp, train_tp))
+            assert rollout <= train or train <= rollout
+
+
+def test_senders_are_balanced_over_replicas():
+    plan, _ = _plan(8, 1, 2, None, 2, tied=False)  # dp=4 replicas of each stage
+    sent = [b for b in plan.sent_bytes().values() if b]
+    assert len(sent) == 8 and max(sent) <= 1.5 * min(sent)
+
+
+@pytest.mark.parametrize(
+    "layout", [(4, 2, 2, None, 1), (4, 2, 2, None, 4), (8, 2, 2, 2, 2), (4, 1, 2, None, 2)]
+)
+@pytest.mark.parametrize("tied", [False, True])
+def test_applying_the_plan_to_real_shards_gives_the_rollout_shards(layout, tied):
+    """Simulate every rank in one process: megatron train shards in, megatron-layout rollout shards out."""
+    plan, specs = _plan(*layout, tied)
+    train = plan.train
+    gen = torch.Generator().manual_seed(0)
+    full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
+    train_shards = {
+        r: {
+            s.name: tp_shard(full[s.name], s.kind, train.coords(r).tp, train.tp, _padded(s, train.tp))
+            for s in specs
+        }
+        for r in range(train.world_size)
+    }
+    for rank in range(train.world_size):
+        coord = plan.rollout_coords[rank][0]
+        out = {
+            s.name: torch.zeros_like(tp_shard(full[s.name], s.kind, coord, plan.tp_g, _padded(s, plan.tp_g)))
+            for s in specs
+        }
+        pieces = [(name, iv, rank) for name, iv in plan.local_copies.get(rank, [])]
+        pieces += [(t.param, (t.segment, t.start, t.stop), t.src) for t in plan.transfers if t.dst == rank]
+        for name, interval, src in pieces:
+            spec, n = plan.specs[name], interval[2] - interval[1]
+            src_tp = 0 if spec.kind is ShardKind.REPLICATED else train.coords(src).tp
+            src_tp_size = 1 if spec.kind is ShardKind.REPLICATED else train.tp
+            dst_tp, dst_tp_size = (0, 1) if spec.kind is ShardKind.REPLICATED else (coord, plan.tp_g)
+            data = shard_view(
+                spec, train_shards[src][name], local_units(spec, src_tp_size, src_tp, interval), n
+            )
+            shard_view(spec, out[name], local_units(spec, dst_tp_size, dst_tp, interval), n).copy_(data)
+        for spec in specs:
+            expected = tp_shard(full[spec.name], spec.kind, coord, plan.tp_g, _padded(spec, plan.tp_g))
+            assert torch.equal(out[spec.name], expected), (rank, spec.name)
+
+
+def _padded(spec, tp):
+    from mcore_rl.parallel.layout import padded_vocab_size
+
+    return padded_vocab_size(spec.shape[0], tp) if spec.kind is ShardKind.VOCAB else None
+
+
+def test_buckets_respect_the_size_limit_and_keep_every_transfer():
+    plan, _ = _plan(4, 2, 2, None, 1, tied=False)
+    buckets = plan.buckets(max_bytes=2048)
+    assert sum(len(b) for b in buckets) == len(plan.transfers)
+    for bucket in buckets:
+        assert len({(t.src, t.dst) for t in bucket}) == 1
+        assert len(bucket) == 1 or sum(t.num_bytes for t in bucket) <= 2048
+
+
+def test_layouts_that_do_not_nest_are_refused():
+    with pytest.raises(LayoutError, match="must nest"):
+        rollout_coordinates(ParallelLayout(6, tp=2), 3)
+    with pytest.raises(LayoutError, match="must divide world_size=4"):
+        rollout_coordinates(ParallelLayout(4, tp=2), 8)
