@@ -80,9 +80,24 @@ def test_bad_sizes_name_the_field(kwargs, message):
     [
         ({"num_attention_heads": 6, "num_query_groups": 2, "num_layers": 4}, "num_attention_heads=6"),
         ({"num_attention_heads": 8, "num_query_groups": 2, "num_layers": 4}, "num_key_value_heads=2"),
-        ({"num_attention_heads": 8, "num_query_groups": 4, "num_layers": 6}, "num_layers=6 is not divisible by pipeline"),
-        ({"num_attention_heads": 8, "num_query_groups": 4, "num_layers": 4, "vocab_size": 99, "pad_vocab": False}, "vocab_size=99"),
-        ({"num_attention_heads": 8, "num_query_groups": 4, "num_layers": 4, "seq_length": 33}, "sequence length 33"),
+        (
+            {"num_attention_heads": 8, "num_query_groups": 4, "num_layers": 6},
+            "num_layers=6 is not divisible by pipeline",
+        ),
+        (
+            {
+                "num_attention_heads": 8,
+                "num_query_groups": 4,
+                "num_layers": 4,
+                "vocab_size": 99,
+                "pad_vocab": False,
+            },
+            "vocab_size=99",
+        ),
+        (
+            {"num_attention_heads": 8, "num_query_groups": 4, "num_layers": 4, "seq_length": 33},
+            "sequence length 33",
+        ),
     ],
 )
 def test_model_that_does_not_split_is_named(kwargs, message):
@@ -92,7 +107,9 @@ def test_model_that_does_not_split_is_named(kwargs, message):
 
 
 def test_model_that_splits_passes_and_vpp_counts_chunks():
-    ParallelLayout(8, tp=2, pp=2).check_model(num_attention_heads=8, num_query_groups=2, num_layers=4, vocab_size=99)
+    ParallelLayout(8, tp=2, pp=2).check_model(
+        num_attention_heads=8, num_query_groups=2, num_layers=4, vocab_size=99
+    )
     with pytest.raises(LayoutError, match="pipeline_parallel_size\\*virtual_pipeline_parallel_size=4"):
         ParallelLayout(4, pp=2, vpp=2).check_model(num_attention_heads=4, num_query_groups=4, num_layers=6)
 

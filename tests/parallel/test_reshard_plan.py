@@ -43,10 +43,10 @@ LAYOUTS = [
 ]
 
 
-def _plan(world, tp, pp, vpp, tp_g, tied):
+def _plan(world, tp, pp, vpp, tp_g, tied, **kwargs):
     train = ParallelLayout(world, tp=tp, pp=pp, vpp=vpp)
     specs = model_param_specs(**ARCH, tie_word_embeddings=tied)
-    plan = build_plan(specs, train, tp_g, num_layers=ARCH["num_layers"], tied_embeddings=tied)
+    plan = build_plan(specs, train, tp_g, num_layers=ARCH["num_layers"], tied_embeddings=tied, **kwargs)
     return plan, specs
 
 
@@ -56,8 +56,15 @@ def _units(intervals):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: "w{}-tp{}-pp{}-vpp{}-tpg{}".format(*v))
-def test_plan_covers_exactly_and_moves_the_minimum(layout, tied):
-    plan, specs = _plan(*layout, tied)
+@pytest.mark.parametrize("vllm_like", [False, True], ids=["nested", "vllm"])
+def test_plan_covers_exactly_and_moves_the_minimum(layout, tied, vllm_like):
+    kwargs = (
+        {"consecutive_rollout_ranks": True, "rollout_vocab_divisible_by": 64 // layout[4]}
+        if vllm_like
+        else {}
+    )
+    plan, specs = _plan(*layout, tied, **kwargs)
+    div = plan.rollout_vocab_divisible_by
     train = plan.train
     received = defaultdict(lambda: defaultdict(list))
     for t in plan.transfers:
@@ -73,7 +80,7 @@ def test_plan_covers_exactly_and_moves_the_minimum(layout, tied):
     for rank in range(train.world_size):
         need_bytes = 0
         for spec in specs:
-            needed = _units(shard_intervals(spec, plan.tp_g, plan.rollout_coords[rank][0]))
+            needed = _units(shard_intervals(spec, plan.tp_g, plan.rollout_coords[rank][0], div))
             kept = _units([iv for name, iv in plan.local_copies.get(rank, []) if name == spec.name])
             got_list = [u for iv in received[rank][spec.name] for u in _units([iv])]
             got = set(got_list)
@@ -99,6 +106,18 @@ def test_rollout_shards_nest_with_train_shards(layout):
             rollout = _units(shard_intervals(spec, plan.tp_g, tp_coord))
             train = _units(shard_intervals(spec, plan.train.tp, train_tp))
             assert rollout <= train or train <= rollout
+
+
+def test_consecutive_ranks_nest_when_tp_g_equals_tp_and_cost_more_otherwise():
+    def layer_bytes(plan):  # vocab rows follow megatron's padding, which need not nest; layers do
+        return sum(t.num_bytes for t in plan.transfers if plan.specs[t.param].layer is not None)
+
+    nested, _ = _plan(8, 2, 2, None, 4, tied=False)
+    vllm, _ = _plan(8, 2, 2, None, 4, tied=False, consecutive_rollout_ranks=True)
+    assert layer_bytes(vllm) > layer_bytes(nested)
+    same, _ = _plan(8, 2, 2, None, 2, tied=False, consecutive_rollout_ranks=True)
+    reference, _ = _plan(8, 2, 2, None, 2, tied=False)
+    assert same.received_bytes() == reference.received_bytes()
 
 
 def test_senders_are_balanced_over_replicas():

@@ -32,12 +32,12 @@ class ReshardStats:
     """Largest total of send + receive buffers alive at once on this rank."""
 
 
-def rollout_shard_shape(spec: ParamSpec, tp_g: int) -> tuple[int, ...]:
+def rollout_shard_shape(spec: ParamSpec, tp_g: int, vocab_divisible_by: int = 128) -> tuple[int, ...]:
     if spec.kind is ShardKind.REPLICATED:
         return spec.shape
     shape = list(spec.shape)
     if spec.kind is ShardKind.VOCAB:
-        shape[0] = padded_vocab_size(spec.shape[0], tp_g) // tp_g
+        shape[0] = padded_vocab_size(spec.shape[0], tp_g, vocab_divisible_by) // tp_g
     else:
         shape[spec.split_dim] //= tp_g
     return tuple(shape)
@@ -53,7 +53,8 @@ def _train_view(
 ) -> torch.Tensor:
     spec = plan.specs[name]
     size, coord = _tp(spec, plan.train.tp, plan.train.coords(rank).tp)
-    return shard_view(spec, local[name], local_units(spec, size, coord, iv), iv[2] - iv[1])
+    offset = local_units(spec, size, coord, iv, plan.train_vocab_divisible_by)
+    return shard_view(spec, local[name], offset, iv[2] - iv[1])
 
 
 def _rollout_view(
@@ -61,7 +62,8 @@ def _rollout_view(
 ) -> torch.Tensor:
     spec = plan.specs[name]
     size, coord = _tp(spec, plan.tp_g, plan.rollout_coords[rank][0])
-    return shard_view(spec, out[name], local_units(spec, size, coord, iv), iv[2] - iv[1])
+    offset = local_units(spec, size, coord, iv, plan.rollout_vocab_divisible_by)
+    return shard_view(spec, out[name], offset, iv[2] - iv[1])
 
 
 def _rounds(plan: ReshardPlan, rank: int, bucket_bytes: int) -> list[list[list[Transfer]]]:
@@ -94,7 +96,9 @@ def execute_plan(
     any_local = next(iter(local.values()))
     dtype, device = dtype or any_local.dtype, device or any_local.device
     out = {
-        name: torch.zeros(rollout_shard_shape(spec, plan.tp_g), dtype=dtype, device=device)
+        name: torch.zeros(
+            rollout_shard_shape(spec, plan.tp_g, plan.rollout_vocab_divisible_by), dtype=dtype, device=device
+        )
         for name, spec in plan.specs.items()
     }
     for name, iv in plan.local_copies.get(rank, []):

@@ -174,6 +174,8 @@ class ReshardPlan:
     local_copies: dict[int, list[tuple[str, Interval]]] = field(default_factory=dict)
     """rank -> intervals it keeps from its own training shard."""
     bytes_per_element: int = 4
+    train_vocab_divisible_by: int = 128
+    rollout_vocab_divisible_by: int = 128
 
     def received_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)

@@ -12,12 +12,18 @@ from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.parallel.reshard.plan import Interval, ParamSpec, ReshardPlan, Transfer, shard_intervals
 
 
-def rollout_coordinates(train: ParallelLayout, tp_g: int) -> dict[int, tuple[int, int]]:
+def rollout_coordinates(
+    train: ParallelLayout, tp_g: int, consecutive: bool = False
+) -> dict[int, tuple[int, int]]:
     """rank -> (rollout tp coord, rollout dp coord), nesting each rollout shard with the rank's train shard.
 
     ``tp_g = m * tp``: m consecutive train TP groups form one rollout group; train coord t in block b takes
     rollout coord ``t * m + b``, a sub-block of its train shard. ``tp = m * tp_g``: each train TP group splits
     into m rollout groups; train coord t takes ``t // m``, a super-block of its train shard.
+
+    ``consecutive=True`` is the layout engines that build their own groups impose (vLLM: rank r holds TP
+    coordinate ``r % tp_g``). It nests too when ``tp_g == tp`` or ``tp == 1`` or ``tp_g == 1``; otherwise the
+    plan stays exact and minimal for that assignment but moves more bytes.
     """
     if tp_g < 1 or train.world_size % tp_g:
         raise LayoutError(f"rollout tensor_parallel_size={tp_g} must divide world_size={train.world_size}")
@@ -26,6 +32,8 @@ def rollout_coordinates(train: ParallelLayout, tp_g: int) -> dict[int, tuple[int
         raise LayoutError(
             f"rollout tensor_parallel_size={tp_g} and training tensor_parallel_size={tp} must nest"
         )
+    if consecutive:
+        return {r: (r % tp_g, r // tp_g) for r in range(train.world_size)}
     train_groups = train.tp_groups()  # rank order: consecutive ranks
     coords: dict[int, tuple[int, int]] = {}
     if tp_g >= tp:
@@ -98,9 +106,16 @@ def build_plan(
     tied_embeddings: bool,
     bytes_per_element: int = 4,
     vocab_divisible_by: int = 128,
+    rollout_vocab_divisible_by: int | None = None,
+    consecutive_rollout_ranks: bool = False,
 ) -> ReshardPlan:
-    """The zero-redundancy plan; each piece comes from the owner that has sent the fewest bytes so far."""
-    coords = rollout_coordinates(train, tp_g)
+    """The zero-redundancy plan; each piece comes from the owner that has sent the fewest bytes so far.
+
+    ``vocab_divisible_by`` is the training side's megatron vocab padding (per TP rank multiple); the rollout
+    side may pad differently (vLLM pads the whole vocab to 64, i.e. ``64 // tp_g`` in these units).
+    """
+    rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
+    coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     local: dict[int, list[tuple[str, Interval]]] = defaultdict(list)
@@ -112,7 +127,7 @@ def build_plan(
             if train.coords(r).pp in stages
         }
         for rank in range(train.world_size):
-            needed = shard_intervals(spec, tp_g, coords[rank][0], vocab_divisible_by)
+            needed = shard_intervals(spec, tp_g, coords[rank][0], rollout_div)
             owned = owners.get(rank, [])
             local[rank] += [(spec.name, k) for p in needed for o in owned if (k := _intersect(p, o))]
             for missing in _subtract(needed, owned):
@@ -125,5 +140,13 @@ def build_plan(
                     sent[src] += size
                     transfers.append(Transfer(spec.name, piece[0], piece[1], piece[2], src, rank, size))
     return ReshardPlan(
-        train, tp_g, coords, {s.name: s for s in specs}, transfers, dict(local), bytes_per_element
+        train=train,
+        tp_g=tp_g,
+        rollout_coords=coords,
+        specs={s.name: s for s in specs},
+        transfers=transfers,
+        local_copies=dict(local),
+        bytes_per_element=bytes_per_element,
+        train_vocab_divisible_by=vocab_divisible_by,
+        rollout_vocab_divisible_by=rollout_div,
     )

@@ -1,0 +1,185 @@
+"""The TRAIN <-> ROLLOUT state machine of the 3D-HybridEngine.
+
+One object per rank owns the transitions; each is synchronous and logged, so offloading training state and
+waking the rollout engine never overlap (the memory they contend for would otherwise be double-booked):
+
+    TRAIN --to_rollout()--> [offload optimizer state + grad buffers] -> [reshard weights: plan + transport]
+                            -> [rollout.wake_up(weights) -> load_weights(stream) -> wake_up(kv_cache)] --> ROLLOUT
+    ROLLOUT --to_train()--> [rollout.sleep(level)] -> [restore grad buffers + optimizer state] --> TRAIN
+
+On CPU the offload steps still run (grad buffers really are freed and restored); moving optimizer state to
+host memory is a no-op there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from mcore_rl.parallel.reshard.executor import ReshardStats, execute_plan
+from mcore_rl.parallel.reshard.plan import ReshardPlan
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(Enum):
+    TRAIN = "train"
+    ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Memory handling of the train/rollout switch."""
+
+    offload_optimizer: bool = True
+    """Move optimizer state to host memory during rollout (GPU only; a no-op on CPU)."""
+    offload_grad_buffers: bool = True
+    """Free the DDP gradient buffers during rollout; they are re-allocated (zeroed) for training."""
+    sleep_level: int = 1
+    """Rollout sleep between phases: 1 frees the KV cache, 2 also drops the rollout weights."""
+    bucket_bytes: int = 256 << 20
+    """Largest p2p message during resharding (memory in flight per peer)."""
+    rollout_dtype: torch.dtype | None = None
+    """Cast weights to this dtype during the reshard (None keeps the training dtype)."""
+
+    def __post_init__(self) -> None:
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One logged phase change."""
+
+    source: Phase
+    target: Phase
+    seconds: float
+    steps_s: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int = 0
+    """Device memory in use after the transition (CUDA allocated, or this process's RSS on CPU)."""
+    reshard: ReshardStats | None = None
+
+
+def _memory_in_use() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.memory_allocated())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class HybridEngine:
+    """Owns a training engine, a rollout engine and the reshard plan between them (per rank)."""
+
+    def __init__(
+        self,
+        train_engine: Any,
+        rollout_engine: Any,
+        plan: ReshardPlan,
+        local_params: Callable[[], dict[str, torch.Tensor]],
+        to_rollout_tensors: Callable[[dict[str, torch.Tensor]], Iterable[tuple[str, torch.Tensor]]],
+        config: HybridConfig | None = None,
+    ) -> None:
+        self.train_engine = train_engine
+        self.rollout_engine = rollout_engine
+        self.plan = plan
+        self.local_params = local_params
+        self.to_rollout_tensors = to_rollout_tensors
+        self.config = config or HybridConfig()
+        self.phase = Phase.TRAIN
+        self.history: list[Transition] = []
+
+    def to_rollout(self) -> Transition:
+        self._expect(Phase.TRAIN)
+        steps: dict[str, float] = {}
+        start = time.perf_counter()
+        with _timed(steps, "offload"):
+            self._offload()
+        with _timed(steps, "reshard"):
+            shards, stats = execute_plan(
+                self.plan,
+                self.local_params(),
+                dtype=self.config.rollout_dtype,
+                bucket_bytes=self.config.bucket_bytes,
+            )
+        with _timed(steps, "load"):
+            self.rollout_engine.wake_up(["weights"])
+            self.rollout_engine.load_weights(self.to_rollout_tensors(shards))
+            del shards
+            self.rollout_engine.wake_up(["kv_cache"])
+        return self._record(Phase.ROLLOUT, start, steps, stats)
+
+    def to_train(self) -> Transition:
+        self._expect(Phase.ROLLOUT)
+        steps: dict[str, float] = {}
+        start = time.perf_counter()
+        with _timed(steps, "sleep"):
+            self.rollout_engine.sleep(self.config.sleep_level)
+        with _timed(steps, "restore"):
+            self._restore()
+        return self._record(Phase.TRAIN, start, steps, None)
+
+    def _expect(self, phase: Phase) -> None:
+        if self.phase is not phase:
+            raise RuntimeError(
+                f"transition requested from {phase.value} but the engine is in {self.phase.value}"
+            )
+
+    def _optimizers(self) -> list[Any]:
+        optimizer = self.train_engine.optimizer
+        return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+    def _offload(self) -> None:
+        if self.config.offload_grad_buffers:
+            for chunk in self.train_engine.chunks:
+                chunk.offload_grad_buffers()
+        if self.config.offload_optimizer and torch.cuda.is_available():
+            for optimizer in self._optimizers():
+                optimizer.offload_to_cpu()
+
+    def _restore(self) -> None:
+        if self.config.offload_optimizer and torch.cuda.is_available():
+            for optimizer in self._optimizers():
+                optimizer.restore_from_cpu()
+        if self.config.offload_grad_buffers:
+            for chunk in self.train_engine.chunks:
+                chunk.restore_grad_buffers()
+
+    def _record(
+        self, target: Phase, start: float, steps: dict[str, float], stats: ReshardStats | None
+    ) -> Transition:
+        transition = Transition(
+            self.phase, target, time.perf_counter() - start, steps, _memory_in_use(), stats
+        )
+        self.phase = target
+        self.history.append(transition)
+        logger.info(
+            "hybrid engine %s -> %s in %.3f s (%s), memory in use %.1f MiB",
+            transition.source.value,
+            target.value,
+            transition.seconds,
+            ", ".join(f"{k} {v:.3f} s" for k, v in steps.items()),
+            transition.memory_bytes / 2**20,
+        )
+        return transition
+
+
+@contextlib.contextmanager
+def _timed(into: dict[str, float], name: str) -> Iterator[None]:
+    """Time one step; on GPU the step's kernels are included and the next step starts on a quiet device."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    into[name] = time.perf_counter() - start
