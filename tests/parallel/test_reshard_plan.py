@@ -180,6 +180,17 @@ def test_buckets_respect_the_size_limit_and_keep_every_transfer():
         assert len(bucket) == 1 or sum(t.num_bytes for t in bucket) <= 2048
 
 
+def test_sizes_that_do_not_split_name_the_parameter():
+    specs = model_param_specs(
+        **{**ARCH, "num_query_groups": 2, "num_attention_heads": 4}, tie_word_embeddings=False
+    )
+    with pytest.raises(
+        LayoutError,
+        match=r"linear_qkv\.weight: 2 query groups cannot be split over rollout tensor_parallel_size=4",
+    ):
+        build_plan(specs, ParallelLayout(4, tp=2), 4, num_layers=4, tied_embeddings=False)
+
+
 def test_layouts_that_do_not_nest_are_refused():
     with pytest.raises(LayoutError, match="must nest"):
         rollout_coordinates(ParallelLayout(6, tp=2), 3)

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.parallel.reshard.plan import Interval, ParamSpec, ReshardPlan, Transfer, shard_intervals
+from mcore_rl.parallel.sharding import ShardKind
 
 
 def rollout_coordinates(
@@ -97,6 +98,18 @@ def _contains(shard: list[Interval], piece: Interval) -> bool:
     return any(s == piece[0] and lo <= piece[1] and piece[2] <= hi for s, lo, hi in shard)
 
 
+def _check_divisible(specs: list[ParamSpec], sizes: dict[str, int]) -> None:
+    for spec in specs:
+        if spec.kind in (ShardKind.REPLICATED, ShardKind.VOCAB):
+            continue
+        for what, size in sizes.items():
+            if spec.units_per_segment % size:
+                unit = "query groups" if spec.unit_rows > 1 else f"dim-{spec.split_dim} rows"
+                raise LayoutError(
+                    f"{spec.name}: {spec.units_per_segment} {unit} cannot be split over {what}={size}"
+                )
+
+
 def build_plan(
     specs: list[ParamSpec],
     train: ParallelLayout,
@@ -115,6 +128,7 @@ def build_plan(
     side may pad differently (vLLM pads the whole vocab to 64, i.e. ``64 // tp_g`` in these units).
     """
     rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
+    _check_divisible(specs, {"training tensor_parallel_size": train.tp, "rollout tensor_parallel_size": tp_g})
     coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
