@@ -120,5 +120,5 @@ def test_local_spec_is_used_without_transformer_engine():
 
 
 def test_model_options_validate_dtype():
-    with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"dtype must be torch\.float32 or torch\.bfloat16"):
         ModelOptions(dtype=torch.float16)
