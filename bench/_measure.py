@@ -1,0 +1,69 @@
+"""Timing and peak-memory helpers shared by the op benchmarks.
+
+Peak memory on CPU: tracemalloc does not see torch's allocations and torch has no CPU peak counter, so we
+use the kernel's own high-water mark of resident memory. Each variant runs in a fresh subprocess; after the
+inputs are built and one warm-up iteration has run (and been freed), the child resets the high-water mark
+(``echo 5 > /proc/self/clear_refs``), runs one iteration and reports ``VmHWM - VmRSS before``: the most
+memory the iteration ever held on top of its inputs. glibc serves large tensors with mmap and unmaps them
+on free only above its mmap threshold, which it raises on the fly (up to 32 MiB) and would then serve
+medium tensors from a heap it keeps; ``MALLOC_MMAP_THRESHOLD_`` pins the threshold at 128 KiB in the
+measuring processes, so every tensor of any size is mapped when allocated and unmapped when freed, and the
+figure is the true peak of live tensors (to the page), plus a few MB of allocator and thread noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} missing from /proc/self/status (Linux only)")
+
+
+def peak_extra_bytes(run: Callable[[], object]) -> int:
+    """Peak resident memory ``run()`` adds on top of what the process holds now (call in a fresh process)."""
+    baseline = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    run()
+    return _status_bytes("VmHWM") - baseline
+
+
+# Set in the environment of every process that measures memory (see the module docstring).
+MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def child_peak(script: str, args: Sequence[str]) -> dict:
+    """Runs ``script --child ARGS`` in a fresh interpreter and returns the JSON it prints last."""
+    env = {**os.environ, **MEASURE_ENV}
+    cmd = [sys.executable, script, "--child", *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_seconds(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median wall time of each callable, interleaved (a, b, a, b, ...) so that load from other processes on
+    a shared machine hits every variant alike. One untimed warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:9.1f} MiB"

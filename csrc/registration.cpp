@@ -1,0 +1,42 @@
+// The schemas of every mcore_rl op, declared once. Kernels register against them in their own files:
+// csrc/*_cpu.cpp for CPU, csrc/cuda/ops_bindings.cpp for CUDA (CUDA builds only). The Python wrappers,
+// fake (meta) kernels, autograd formulas and pure-PyTorch references live in mcore_rl/ops/.
+#include <Python.h>
+#include <torch/library.h>
+
+#ifndef MCORE_RL_WITH_CUDA
+#define MCORE_RL_WITH_CUDA 0
+#endif
+
+extern "C" {
+// `import mcore_rl._C` loads this library, which runs the static registrations below. The module itself
+// only tells Python whether CUDA kernels were compiled in.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && PyModule_AddIntConstant(module, "WITH_CUDA", MCORE_RL_WITH_CUDA) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}
+}
+
+TORCH_LIBRARY(mcore_rl, m) {
+  // Per-row statistics of softmax(logits / T) over this vocab shard, in fp32: [N, 4] =
+  // (max z, sum exp(z - max), sum exp(z - max) * (z - max), z of the target if this shard holds it else 0),
+  // with z = logits * inv_temperature and columns whose global id is >= vocab_size left out.
+  m.def(
+      "logprob_stats(Tensor logits, Tensor targets, int vocab_start, int vocab_size, "
+      "float inv_temperature) -> Tensor");
+  // grad_logits = d(g1 . logprob + g2 . entropy) / d logits, from the all-reduced softmax_stats
+  // [N, 2] = (logsumexp z, entropy); written into grad_logits (same shape and dtype as logits).
+  m.def(
+      "logprob_entropy_backward(Tensor grad_logprob, Tensor grad_entropy, Tensor logits, Tensor targets, "
+      "Tensor softmax_stats, int vocab_start, int vocab_size, float inv_temperature, "
+      "Tensor(a!) grad_logits) -> ()");
+  // Block copies listed in table [K, 7] (see mcore_rl/ops/pack.py) from sources into the flat `out`,
+  // casting to out's dtype; unpack_copy runs the same table backwards.
+  m.def("pack_copy(Tensor[] sources, Tensor table, Tensor(a!) out) -> ()");
+  m.def("unpack_copy(Tensor packed, Tensor table, Tensor(a!)[] outs) -> ()");
+}

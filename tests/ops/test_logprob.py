@@ -1,0 +1,190 @@
+"""Fused log-prob + entropy (single shard): agreement with the fp64 naive path, gradients, padding,
+temperature, chunking, masked logits, the fused linear variant, and opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.ops import _native, linear_logprob_entropy, reference, vocab_parallel_logprob_entropy
+
+
+def _problem(n: int, v: int, *, seed: int = 0, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=gen, dtype=torch.float64) * scale
+    return logits, torch.randint(0, v, (n,), generator=gen)
+
+
+def _oracle(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float, g1, g2):
+    """fp64 values and d(g1.logprob + g2.entropy)/dlogits by autograd of the naive path."""
+    x = logits.detach().double().requires_grad_()
+    lp, ent = reference.naive_logprob_entropy(x, targets, vocab_size=vocab_size, temperature=temperature)
+    (lp * g1.double() + ent * g2.double()).sum().backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+def _run(logits: torch.Tensor, targets: torch.Tensor, g1, g2, **kwargs):
+    x = logits.detach().clone().requires_grad_()
+    lp, ent = vocab_parallel_logprob_entropy(x, targets, vocab_start=0, **kwargs)
+    (lp * g1 + ent * g2).sum().backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fp32_matches_fp64_naive_path_values_and_grads(impl: str, temperature: float) -> None:
+    logits, targets = _problem(67, 1500)
+    g1, g2 = torch.randn(67), torch.randn(67)
+    lp, ent, grad = _run(
+        logits.float(), targets, g1, g2, vocab_size=1500, temperature=temperature, chunk_size=16
+    )
+    lp0, ent0, grad0 = _oracle(logits.float(), targets, 1500, temperature, g1, g2)
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad.double(), grad0, rtol=0, atol=1e-5)
+
+
+def test_bf16_inputs(impl: str) -> None:
+    logits, targets = _problem(40, 2100, seed=1)
+    x = logits.bfloat16()
+    g1, g2 = torch.randn(40), torch.randn(40)
+    lp, ent, grad = _run(x, targets, g1, g2, vocab_size=2100, temperature=0.8)
+    # The oracle sees the same bf16-rounded logits, so only the kernel's own error is measured: values are
+    # fp32 (held to 1e-5); the gradient is rounded to bf16 like its input (held to bf16 precision, 2e-2).
+    lp0, ent0, grad0 = _oracle(x, targets, 2100, 0.8, g1, g2)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(lp.double(), lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad.double(), grad0, rtol=2e-2, atol=1e-6)
+
+
+def test_padding_columns_are_ignored(impl: str) -> None:
+    logits, targets = _problem(30, 1000, seed=2)
+    padded = torch.cat([logits, torch.full((30, 24), 50.0, dtype=torch.float64)], dim=1).float()
+    g1, g2 = torch.randn(30), torch.randn(30)
+    lp, ent, grad = _run(padded, targets, g1, g2, vocab_size=1000)
+    lp0, ent0, grad0 = _oracle(logits.float(), targets, 1000, 1.0, g1, g2)
+    torch.testing.assert_close(lp.double(), lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad[:, :1000].double(), grad0, rtol=0, atol=1e-5)
+    assert torch.count_nonzero(grad[:, 1000:]) == 0
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 33])
+def test_chunk_boundaries_do_not_change_results(impl: str, n: int) -> None:
+    logits, targets = _problem(n, 300, seed=n)
+    g1, g2 = torch.randn(n), torch.randn(n)
+    whole = _run(logits.float(), targets, g1, g2, vocab_size=300, chunk_size=1024)
+    chunked = _run(logits.float(), targets, g1, g2, vocab_size=300, chunk_size=8)
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_leading_dims_and_masked_logits(impl: str) -> None:
+    logits, targets = _problem(2 * 5, 2500, seed=3)
+    targets[targets == 7] = 8
+    logits[:, 7] = float("-inf")  # a banned token: p = 0, and no NaN in the value or the gradient
+    x, t = logits.float().view(2, 5, 2500), targets.view(2, 5)
+    g1, g2 = torch.randn(2, 5), torch.randn(2, 5)
+    lp, ent, grad = _run(x, t, g1, g2, vocab_size=2500)
+    # Oracle: the same problem with the banned column removed.
+    kept = torch.cat([logits[:, :7], logits[:, 8:]], dim=1).float()
+    lp0, ent0, grad0 = _oracle(
+        kept, targets - (targets > 7).long(), 2499, 1.0, g1.reshape(-1), g2.reshape(-1)
+    )
+    assert lp.shape == ent.shape == (2, 5)
+    torch.testing.assert_close(lp.reshape(-1).double(), lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.reshape(-1).double(), ent0, rtol=0, atol=1e-5)
+    grad = grad.reshape(10, 2500)
+    assert torch.isfinite(grad).all() and torch.count_nonzero(grad[:, 7]) == 0
+    torch.testing.assert_close(
+        torch.cat([grad[:, :7], grad[:, 8:]], dim=1).double(), grad0, rtol=0, atol=1e-5
+    )
+
+
+def test_entropy_of_peaked_distribution_has_tiny_absolute_error(impl: str) -> None:
+    # One logit 40 above the rest: H ~ 1e-13. verl's lse - sum p z subtracts two numbers ~40 and, in fp32,
+    # returns noise of ~1e-6; log s + |w| / s adds two non-negative terms and stays within ~1e-15.
+    logits = torch.zeros(3, 500)
+    logits[:, 0] = 40.0
+    targets = torch.zeros(3, dtype=torch.long)
+    _, ent = vocab_parallel_logprob_entropy(logits, targets, vocab_start=0, vocab_size=500)
+    log_p = torch.log_softmax(logits.double(), -1)
+    expected = -(log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(ent.double(), expected, rtol=0.05, atol=1e-14)
+
+
+def test_invalid_targets_raise(impl: str) -> None:
+    with pytest.raises((ValueError, RuntimeError), match="outside"):
+        vocab_parallel_logprob_entropy(
+            torch.zeros(2, 10), torch.tensor([0, -100]), vocab_start=0, vocab_size=10
+        )
+    with pytest.raises((ValueError, RuntimeError), match="outside"):
+        vocab_parallel_logprob_entropy(
+            torch.zeros(2, 12), torch.tensor([0, 10]), vocab_start=0, vocab_size=10
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_variant_matches_unfused_path(impl: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(21, 32, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(1030, 32, generator=gen) / 3).to(dtype).requires_grad_()  # 6 padding rows
+    targets = torch.randint(0, 1024, (21,), generator=gen)
+    g1, g2 = torch.randn(21), torch.randn(21)
+    lp, ent = linear_logprob_entropy(
+        hidden, weight, targets, vocab_start=0, vocab_size=1024, temperature=0.9, vocab_chunk_size=300
+    )
+    (lp * g1 + ent * g2).sum().backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    lp0, ent0 = reference.naive_logprob_entropy(h64 @ w64.T, targets, vocab_size=1024, temperature=0.9)
+    (lp0 * g1.double() + ent0 * g2.double()).sum().backward()
+    # bf16: logits are produced by a bf16 matmul, as in the unfused model, so allow bf16 precision.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lp.double(), lp0.detach(), rtol=0, atol=tol * max(1.0, lp0.abs().max().item()))
+    torch.testing.assert_close(ent.double(), ent0.detach(), rtol=0, atol=tol * 10)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=tol, atol=tol)
+    assert torch.count_nonzero(weight.grad[1024:]) == 0
+
+
+def test_fp64_inputs_run_the_reference_in_fp64() -> None:
+    logits, targets = _problem(5, 100)
+    lp, ent = vocab_parallel_logprob_entropy(logits, targets, vocab_start=0, vocab_size=100)
+    lp0, ent0 = reference.naive_logprob_entropy(logits, targets, vocab_size=100)
+    assert lp.dtype == torch.float64
+    torch.testing.assert_close(lp, lp0, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ent0, rtol=0, atol=1e-12)
+
+
+def test_opcheck_composite_ops(impl: str) -> None:
+    logits, targets = _problem(9, 70, seed=5)
+    x = logits.float().requires_grad_()
+    torch.library.opcheck(
+        torch.ops.mcore_rl.vocab_parallel_logprob_entropy.default, (x, targets, 0, 64, 1.25, 4, None)
+    )
+    h, w = torch.randn(9, 8, requires_grad=True), torch.randn(70, 8, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.mcore_rl.linear_logprob_entropy.default, (h, w, targets % 64, 0, 64, 1.0, 32, None)
+    )
+
+
+@pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_native_kernels(dtype: torch.dtype) -> None:
+    logits, targets = _problem(6, 50, seed=6)
+    x = logits.to(dtype)
+    torch.library.opcheck(torch.ops.mcore_rl.logprob_stats.default, (x, targets % 40, 10, 40, 0.5))
+    stats = torch.randn(6, 2)
+    args = (torch.randn(6), torch.randn(6), x, targets % 40, stats, 10, 40, 0.5, torch.empty_like(x))
+    torch.library.opcheck(torch.ops.mcore_rl.logprob_entropy_backward.default, args)
+
+
+@pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")
+def test_native_kernels_match_their_references() -> None:
+    logits, targets = _problem(13, 5000, seed=7)  # several 2048-column blocks, ragged tail
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = logits.to(dtype)
+        native = torch.ops.mcore_rl.logprob_stats(x, targets, 1000, 5500, 0.7)
+        ref = reference.logprob_stats(x, targets, 1000, 5500, 0.7)
+        torch.testing.assert_close(native, ref, rtol=1e-5, atol=1e-5)
