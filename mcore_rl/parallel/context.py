@@ -100,6 +100,7 @@ class ParallelContext:
         self.device = device
         self.coords = layout.coords(rank)
         self._live = True
+        self._subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -140,6 +141,9 @@ class ParallelContext:
             return
         from megatron.core import parallel_state
 
+        for group in self._subgroups.values():
+            dist.destroy_process_group(group)
+        self._subgroups.clear()
         parallel_state.destroy_model_parallel()
         self._live = False
         if ParallelContext._active is self:
@@ -219,6 +223,20 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    def subgroup(self, groups: list[list[int]]) -> dist.ProcessGroup:
+        """This rank's group within ``groups``, a partition of the world (e.g. the rollout TP groups).
+
+        Every rank must call it with the same partition (torch creates every group on every rank); the groups
+        are created once per partition and destroyed with the context.
+        """
+        key = tuple(tuple(g) for g in groups)
+        if sorted(r for g in key for r in g) != list(range(self.world_size)):
+            raise ValueError(f"groups {groups} do not partition the {self.world_size} ranks")
+        if key not in self._subgroups:
+            handles = [dist.new_group(list(g)) for g in key]  # collective: same order on every rank
+            self._subgroups[key] = next(h for g, h in zip(key, handles, strict=True) if self.rank in g)
+        return self._subgroups[key]
 
     def pg_collection(self) -> Any:
         """megatron's ``ProcessGroupCollection`` for modules that accept groups explicitly."""
