@@ -75,6 +75,14 @@ def _init_world(backend: str, timeout_minutes: int) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+def _live_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process is a member of, the default one excluded."""
+    from torch.distributed import distributed_c10d
+
+    default = distributed_c10d._get_default_group() if dist.is_initialized() else None
+    return [g for g in distributed_c10d._world.pg_map if g is not default]
+
+
 def _free_port() -> int:
     import socket
 
@@ -101,6 +109,7 @@ class ParallelContext:
         self.coords = layout.coords(rank)
         self._live = True
         self._subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
+        self._megatron_groups: list[dist.ProcessGroup] = []
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -119,6 +128,7 @@ class ParallelContext:
 
         from megatron.core import parallel_state, tensor_parallel
 
+        groups_before = _live_process_groups()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
@@ -132,6 +142,9 @@ class ParallelContext:
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
         ctx = cls(config, layout, dist.get_rank(), device)
+        # megatron's destroy_model_parallel only forgets its groups; we destroy them, or every rebuilt
+        # context would leak a few dozen communicators (and their threads) into the process.
+        ctx._megatron_groups = [g for g in _live_process_groups() if g not in groups_before]
         cls._active = ctx
         return ctx
 
@@ -141,10 +154,12 @@ class ParallelContext:
             return
         from megatron.core import parallel_state
 
-        for group in self._subgroups.values():
-            dist.destroy_process_group(group)
-        self._subgroups.clear()
         parallel_state.destroy_model_parallel()
+        for group in {id(g): g for g in [*self._subgroups.values(), *self._megatron_groups]}.values():
+            if group in _live_process_groups():  # some are aliases of one communicator
+                dist.destroy_process_group(group)
+        self._subgroups.clear()
+        self._megatron_groups.clear()
         self._live = False
         if ParallelContext._active is self:
             ParallelContext._active = None

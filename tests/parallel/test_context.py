@@ -79,3 +79,23 @@ def _rebuild_in_same_world() -> list[int]:
 
 def test_contexts_rebuild_in_one_world(run_distributed):
     assert run_distributed(_rebuild_in_same_world) == [[2, 1, 2], [2, 1, 2]]
+
+
+def _threads_after_rebuilds() -> tuple[int, int]:
+    import psutil
+
+    def count() -> int:
+        return psutil.Process().num_threads()
+
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)):
+        pass
+    baseline = count()
+    for _ in range(5):
+        with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)):
+            pass
+    return baseline, count()
+
+
+def test_destroy_releases_megatron_groups(run_distributed):
+    for baseline, after in run_distributed(_threads_after_rebuilds):
+        assert after <= baseline + 2, f"threads grew from {baseline} to {after} over 5 rebuilds"
