@@ -1,0 +1,255 @@
+"""The embedded rollout engine: batched, KV-cached sampling with :class:`RolloutDecoder`, on any device.
+
+One ``generate`` call::
+
+    prompts (B lists of ids)
+      -> waves of prompts, each sized so that B_w * n * (longest prompt + max_new_tokens) cache slots fit
+      -> prefill: left-padded prompts, once per prompt (chunks of at most ``max_prefill_tokens``)
+      -> copy each prompt's cache rows n times (n samples share one prefill)
+      -> loop: sample (same generator on every TP rank) -> record -> drop finished rows -> decode one token
+      -> GenerationOutput, prompt-major
+
+Finished rows leave the batch at once (their cache rows are compacted away), so the decode cost follows the
+number of live sequences. The loop has no per-sequence Python work: everything is a batched tensor op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
+from mcore_rl.engine.rollout.decoder import KVCache, RolloutDecoder
+from mcore_rl.engine.rollout.sampling import sample_tokens
+
+_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class LocalRolloutConfig:
+    """Settings of :class:`LocalRolloutEngine` (sampling settings travel with each call instead)."""
+
+    dtype: torch.dtype = torch.float32
+    """Weights, activations and KV cache dtype (logits and log-probs are always fp32)."""
+    max_cache_tokens: int = 1 << 18
+    """KV-cache slots held at once: sequences x (longest prompt + max_new_tokens). Prompts that do not fit
+    run in successive waves."""
+    max_prefill_tokens: int = 1 << 14
+    """Padded prompt tokens per prefill forward; bounds the [rows, heads, len, len] attention scores."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {self.dtype}"
+            )
+        for name in ("max_cache_tokens", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class _Outputs:
+    """The call's output buffers, filled row by row as sequences finish."""
+
+    token_ids: Tensor  # [N, max_new] int64, pre-filled with the pad id
+    log_probs: Tensor  # [N, max_new] fp32, zeros
+    lengths: Tensor  # [N] int64, max_new until a stop token says otherwise
+    stopped: Tensor  # [N] bool
+
+
+class LocalRolloutEngine:
+    """Pure-PyTorch :class:`~mcore_rl.engine.rollout.base.RolloutEngine` over its own TP group.
+
+    Every rank of ``tp_group`` (None: unsharded) holds its rollout-layout shard and makes the same calls.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        config: LocalRolloutConfig | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.arch = arch
+        self.config = config or LocalRolloutConfig()
+        self.tp_group = tp_group
+        self.device = torch.device(device)
+        self.decoder = RolloutDecoder(arch, tp_group, self.device, self.config.dtype)
+        self._loaded: set[str] = set()
+        self._asleep: set[str] = set()
+        self._weights_released = False
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    @property
+    def asleep(self) -> frozenset[str]:
+        """Which of 'weights', 'kv_cache' are released (or offloaded) right now."""
+        return frozenset(self._asleep)
+
+    def missing_weights(self) -> list[str]:
+        """Rollout-layout names never loaded since the weights were (re)allocated."""
+        return sorted(set(self.decoder.shapes) - self._loaded)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        if "weights" in self._asleep:
+            raise RuntimeError("load_weights() while the weights are asleep; call wake_up() first")
+        for name, tensor in named_tensors:
+            self.decoder.load(name, tensor)
+            self._loaded.add(name)
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: the KV cache is freed and the weights move to host memory (kept); level 2: the weights
+        are discarded too. The KV cache only lives inside ``generate``, so there is nothing else to free."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if level == 2:
+            self.decoder.release()
+            self._loaded.clear()
+            self._weights_released = True
+        elif self.device.type != "cpu" and not self._weights_released:
+            self.decoder.to("cpu")
+        self._asleep.update(_TAGS)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        tags = list(_TAGS if tags is None else tags)
+        unknown = set(tags) - set(_TAGS)
+        if unknown:
+            raise ValueError(f"tags must be among {_TAGS}, got {sorted(unknown)}")
+        if "weights" in tags and "weights" in self._asleep:
+            if self._weights_released:
+                self.decoder.allocate()  # zeros: load_weights must follow
+                self._weights_released = False
+            else:
+                self.decoder.to(self.device)
+        self._asleep.difference_update(tags)
+
+    def _check_ready(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"generate() while {sorted(self._asleep)} asleep; call wake_up() first")
+        missing = self.missing_weights()
+        if missing:
+            raise RuntimeError(f"{len(missing)} weights were never loaded, e.g. {missing[:3]}")
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+            if min(prompt) < 0 or max(prompt) >= self.arch.vocab_size:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={self.arch.vocab_size})")
+
+    def _resolve_seed(self, seed: int | None) -> int:
+        """The call's seed; a drawn one comes from TP rank 0 so that every rank samples alike."""
+        if seed is not None:
+            return seed
+        value = torch.randint(0, 2**62, (1,))
+        if self.tp_group is not None:
+            dist.broadcast(value, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return int(value)
+
+    # --- generation ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        """``params.n`` sampled responses per prompt; tensors of the result are on the CPU."""
+        self._check_ready()
+        self._check_prompts(prompts)
+        n, max_new = params.n, params.max_new_tokens
+        num = len(prompts) * n
+        out = _Outputs(
+            token_ids=torch.full((num, max_new), params.pad_token_id, dtype=torch.long, device=self.device),
+            log_probs=torch.zeros(num, max_new, dtype=torch.float32, device=self.device),
+            lengths=torch.full((num,), max_new, dtype=torch.long, device=self.device),
+            stopped=torch.zeros(num, dtype=torch.bool, device=self.device),
+        )
+        generator = torch.Generator(device=self.device).manual_seed(self._resolve_seed(params.seed))
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        for first, last in self._waves(prompts, params):
+            self._run_wave(prompts[first:last], first * n, params, stop_ids, generator, out)
+        return GenerationOutput(
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            token_ids=out.token_ids.cpu(),
+            log_probs=out.log_probs.cpu(),
+            lengths=out.lengths.cpu(),
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in out.stopped.tolist()],
+        )
+
+    def _waves(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[tuple[int, int]]:
+        """[first, last) prompt ranges whose n samples fit ``max_cache_tokens`` together (at least one)."""
+        if not prompts:
+            return []
+        per_sequence = max(len(p) for p in prompts) + params.max_new_tokens
+        per_wave = max(1, self.config.max_cache_tokens // (per_sequence * params.n))
+        return [(i, min(i + per_wave, len(prompts))) for i in range(0, len(prompts), per_wave)]
+
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], width: int, cache: KVCache
+    ) -> tuple[Tensor, Tensor | None]:
+        """A wave's prompts, left-padded to ``width``, into cache rows [0, B) -> (fp32 logits [B, vocab] of
+        their last tokens, left padding [B] or None when all prompts have the same length)."""
+        lengths = [len(p) for p in prompts]
+        pad = (
+            None if min(lengths) == width else torch.tensor([width - n for n in lengths], device=self.device)
+        )
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt) :] = torch.as_tensor(prompt)
+        tokens = tokens.to(self.device)
+        per_chunk = max(1, self.config.max_prefill_tokens // width)
+        logits = []
+        for i in range(0, len(prompts), per_chunk):
+            rows = slice(i, min(i + per_chunk, len(prompts)))
+            logits.append(self.decoder.prefill(tokens[rows], None if pad is None else pad[rows], cache, rows))
+        return torch.cat(logits), pad
+
+    def _run_wave(
+        self,
+        prompts: Sequence[Sequence[int]],
+        first_row: int,
+        params: SamplingParams,
+        stop_ids: Tensor,
+        generator: torch.Generator,
+        out: _Outputs,
+    ) -> None:
+        """Generate every sample of ``prompts`` into output rows ``first_row...``."""
+        n, max_new = params.n, params.max_new_tokens
+        width = max(len(p) for p in prompts)
+        num = len(prompts) * n
+        cache = KVCache.allocate(
+            self.arch.num_layers,
+            num,
+            self.decoder.num_kv_heads,
+            width + max_new,
+            self.arch.head_dim,
+            self.config.dtype,
+            self.device,
+        )
+        logits, pad = self._prefill(prompts, width, cache)
+        if n > 1:
+            cache.repeat_rows(len(prompts), n, width)
+            logits = logits.repeat_interleave(n, 0)
+            pad = None if pad is None else pad.repeat_interleave(n)
+        rows = torch.arange(first_row, first_row + num, device=self.device)  # output row of each cache row
+        for step in range(max_new):
+            tokens, log_probs = sample_tokens(logits, params, generator)
+            out.token_ids[rows, step] = tokens
+            out.log_probs[rows, step] = log_probs
+            if stop_ids.numel():
+                done = torch.isin(tokens, stop_ids)
+                if bool(done.any()):
+                    out.lengths[rows[done]] = step + 1
+                    out.stopped[rows[done]] = True
+                    keep = torch.nonzero(~done).squeeze(1)
+                    if keep.numel() == 0 or step + 1 == max_new:
+                        return
+                    cache.keep_rows(keep, width + step)  # only the columns written so far move
+                    rows, tokens = rows[keep], tokens[keep]
+                    pad = None if pad is None else pad[keep]
+            if step + 1 == max_new:
+                return
+            logits = self.decoder.decode(tokens, width + step, pad, cache)
