@@ -1,0 +1,93 @@
+"""``mcore-rl convert``: HF <-> megatron-core checkpoint conversion.
+
+    mcore-rl convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp M] [--dtype bf16|fp32] [--overwrite]
+    mcore-rl convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--dtype bf16|fp32]
+                                 [--max-shard-size 5GB] [--overwrite]
+
+Both also run as ``python -m mcore_rl.convert ...`` and under ``torchrun ... -m mcore_rl.convert``
+(hf-to-mcore splits the writing over the ranks; mcore-to-hf runs on rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+from mcore_rl.convert.mapping import ConvertError
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> megatron distributed checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
+    to_mcore.add_argument("--out", required=True, help="checkpoint folder to create")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel chunking (loads at any TP)")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline stages (splits writing under torchrun)")
+    to_mcore.add_argument("--dtype", default=None, help="bf16 or fp32 (default: the HF weights' dtype)")
+    to_mcore.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    to_hf = sub.add_parser("mcore-to-hf", help="megatron distributed checkpoint -> HF safetensors folder")
+    to_hf.add_argument("--ckpt", required=True, help="megatron distributed checkpoint folder")
+    to_hf.add_argument("--out", required=True, help="HF folder to create")
+    to_hf.add_argument(
+        "--hf-config-from", default=None, help="HF folder with the model's config.json and tokenizer files"
+    )
+    to_hf.add_argument("--dtype", default=None, help="bf16 or fp32 (default: the stored dtype)")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MiB")
+    to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name.lower() not in _DTYPES:
+        raise ConvertError(f"--dtype {name!r} is not a known dtype; use bf16 or fp32")
+    return _DTYPES[name.lower()]
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
+    if match is None or float(match.group(1)) <= 0:
+        raise ConvertError(f"--max-shard-size {text!r} is not a size like 5GB or 500MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def run(args: argparse.Namespace) -> int:
+    from mcore_rl.engine.arch import ConfigError
+    from mcore_rl.parallel.layout import LayoutError
+
+    try:
+        out = _convert(args)
+    except (ConvertError, ConfigError, LayoutError) as err:
+        print(f"mcore-rl convert {args.direction}: error: {err}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") == "0":  # one line per job, not per torchrun rank
+        print(f"wrote {out}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> str:
+    dtype = parse_dtype(args.dtype)
+    if args.direction == "hf-to-mcore":
+        from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
+
+        return convert_hf_to_mcore(
+            HfToMcoreOptions(args.hf_dir, args.out, args.tp, args.pp, dtype, args.overwrite)
+        )
+    from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
+
+    options = McoreToHfOptions(
+        args.ckpt, args.out, args.hf_config_from, dtype, parse_size(args.max_shard_size), args.overwrite
+    )
+    return convert_mcore_to_hf(options)

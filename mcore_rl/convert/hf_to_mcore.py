@@ -1,0 +1,231 @@
+"""HF safetensors folder -> megatron-core distributed checkpoint (torch_dist), streamed tensor by tensor.
+
+Data flow, per rank::
+
+    config.json --ModelArch--> checkpoint_plan(arch, tp, pp): chunks (key, offsets, sizes, full-state name)
+                                    |  this rank's chunks (writer rank % world size)
+    safetensors --read q,k,v..--> to_full() --narrow to chunk--> DCP FileSystemWriter (one at a time)
+
+Everything that can be wrong with the input (config, missing/corrupt shard, tensor shapes, layout) is
+checked from headers before any tensor is read or any output is created. The checkpoint is the one a
+trainer at (tp, pp) would save, so it loads at any layout; under torchrun each rank writes only the
+chunks its (tp, pp) position owns.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import WriteItem
+
+from mcore_rl.convert.dcp_io import bytes_write_item, save_lazily, tensor_write_item
+from mcore_rl.convert.dist_layout import Chunk, checkpoint_plan
+from mcore_rl.convert.mapping import (
+    ConvertError,
+    TensorMap,
+    check_convertible,
+    hf_shapes,
+    optional_hf_names,
+    tensor_maps,
+    to_full,
+)
+from mcore_rl.convert.memory import release_freed_memory
+from mcore_rl.convert.output import StagedOutput, copy_side_files
+from mcore_rl.convert.safetensors_io import SafetensorsReader
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, ModelCheckpointInfo
+from mcore_rl.parallel.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class HfToMcoreOptions:
+    hf_dir: str
+    """HF model folder: config.json + model.safetensors or sharded safetensors with an index."""
+    out: str
+    """Checkpoint folder to create."""
+    tp: int = 1
+    """Tensor-parallel chunking of the written checkpoint (it loads at any TP)."""
+    pp: int = 1
+    """Pipeline stages whose ranks split the writing under torchrun."""
+    dtype: torch.dtype | None = None
+    """Stored dtype; None keeps the HF weights' dtype."""
+    overwrite: bool = False
+    """Replace a non-empty ``out``."""
+
+
+def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype | None) -> torch.dtype:
+    """Every tensor the config implies is present with that shape; returns the dtype to store."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for tensor_map in tensor_maps(arch):
+        expected.update(zip(tensor_map.hf_names, hf_shapes(arch, tensor_map), strict=True))
+    config = os.path.join(reader.directory, "config.json")
+    for name, shape in expected.items():
+        info = reader.infos.get(name)
+        if info is None:
+            raise ConvertError(f"{reader.directory}: tensor {name} is missing, but {config} implies it")
+        if info.shape != shape:
+            raise ConvertError(
+                f"{os.path.join(reader.directory, info.file)}: {name} has shape {list(info.shape)}, "
+                f"but {config} implies {list(shape)} ({_shape_fields(arch)})"
+            )
+    unexpected = sorted(set(reader.infos) - set(expected) - optional_hf_names(arch))
+    if unexpected:
+        file = os.path.join(reader.directory, reader.infos[unexpected[0]].file)
+        raise ConvertError(
+            f"{file}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the model "
+            f"{config} describes ({_shape_fields(arch)})"
+        )
+    if dtype is not None:
+        return dtype
+    dtypes = sorted({str(reader.infos[n].dtype) for n in expected})
+    if len(dtypes) > 1:
+        raise ConvertError(f"{reader.directory}: weights mix dtypes {dtypes}; choose one with --dtype")
+    return reader.infos[next(iter(expected))].dtype
+
+
+def _shape_fields(arch: ModelArch) -> str:
+    return (
+        f"num_hidden_layers={arch.num_layers}, hidden_size={arch.hidden_size}, "
+        f"intermediate_size={arch.ffn_hidden_size}, num_attention_heads={arch.num_attention_heads}, "
+        f"num_key_value_heads={arch.num_query_groups}, head_dim={arch.head_dim}, vocab_size={arch.vocab_size}, "
+        f"tie_word_embeddings={arch.tie_word_embeddings}"
+    )
+
+
+def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, torch.dtype, StagedOutput]:
+    """All input validation, from headers only; raises before anything is written."""
+    if not os.path.isdir(options.hf_dir):
+        raise ConvertError(f"--hf-dir {options.hf_dir} is not a folder")
+    arch = ModelArch.from_hf_config(options.hf_dir)
+    check_convertible(arch)
+    layout = ParallelLayout(world_size=options.tp * options.pp, tp=options.tp, pp=options.pp)
+    layout.check_model(
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        num_layers=arch.num_layers,
+    )
+    reader = SafetensorsReader(options.hf_dir)
+    dtype = check_hf_weights(arch, reader, options.dtype)
+    return arch, reader, dtype, StagedOutput(options.out, options.overwrite, inputs=[options.hf_dir])
+
+
+class _ChunkSource:
+    """Builds chunks from the HF tensors, keeping the last full-state tensor (chunks come grouped by it)."""
+
+    def __init__(self, arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype) -> None:
+        self.arch = arch
+        self.reader = reader
+        self.dtype = dtype
+        self.maps: dict[str, TensorMap] = {m.full_name: m for m in tensor_maps(arch)}
+        self._cached: tuple[str, torch.Tensor] | None = None
+
+    def full(self, name: str) -> torch.Tensor:
+        if self._cached is None or self._cached[0] != name:
+            self._cached = None  # free the previous tensor before reading the next
+            release_freed_memory()
+            tensor_map = self.maps[name]
+            hf = [self.reader.get(n) for n in tensor_map.hf_names]
+            self._cached = (name, to_full(self.arch, tensor_map, hf).to(self.dtype))
+        return self._cached[1]
+
+    def chunk(self, chunk: Chunk) -> torch.Tensor:
+        full = self.full(chunk.full_name)
+        offsets, sizes = chunk.full_region
+        part = full
+        for dim, (start, length) in enumerate(zip(offsets, sizes, strict=True)):
+            start = min(start, full.shape[dim])
+            part = part.narrow(dim, start, min(length, full.shape[dim] - start))
+        if tuple(part.shape) != tuple(sizes):  # vocab padding rows past the real vocab: zeros
+            padded = full.new_zeros(sizes)
+            padded[tuple(slice(0, s) for s in part.shape)] = part
+            return padded.reshape(chunk.sizes)
+        if part.numel() == full.numel():  # the whole tensor (TP=1): written from it, no second copy
+            return part.reshape(chunk.sizes)
+        return part.reshape(chunk.sizes).clone()  # a TP slice: the writer needs compact storage anyway
+
+
+def _extra_state_bytes() -> io.BytesIO:
+    # What megatron stores for a local-spec layer's ShardedObject: torch.save of the list of its values.
+    buffer = io.BytesIO()
+    torch.save([None], buffer)
+    return buffer
+
+
+def write_checkpoint(
+    directory: str, arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype, tp: int, pp: int
+) -> None:
+    """Collective over the default process group: each rank writes its part of the plan into ``directory``."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    chunks, extra_states = checkpoint_plan(arch, tp, pp)
+    mine = [c for c in chunks if c.writer % world == rank]
+    source = _ChunkSource(arch, reader, dtype)
+    by_index = {}
+    items = []
+    for c in mine:
+        item = tensor_write_item(c.key, c.global_shape, c.offsets, c.sizes, dtype)
+        by_index[item.index] = c
+        items.append(item)
+    items += [bytes_write_item(e.fqn) for e in extra_states if e.writer % world == rank]
+
+    def resolve(item: WriteItem) -> torch.Tensor | io.BytesIO:
+        chunk = by_index.get(item.index)
+        return _extra_state_bytes() if chunk is None else source.chunk(chunk)
+
+    save_lazily(directory, items, resolve)
+
+
+def finish_checkpoint(directory: str, arch: ModelArch, dtype: torch.dtype, hf_dir: str) -> None:
+    """Rank 0, after the collective write: megatron's side files and ours."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    torch.save({}, os.path.join(directory, "common.pt"))  # the model has no non-tensor state
+    ModelCheckpointInfo.for_arch(arch, dtype, converted_from=os.path.abspath(hf_dir)).write(directory)
+    copy_side_files(hf_dir, os.path.join(directory, HF_ASSETS_DIR))
+    save_config(CheckpointingConfig("torch_dist", 1), directory)  # last: marks the checkpoint complete
+
+
+def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
+    """Run the conversion on every rank of the launcher's world (or alone); returns the output path.
+
+    Collective: on return the checkpoint is complete at ``options.out`` for every rank, or every rank raises.
+    """
+    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+
+    arch, reader, dtype, staging = prepare(options)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:  # world from torchrun, or a world of one
+        shared = [staging.begin() if ctx.rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        staging.tmp = str(shared[0])
+        try:
+            write_checkpoint(staging.tmp, arch, reader, dtype, options.tp, options.pp)
+        except BaseException:
+            if ctx.rank == 0:
+                staging.abort()
+            raise
+        _finish_on_rank0(
+            ctx.rank, staging, lambda: finish_checkpoint(staging.tmp, arch, dtype, options.hf_dir)
+        )
+    return staging.out
+
+
+def _finish_on_rank0(rank: int, staging: StagedOutput, finish: Callable[[], None]) -> None:
+    """Rank 0 finishes and renames; all ranks learn whether it worked (nobody waits on a failed rank)."""
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            finish()
+            staging.commit()
+        except BaseException as err:
+            staging.abort()
+            failure = err
+    outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        raise ConvertError(f"rank 0 could not finish {staging.out}: {outcome[0]}")

@@ -1,0 +1,179 @@
+"""Hugging Face <-> megatron "full state" names and tensor transforms for the Llama family.
+
+Pure tensor code (no files, no process groups). The full state is defined in ``mcore_rl.engine.weights``:
+TP=1 megatron tensors with global layer numbers and the real vocabulary. Llama 2/3, Qwen2 and Mistral
+share HF's Llama naming; they differ only in the q/k/v biases (Qwen2) and tied embeddings, which
+:class:`~mcore_rl.engine.arch.ModelArch` already records. Every transform is a reshape/concatenation,
+so HF -> full -> HF is bit-exact.
+
+One :class:`TensorMap` ties a full-state tensor to the HF tensors it is made of; :func:`tensor_maps`
+lists them in checkpoint order (embedding, layers in order, final norm, output layer), which is also the
+order the streaming converters read and write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_rl.engine.arch import ModelArch
+
+
+class ConvertError(ValueError):
+    """Input a conversion cannot use; the message names the file or field at fault."""
+
+
+# How a full-state tensor is made of HF tensors.
+COPY = "copy"  # one HF tensor, same layout
+QKV = "qkv"  # q, k, v projections fused per query group
+GATE_UP = "gate_up"  # [gate; up]
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    full_name: str
+    """Megatron full-state name, e.g. ``decoder.layers.3.self_attention.linear_qkv.weight``."""
+    hf_names: tuple[str, ...]
+    """The HF tensors, in the order the transform takes them."""
+    kind: str
+    """:data:`COPY`, :data:`QKV` or :data:`GATE_UP`."""
+
+
+def tensor_maps(arch: ModelArch) -> list[TensorMap]:
+    """Every full-state tensor of ``arch`` with its HF sources, in checkpoint order."""
+    maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COPY)]
+    for i in range(arch.num_layers):
+        maps.extend(_layer_maps(arch, i))
+    maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
+    if not arch.tie_word_embeddings:
+        maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), COPY))
+    return maps
+
+
+def _layer_maps(arch: ModelArch, i: int) -> list[TensorMap]:
+    full, hf = f"decoder.layers.{i}", f"model.layers.{i}"
+    attn = f"{hf}.self_attn"
+    maps = [
+        TensorMap(f"{full}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",), COPY),
+        TensorMap(
+            f"{full}.self_attention.linear_qkv.weight",
+            (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"),
+            QKV,
+        ),
+    ]
+    if arch.qkv_bias:
+        maps.append(
+            TensorMap(
+                f"{full}.self_attention.linear_qkv.bias",
+                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"),
+                QKV,
+            )
+        )
+    maps += [
+        TensorMap(f"{full}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), COPY),
+        TensorMap(f"{full}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",), COPY),
+        TensorMap(
+            f"{full}.mlp.linear_fc1.weight",
+            (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
+            GATE_UP,
+        ),
+        TensorMap(f"{full}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",), COPY),
+    ]
+    return maps
+
+
+def check_convertible(arch: ModelArch) -> None:
+    """Raise :class:`ConvertError` for configs ``ModelArch`` accepts but the weight mapping cannot carry."""
+    cfg = arch.extra
+    if arch.family == "llama" and cfg.get("attention_bias"):
+        # HF Llama then also has an o_proj bias, which megatron's add_qkv_bias does not model.
+        raise ConvertError(
+            "attention_bias=true is not supported for Llama (o_proj bias has no megatron slot)"
+        )
+
+
+def hf_shapes(arch: ModelArch, tensor_map: TensorMap) -> list[tuple[int, ...]]:
+    """Shapes the HF tensors of ``tensor_map`` must have under ``arch`` (for validating inputs)."""
+    h, d = arch.hidden_size, arch.head_dim
+    q_rows, kv_rows = arch.num_attention_heads * d, arch.num_query_groups * d
+    name = tensor_map.full_name
+    if tensor_map.kind == QKV:
+        tail = (h,) if name.endswith("weight") else ()
+        return [(q_rows, *tail), (kv_rows, *tail), (kv_rows, *tail)]
+    if tensor_map.kind == GATE_UP:
+        return [(arch.ffn_hidden_size, h)] * 2
+    if name.endswith("layernorm.weight"):
+        return [(h,)]
+    if name.endswith("linear_proj.weight"):
+        return [(h, q_rows)]
+    if name.endswith("linear_fc2.weight"):
+        return [(h, arch.ffn_hidden_size)]
+    return [(arch.vocab_size, h)]  # embedding / output layer
+
+
+def full_shape(arch: ModelArch, tensor_map: TensorMap) -> tuple[int, ...]:
+    shapes = hf_shapes(arch, tensor_map)
+    if tensor_map.kind == COPY:
+        return shapes[0]
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def to_full(arch: ModelArch, tensor_map: TensorMap, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The full-state tensor from its HF tensors (same dtype)."""
+    if tensor_map.kind == QKV:
+        return fuse_qkv(arch, *hf_tensors)
+    if tensor_map.kind == GATE_UP:
+        return torch.cat(hf_tensors, dim=0)
+    return hf_tensors[0]
+
+
+def to_hf(arch: ModelArch, tensor_map: TensorMap, full: torch.Tensor) -> list[torch.Tensor]:
+    """Inverse of :func:`to_full`: the HF tensors, contiguous, in ``tensor_map.hf_names`` order."""
+    if tensor_map.kind == QKV:
+        return list(split_qkv(arch, full))
+    if tensor_map.kind == GATE_UP:
+        return [t.contiguous() for t in torch.chunk(full, 2, dim=0)]
+    return [full.contiguous()]
+
+
+def fuse_qkv(arch: ModelArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q [heads*d, ...], k/v [groups*d, ...] -> megatron [groups*(heads/groups + 2)*d, ...].
+
+    megatron stores each query group contiguously as [its q heads; k; v], so TP (which splits whole
+    groups) slices dim 0 contiguously. Works for weights ([.., hidden]) and biases alike.
+    """
+    groups, d = arch.num_query_groups, arch.head_dim
+    per_group = arch.num_attention_heads // groups
+    tail = q.shape[1:]
+    parts = [
+        q.reshape(groups, per_group * d, *tail),
+        k.reshape(groups, d, *tail),
+        v.reshape(groups, d, *tail),
+    ]
+    return torch.cat(parts, dim=1).reshape(groups * (per_group + 2) * d, *tail)
+
+
+def split_qkv(arch: ModelArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    groups, d = arch.num_query_groups, arch.head_dim
+    per_group = arch.num_attention_heads // groups
+    tail = qkv.shape[1:]
+    q, k, v = torch.split(qkv.reshape(groups, (per_group + 2) * d, *tail), [per_group * d, d, d], dim=1)
+    return (
+        q.reshape(groups * per_group * d, *tail).contiguous(),
+        k.reshape(groups * d, *tail).contiguous(),
+        v.reshape(groups * d, *tail).contiguous(),
+    )
+
+
+def optional_hf_names(arch: ModelArch) -> set[str]:
+    """HF tensors that may be present but carry nothing megatron needs.
+
+    Tied checkpoints sometimes store ``lm_head.weight`` anyway (a copy of the embedding), and older
+    transformers saved the rotary ``inv_freq`` buffers.
+    """
+    names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(arch.num_layers)}
+    if arch.tie_word_embeddings:
+        names.add("lm_head.weight")
+    return names

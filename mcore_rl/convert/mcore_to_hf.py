@@ -1,0 +1,174 @@
+"""megatron-core distributed checkpoint (any saved TP/PP/VPP) -> HF folder, streamed tensor by tensor.
+
+Data flow (one process; under torchrun only rank 0 works)::
+
+    .metadata --> for each full-state tensor, in HF order:
+        DCP read of its region (one layer of one key; the real vocab rows only)
+        --to_hf()--> q/k/v, gate/up, ... --> StreamingShardWriter (header first, data appended)
+    + config.json (from mcore_rl_model.json or --hf-config-from) + tokenizer files
+
+Peak memory is about one full-state tensor and its HF pieces; output shards never sit in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_rl.convert.dcp_io import DistCheckpointReader, Region
+from mcore_rl.convert.dist_layout import checkpoint_key
+from mcore_rl.convert.mapping import (
+    ConvertError,
+    TensorMap,
+    check_convertible,
+    full_shape,
+    hf_shapes,
+    tensor_maps,
+    to_hf,
+)
+from mcore_rl.convert.memory import release_freed_memory
+from mcore_rl.convert.output import StagedOutput, copy_side_files
+from mcore_rl.convert.safetensors_io import OutputTensor, StreamingShardWriter
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, ModelCheckpointInfo
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' historical default ("5GB")
+
+
+@dataclass(frozen=True)
+class McoreToHfOptions:
+    ckpt: str
+    """megatron distributed checkpoint folder (ours or any trainer's model checkpoint)."""
+    out: str
+    """HF folder to create."""
+    hf_config_from: str | None = None
+    """HF folder whose config.json (and tokenizer files) describe the model; needed for checkpoints
+    without ``mcore_rl_model.json``, and overrides it otherwise."""
+    dtype: torch.dtype | None = None
+    """Output dtype; None keeps the stored one."""
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class _Source:
+    arch: ModelArch
+    hf_config: dict[str, Any]
+    reader: DistCheckpointReader
+    side_files_from: str
+
+
+def _open_checkpoint(options: McoreToHfOptions) -> _Source:
+    ckpt = options.ckpt
+    marker = os.path.join(ckpt, "metadata.json")
+    try:
+        with open(marker) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConvertError(f"{marker}: not a megatron distributed checkpoint ({err})") from None
+    if backend != "torch_dist":
+        raise ConvertError(f"{marker}: sharded_backend={backend!r}, only 'torch_dist' is supported")
+    if options.hf_config_from is not None:
+        hf_config = _read_json(os.path.join(options.hf_config_from, "config.json"))
+        side_files_from = options.hf_config_from
+    else:
+        info = ModelCheckpointInfo.read(ckpt)
+        if info is None:
+            raise ConvertError(
+                f"{ckpt}: no mcore_rl_model.json; pass --hf-config-from with the model's HF folder"
+            )
+        hf_config, side_files_from = info.hf_config, os.path.join(ckpt, HF_ASSETS_DIR)
+    arch = ModelArch.from_hf_config(hf_config)
+    check_convertible(arch)
+    try:
+        reader = DistCheckpointReader(ckpt)
+    except Exception as err:  # torch raises assorted errors for an unreadable .metadata
+        raise ConvertError(
+            f"{os.path.join(ckpt, '.metadata')}: cannot read checkpoint metadata ({err})"
+        ) from None
+    return _Source(arch, hf_config, reader, side_files_from)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return dict(json.load(f))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConvertError(f"{path}: cannot read ({err})") from None
+
+
+def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader) -> Region:
+    """The stored box holding ``tensor_map``'s full-state tensor, checked against the config."""
+    key, layer = checkpoint_key(tensor_map.full_name)
+    stored = reader.tensors.get(key)
+    if stored is None:
+        raise ConvertError(
+            f"{reader.directory}: checkpoint has no tensor {key} (needed for {tensor_map.full_name})"
+        )
+    shape = full_shape(arch, tensor_map)
+    expected = (arch.num_layers, *shape) if layer is not None else shape
+    size = tuple(stored.size)
+    vocab_ok = key.endswith("word_embeddings.weight") or key == "output_layer.weight"
+    fits = len(size) == len(expected) and all(
+        s == e or (vocab_ok and i == 0 and s >= e)
+        for i, (s, e) in enumerate(zip(size, expected, strict=True))
+    )
+    if not fits:
+        raise ConvertError(
+            f"{reader.directory}: {key} has shape {list(size)}, the config implies {list(expected)}"
+            + (" (rows may be padded)" if vocab_ok else "")
+        )
+    if layer is None:
+        return Region(key, (0,) * len(shape), shape)
+    return Region(key, (layer,) + (0,) * len(shape), (1, *shape))
+
+
+def _output_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """The HF config to write: unchanged but for its dtype field (if it has one), set to the weights'."""
+    config = dict(hf_config)
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
+    """Write the HF folder; returns its path. Under torchrun, ranks other than 0 return at once."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return os.path.abspath(options.out)
+    staging = StagedOutput(options.out, options.overwrite, inputs=[options.ckpt])
+    source = _open_checkpoint(options)
+    arch, reader = source.arch, source.reader
+    maps = tensor_maps(arch)
+    regions = [_region(arch, m, reader) for m in maps]
+    stored = reader.tensors[regions[0].fqn].properties.dtype
+    dtype = options.dtype or stored
+    outputs = [
+        OutputTensor(name, shape, dtype)
+        for m in maps
+        for name, shape in zip(m.hf_names, hf_shapes(arch, m), strict=True)
+    ]
+    tmp = staging.begin()
+    try:
+        writer = StreamingShardWriter(tmp, outputs, options.max_shard_bytes)
+        for tensor_map, region in zip(maps, regions, strict=True):
+            (stored_tensor,) = reader.read([region])
+            full = stored_tensor.reshape(full_shape(arch, tensor_map))
+            for name, tensor in zip(tensor_map.hf_names, to_hf(arch, tensor_map, full), strict=True):
+                writer.add(name, tensor.to(dtype))
+            del stored_tensor, full
+            release_freed_memory()
+        writer.finish()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(_output_config(source.hf_config, dtype), f, indent=2, sort_keys=True)
+            f.write("\n")
+        copy_side_files(source.side_files_from, tmp)
+        staging.commit()
+    except BaseException:
+        staging.abort()
+        raise
+    return staging.out

@@ -1,0 +1,168 @@
+"""Model checkpoints in megatron-core's distributed format (``dist_checkpointing``, torch_dist backend).
+
+A checkpoint folder holds megatron's files (``.metadata``, ``__<rank>_<i>.distcp``, ``common.pt``,
+``metadata.json``) plus :data:`MODEL_INFO_FILE`, ours: the HF config and real vocabulary size, so that
+``mcore-rl convert mcore-to-hf`` needs nothing else, and :data:`HF_ASSETS_DIR` with tokenizer files
+when they were known. The format is reshardable: a checkpoint saved at one (TP, PP, VPP) loads at any
+other, vocab padding included (megatron marks the embedding/output rows ``allow_shape_mismatch``).
+
+The functions are small on purpose: the trainer's full checkpoint (optimizer, RNG, step) adds its own
+entries next to :func:`sharded_state_dict`'s and calls ``dist_checkpointing`` once, passing
+:func:`save_strategy` as ``sharded_strategy``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.weights import unwrap
+from mcore_rl.parallel.context import ParallelContext
+
+MODEL_INFO_FILE = "mcore_rl_model.json"
+HF_ASSETS_DIR = "hf_assets"
+FORMAT_VERSION = 1
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ModelCheckpointInfo:
+    """What a checkpoint holds, beyond megatron's tensors (written as :data:`MODEL_INFO_FILE`)."""
+
+    hf_config: dict[str, Any]
+    """The model's HF ``config.json`` (architecture, vocab, rope, ...)."""
+    dtype: str
+    """Stored weight dtype: 'float32' or 'bfloat16'."""
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance (e.g. the HF folder it was converted from)."""
+
+    @classmethod
+    def for_arch(cls, arch: ModelArch, dtype: torch.dtype, **extra: Any) -> ModelCheckpointInfo:
+        return cls(hf_config=dict(arch.extra), dtype=_DTYPE_NAMES[dtype], extra=extra)
+
+    @property
+    def arch(self) -> ModelArch:
+        return ModelArch.from_hf_config(self.hf_config)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
+
+    def write(self, directory: str) -> None:
+        with open(os.path.join(directory, MODEL_INFO_FILE), "w") as f:
+            json.dump(asdict(self), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def read(cls, directory: str) -> ModelCheckpointInfo | None:
+        """The info of a checkpoint folder, or None when it has none (not written by mcore_rl)."""
+        path = os.path.join(directory, MODEL_INFO_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            raw = json.load(f)
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: format_version={raw.get('format_version')!r}, expected {FORMAT_VERSION}"
+            )
+        return cls(**raw)
+
+
+def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
+    """megatron's sharded state dict of this rank's model chunks.
+
+    Same top-level keys as Megatron-LM: ``model``, or ``model0``, ``model1``, ... with virtual pipeline
+    chunks. Tensor keys inside are global (layer numbers included), so the stored checkpoint does not
+    depend on the layout.
+    """
+    models = [unwrap(c) for c in chunks]
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def save_strategy() -> Any:
+    """A torch_dist save strategy that writes in this process (same on-disk format as megatron's default).
+
+    megatron's default writer starts a ``multiprocessing`` Manager and forks writer processes for every
+    save: that cannot run in a daemonic process (a multiprocessing pool worker, such as our test pool),
+    hangs scripts without an ``if __name__ == "__main__"`` guard, and costs seconds to start. torch's own
+    DCP ``FileSystemWriter`` writes the same files synchronously. (Asynchronous saving, when the trainer
+    wants it, is megatron's ``async_sharded_save`` path.)
+    """
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+
+    class InProcessTorchDistSave(SaveShardedStrategy):
+        def __init__(self) -> None:
+            super().__init__("torch_dist", 1)
+
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            import torch.distributed.checkpoint as dcp
+            from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+            by_key, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, keep_only_main_replica=True
+            )
+            dcp.save(
+                mcore_torch.mcore_to_pyt_state_dict(by_key, False),
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=mcore_torch.MCoreSavePlanner(
+                    dedup_replicated_tensors=False, flatten_state_dict=False
+                ),
+            )
+
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+    return InProcessTorchDistSave()
+
+
+def save_model(
+    chunks: list[Any], ctx: ParallelContext, directory: str, info: ModelCheckpointInfo | None = None
+) -> None:
+    """Collective: every rank writes its shards of the model to ``directory`` (created if missing)."""
+    from megatron.core import dist_checkpointing
+
+    if ctx.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict(chunks), directory, sharded_strategy=save_strategy())
+    if ctx.rank == 0 and info is not None:
+        info.write(directory)
+    dist.barrier()
+
+
+@torch.no_grad()
+def load_model(chunks: list[Any], ctx: ParallelContext, directory: str) -> None:
+    """Collective: load this rank's shards from a model checkpoint saved at any layout."""
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):  # megatron's completion marker
+        raise FileNotFoundError(f"{directory}: not a megatron distributed checkpoint (no metadata.json)")
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    request = sharded_state_dict(chunks)
+    loaded, _, unexpected = dist_checkpointing.load(
+        request, directory, strict=StrictHandling.RETURN_UNEXPECTED
+    )
+    # Transformer-Engine layers keep fp8 bookkeeping in ``_extra_state``; a checkpoint from the local spec
+    # (CPU, conversion) has none for some of them, and TE starts fresh without it. Weights must all be there.
+    missing_weights = sorted(k for k in unexpected if "_extra_state" not in k)
+    if missing_weights:
+        raise KeyError(f"{directory}: checkpoint lacks {missing_weights}")
+    models = [unwrap(c) for c in chunks]
+    names = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for name, model in zip(names, models, strict=True):
+        result = model.load_state_dict(loaded[name], strict=False)
+        absent = [k for k in result.missing_keys if "_extra_state" not in k]
+        if absent or result.unexpected_keys:
+            raise KeyError(
+                f"{directory}: state mismatch, missing {absent}, unexpected {result.unexpected_keys}"
+            )

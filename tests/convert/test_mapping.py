@@ -1,0 +1,120 @@
+"""Pure pieces of the converter: HF <-> full-state transforms, the checkpoint plan, streaming safetensors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mcore_rl.convert.cli import parse_dtype, parse_size
+from mcore_rl.convert.dist_layout import checkpoint_key, checkpoint_plan
+from mcore_rl.convert.mapping import (
+    ConvertError,
+    check_convertible,
+    full_shape,
+    fuse_qkv,
+    hf_shapes,
+    split_qkv,
+    tensor_maps,
+    to_full,
+    to_hf,
+)
+from mcore_rl.convert.safetensors_io import INDEX_FILE, OutputTensor, SafetensorsReader, StreamingShardWriter
+from mcore_rl.parallel.layout import padded_vocab_size
+from mcore_rl.parallel.sharding import ShardKind, shard_kind, tp_shard
+from tests.models import tiny_arch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_every_transform_round_trips_bit_exactly(family):
+    arch = tiny_arch(family)
+    generator = torch.Generator().manual_seed(0)
+    for tensor_map in tensor_maps(arch):
+        hf = [torch.randn(s, generator=generator) for s in hf_shapes(arch, tensor_map)]
+        full = to_full(arch, tensor_map, hf)
+        assert tuple(full.shape) == full_shape(arch, tensor_map)
+        for before, after in zip(hf, to_hf(arch, tensor_map, full), strict=True):
+            assert torch.equal(before, after)
+
+
+def test_qkv_is_grouped_per_query_group_as_megatron_expects():
+    arch = tiny_arch("llama")  # 4 heads, 2 groups, head_dim 16
+    d = arch.head_dim
+    q = torch.arange(4 * d).float()[:, None].expand(-1, 3)
+    k = 1000 + torch.arange(2 * d).float()[:, None].expand(-1, 3)
+    v = 2000 + torch.arange(2 * d).float()[:, None].expand(-1, 3)
+    rows = fuse_qkv(arch, q, k, v)[:, 0]
+    group0 = torch.cat([torch.arange(2 * d), 1000 + torch.arange(d), 2000 + torch.arange(d)]).float()
+    assert torch.equal(rows[: 4 * d], group0)
+    # TP=2 splits whole groups: rank 1 holds exactly group 1's q heads, k and v.
+    rank1 = tp_shard(rows, ShardKind.COLUMN, 1, 2)
+    assert torch.equal(rank1, torch.cat([q[2 * d :, 0], k[d:, 0], v[d:, 0]]))
+    assert all(torch.equal(a, b[:, 0]) for a, b in zip(split_qkv(arch, rows), (q, k, v), strict=True))
+
+
+def test_names_cover_families():
+    assert len(tensor_maps(tiny_arch("llama"))) == 1 + 4 * 6 + 2
+    assert len(tensor_maps(tiny_arch("qwen2"))) == 1 + 4 * 7 + 1  # qkv bias; tied: no output layer
+    with pytest.raises(ConvertError, match="attention_bias"):
+        check_convertible(tiny_arch("llama", attention_bias=True))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (4, 1)])
+def test_plan_tiles_every_global_tensor_once(tp, pp):
+    arch = tiny_arch("qwen2")
+    chunks, extra = checkpoint_plan(arch, tp, pp)
+    volume: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for c in chunks:
+        volume[c.key] = volume.get(c.key, 0) + math.prod(c.sizes)
+        assert shapes.setdefault(c.key, c.global_shape) == c.global_shape
+        assert all(o + s <= g for o, s, g in zip(c.offsets, c.sizes, c.global_shape, strict=True))
+    assert all(volume[k] == math.prod(shapes[k]) for k in shapes)
+    assert shapes["embedding.word_embeddings.weight"][0] == padded_vocab_size(250, tp)
+    assert {c.writer for c in chunks} == set(range(tp * pp))  # every (tp, pp) position writes
+    assert len(extra) == 4 * arch.num_layers
+    assert checkpoint_key("decoder.layers.3.input_layernorm.weight") == (
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        3,
+    )
+    assert shard_kind("decoder.layers.0.mlp.linear_fc1.weight") is ShardKind.GATED_COLUMN
+
+
+def test_streaming_writer_matches_safetensors_and_shards(tmp_path):
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "d": torch.randn(4, 4),
+    }
+    plan = [OutputTensor(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    writer = StreamingShardWriter(str(tmp_path), plan, max_shard_bytes=64)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    writer.finish()
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) == len(writer.files) > 1
+    loaded: dict[str, torch.Tensor] = {}
+    for file in writer.files:
+        loaded.update(load_file(str(tmp_path / file)))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    reader = SafetensorsReader(str(tmp_path))
+    assert reader.infos["b"].dtype == torch.bfloat16 and torch.equal(reader.get("d"), tensors["d"])
+
+
+def test_writer_refuses_out_of_order_tensors(tmp_path):
+    writer = StreamingShardWriter(str(tmp_path), [OutputTensor("a", (2,), torch.float32)], 1 << 20)
+    with pytest.raises(ValueError, match="expected a"):
+        writer.add("b", torch.zeros(2))
+
+
+def test_cli_value_parsing():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("100") == 100
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(None) is None
+    with pytest.raises(ConvertError, match="--dtype 'fp16'"):
+        parse_dtype("fp16")
+    with pytest.raises(ConvertError, match="--max-shard-size"):
+        parse_size("lots")

@@ -1,0 +1,81 @@
+"""Model checkpoints: save at one layout, load at others (vocab padding included); our info file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, load_model, save_model
+from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.weights import gather_full_state, load_full_state
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from tests.models import tiny_arch
+
+LOAD_LAYOUTS = {
+    "tp1-dp2": ({}, {}),
+    "pp2": ({"pipeline_parallel_size": 2}, {}),
+    "pp2-vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, {}),
+    # A different padded vocab (400 rows) than saved (256): the overlap loads, padding starts at zero.
+    "tp2-vocab-pad-100": ({"tensor_parallel_size": 2}, {"make_vocab_size_divisible_by": 100}),
+}
+
+
+def _save_then_load_everywhere(family: str, directory: str) -> dict[str, bool]:
+    arch = tiny_arch(family)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)  # random, identical on all ranks
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+        chunks = build_model_chunks(arch, ctx)
+        load_full_state(chunks, full, arch, ctx)
+        save_model(chunks, ctx, directory, ModelCheckpointInfo.for_arch(arch, torch.float32))
+    same = {}
+    for name, (parallel, options) in LOAD_LAYOUTS.items():
+        with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+            chunks = build_model_chunks(arch, ctx, ModelOptions(**options))
+            load_model(chunks, ctx, directory)
+            loaded = gather_full_state(chunks, arch, ctx)
+            same[name] = sorted(loaded) == sorted(full) and all(torch.equal(loaded[k], full[k]) for k in full)
+            if "vocab" in name:
+                embedding = chunks[0].embedding.word_embeddings.weight
+                padding = embedding[arch.vocab_size - ctx.tp_rank * embedding.shape[0] :]
+                same[name] &= bool((padding == 0).all()) if ctx.tp_rank == 1 else True
+    # Virtual pipeline chunks save under model0/model1 with global keys: the same checkpoint layout.
+    vpp = {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}
+    with ParallelContext.initialize(ParallelConfig(**vpp)) as ctx:
+        chunks = build_model_chunks(arch, ctx)
+        load_full_state(chunks, full, arch, ctx)
+        save_model(chunks, ctx, directory + "-vpp")
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+        chunks = build_model_chunks(arch, ctx)
+        load_model(chunks, ctx, directory + "-vpp")
+        loaded = gather_full_state(chunks, arch, ctx)
+        same["saved-at-pp2-vpp2"] = all(torch.equal(loaded[k], full[k]) for k in full)
+    dist.barrier()
+    return same
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_saved_at_tp2_loads_at_other_layouts(run_distributed, tmp_path, family):
+    for per_rank in run_distributed(_save_then_load_everywhere, family, str(tmp_path / "ckpt")):
+        assert per_rank == dict.fromkeys([*LOAD_LAYOUTS, "saved-at-pp2-vpp2"], True)
+    info = ModelCheckpointInfo.read(str(tmp_path / "ckpt"))
+    assert info is not None and info.arch == tiny_arch(family) and info.torch_dtype is torch.float32
+
+
+def test_info_file(tmp_path):
+    assert ModelCheckpointInfo.read(str(tmp_path)) is None
+    info = ModelCheckpointInfo.for_arch(tiny_arch("mistral"), torch.bfloat16, converted_from="/x")
+    info.write(str(tmp_path))
+    assert ModelCheckpointInfo.read(str(tmp_path)) == info
+    raw = json.loads((tmp_path / MODEL_INFO_FILE).read_text())
+    (tmp_path / MODEL_INFO_FILE).write_text(json.dumps({**raw, "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version=99"):
+        ModelCheckpointInfo.read(str(tmp_path))
+
+
+def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a megatron distributed checkpoint"):
+        load_model([], None, str(tmp_path))  # type: ignore[arg-type]
