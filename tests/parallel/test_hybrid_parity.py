@@ -19,26 +19,12 @@ from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngin
 from mcore_rl.engine.weights import gather_full_state, local_parameters
 from mcore_rl.ops import vocab_parallel_logprob_entropy
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.parallel.reshard import build_plan, model_param_specs
+from mcore_rl.parallel.reshard import arch_param_specs, build_plan
 from mcore_rl.parallel.reshard.hybrid import HybridConfig, HybridEngine, Phase
 from tests.models import tiny_arch
 
 TEMPERATURE = 0.9
 PROMPTS = [[5, 17, 33], [9, 2, 41, 77, 3], [120], [64, 65, 66, 67]]
-
-
-def _specs(arch):
-    return model_param_specs(
-        vocab_size=arch.vocab_size,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        num_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        head_dim=arch.head_dim,
-        qkv_bias=arch.qkv_bias,
-        tie_word_embeddings=arch.tie_word_embeddings,
-    )
 
 
 def _actor_log_probs(engine: TrainEngine, ctx: ParallelContext, out, vocab_size: int) -> torch.Tensor | None:
@@ -83,7 +69,7 @@ def _hybrid_parity(family: str, parallel: dict, tp_g: int) -> dict:
         engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
         engine.load_full_state(full)
         plan = build_plan(
-            _specs(arch),
+            arch_param_specs(arch),
             ctx.layout,
             tp_g,
             num_layers=arch.num_layers,

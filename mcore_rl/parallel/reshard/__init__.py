@@ -13,6 +13,7 @@ __all__ = [
     "ParamSpec",
     "ReshardPlan",
     "Transfer",
+    "arch_param_specs",
     "build_plan",
     "model_param_specs",
     "rollout_coordinates",

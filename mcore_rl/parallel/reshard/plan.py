@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -112,6 +113,21 @@ def model_param_specs(
     if not tie_word_embeddings:
         specs.append(ParamSpec("output_layer.weight", (vocab_size, hidden_size), ShardKind.VOCAB, None))
     return specs
+
+
+def arch_param_specs(arch: Any) -> list[ParamSpec]:
+    """:func:`model_param_specs` for a :class:`~mcore_rl.engine.arch.ModelArch` (duck-typed: plans stay pure)."""
+    return model_param_specs(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        head_dim=arch.head_dim,
+        qkv_bias=arch.qkv_bias,
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
 
 
 def shard_intervals(spec: ParamSpec, tp: int, coord: int, vocab_divisible_by: int = 128) -> list[Interval]:
