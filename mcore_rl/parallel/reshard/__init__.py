@@ -4,6 +4,7 @@ from mcore_rl.parallel.reshard.plan import (
     ParamSpec,
     ReshardPlan,
     Transfer,
+    arch_param_specs,
     model_param_specs,
     shard_intervals,
 )
