@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from mcore_rl.parallel.layout import ParallelLayout, padded_vocab_size
 from mcore_rl.parallel.reshard import build_plan, model_param_specs
 from mcore_rl.parallel.reshard.executor import execute_plan
+from mcore_rl.parallel.reshard.planner import owner_stages
 from mcore_rl.parallel.sharding import ShardKind, tp_shard
 
 
@@ -47,13 +48,7 @@ def _specs(args: argparse.Namespace) -> list:
 
 
 def _stage(spec, train: ParallelLayout, num_layers: int) -> int:
-    if spec.layer is not None:
-        return next(
-            p
-            for p, chunks in enumerate(train.stage_layers(num_layers))
-            if any(spec.layer in r for r in chunks)
-        )
-    return 0 if spec.name.startswith("embedding") else train.pp - 1
+    return min(owner_stages(spec, train, num_layers, tied=False))
 
 
 def _padded(spec, tp: int) -> int | None:

@@ -9,22 +9,13 @@ import torch.distributed as dist
 from mcore_rl.parallel.layout import ParallelLayout, padded_vocab_size
 from mcore_rl.parallel.reshard import build_plan, model_param_specs
 from mcore_rl.parallel.reshard.executor import execute_plan
+from mcore_rl.parallel.reshard.planner import owner_stages
 from mcore_rl.parallel.sharding import ShardKind, tp_shard
 from tests.parallel.test_reshard_plan import ARCH
 
 
 def _padded(spec, tp):
     return padded_vocab_size(spec.shape[0], tp) if spec.kind is ShardKind.VOCAB else None
-
-
-def _stage_of(spec, pp: int, train: ParallelLayout) -> int:
-    if spec.layer is not None:
-        return next(
-            p
-            for p, chunks in enumerate(train.stage_layers(ARCH["num_layers"]))
-            if any(spec.layer in r for r in chunks)
-        )
-    return 0 if spec.name.startswith("embedding") else pp - 1
 
 
 def _reshard(tp: int, pp: int, tp_g: int, bucket_bytes: int, dtype: torch.dtype) -> dict:
@@ -38,7 +29,7 @@ def _reshard(tp: int, pp: int, tp_g: int, bucket_bytes: int, dtype: torch.dtype)
     local = {
         s.name: tp_shard(full[s.name], s.kind, me.tp, tp, _padded(s, tp))
         for s in specs
-        if _stage_of(s, pp, train) == me.pp
+        if me.pp in owner_stages(s, train, ARCH["num_layers"], tied=False)
     }
     out, stats = execute_plan(plan, local, dtype=dtype, bucket_bytes=bucket_bytes)
     coord = plan.rollout_coords[dist.get_rank()][0]

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.engine.rollout.from_megatron import deinterleave_qkv
 from mcore_rl.parallel.layout import padded_vocab_size
 
 VOCAB_DIVISIBLE_BY = 128
@@ -129,12 +130,7 @@ def _vocab_shard(full: Tensor, arch: ModelArch, tp: int, rank: int) -> Tensor:
 
 def _qkv_shard(full: Tensor, arch: ModelArch, tp: int, rank: int) -> Tensor:
     """megatron's per-group ``[q heads of the group; k; v]`` rows -> this rank's ``[q; k; v]``."""
-    groups, per_group = arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups
-    hd = arch.head_dim
-    grouped = full.reshape(groups, (per_group + 2) * hd, *full.shape[1:])
-    mine = grouped.chunk(tp)[rank]  # TP splits whole query groups
-    q, k, v = mine.split([per_group * hd, hd, hd], dim=1)
-    return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+    return deinterleave_qkv(full.chunk(tp)[rank], arch)  # TP splits whole query groups
 
 
 def rollout_shards_from_full(

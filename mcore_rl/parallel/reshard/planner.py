@@ -72,7 +72,7 @@ def _intersect(a: Interval, b: Interval) -> Interval | None:
     return (a[0], lo, hi) if lo < hi else None
 
 
-def _owner_stages(spec: ParamSpec, train: ParallelLayout, num_layers: int, tied: bool) -> set[int]:
+def owner_stages(spec: ParamSpec, train: ParallelLayout, num_layers: int, tied: bool) -> set[int]:
     if spec.layer is not None:
         stages = train.stage_layers(num_layers)
         return {p for p, chunks in enumerate(stages) if any(spec.layer in r for r in chunks)}
@@ -134,7 +134,7 @@ def build_plan(
     transfers: list[Transfer] = []
     local: dict[int, list[tuple[str, Interval]]] = defaultdict(list)
     for spec in specs:
-        stages = _owner_stages(spec, train, num_layers, tied_embeddings)
+        stages = owner_stages(spec, train, num_layers, tied_embeddings)
         owners = {
             r: shard_intervals(spec, train.tp, train.coords(r).tp, vocab_divisible_by)
             for r in range(train.world_size)
