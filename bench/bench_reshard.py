@@ -9,10 +9,11 @@ does not already hold.
 
 Both run in the same processes on the same shards (gloo, CPU). Printed per layout: wall time, bytes received
 per rank (max over ranks), and peak extra bytes alive during the transfer (max over ranks; the rollout shards
-themselves are the output of both and not counted), with baseline/ours ratios. Ours keeps at most one bucket
-per peer and direction in flight (``--bucket-mib``); the baseline holds one full tensor plus its TP shards.
+themselves are the output of both and not counted), with baseline/ours ratios. Ours sends messages of at most
+``--bucket-mib`` and holds at most ``--inflight-mib`` of them at once per rank (default twice the bucket); the
+baseline holds one full tensor plus its TP shards. Ratios read "n/a" where ours moved or held nothing.
 
-    python bench/bench_reshard.py [--world 4] [--hidden 512] [--layers 8]
+    python bench/bench_reshard.py [--world 4] [--hidden 512] [--layers 8] [--bucket-mib 4] [--inflight-mib 8]
 """
 
 from __future__ import annotations
@@ -115,7 +116,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
         for tp_g in args.rollout_tps:
             plan = build_plan(specs, train, tp_g, num_layers=args.layers, tied_embeddings=False)
             dist.barrier()
-            _, ours = execute_plan(plan, local, bucket_bytes=int(args.bucket_mib * 2**20))
+            _, ours = execute_plan(
+                plan,
+                local,
+                bucket_bytes=int(args.bucket_mib * 2**20),
+                max_inflight_bytes=int(args.inflight_mib * 2**20),
+            )
             dist.barrier()
             naive_s, naive_bytes, naive_peak = _naive(
                 specs, train, local, tp_g, plan.rollout_coords[rank][0], args.layers
@@ -139,7 +145,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
 
 
 def _ratio(baseline: float, ours: float) -> str:
-    return f"{baseline / ours:5.1f}x" if ours else "  (0) "
+    """baseline / ours, or "n/a" when ours is zero (nothing to receive or hold: no meaningful ratio)."""
+    return f"{baseline / ours:5.1f}x" if ours else "  n/a "
 
 
 def main() -> None:
@@ -150,10 +157,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--bucket-mib", type=float, default=4.0, help="largest p2p message of ours (MiB)")
     parser.add_argument(
-        "--bucket-mib", type=float, default=4.0, help="our p2p bucket size (memory in flight per peer)"
+        "--inflight-mib",
+        type=float,
+        default=None,
+        help="most message bytes a rank of ours holds at once (MiB; default twice --bucket-mib)",
     )
     args = parser.parse_args()
+    if args.inflight_mib is None:
+        args.inflight_mib = 2 * args.bucket_mib
     if args.hidden < 256 or args.hidden % 256:
         parser.error(
             "--hidden must be a multiple of 256 (4 query groups of 64-dim heads split over TP up to 4)"
@@ -171,7 +184,10 @@ def main() -> None:
     for p in procs:
         p.start()
     mib = 2**20
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32, world {args.world}")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32, world {args.world}; "
+        f"ours: bucket {args.bucket_mib:g} MiB, in flight <= {args.inflight_mib:g} MiB"
+    )
     print(
         f"{'train tp,pp':>11} {'tp_g':>4} | {'ours s':>7} {'naive s':>7} {'speedup':>7} | {'recv MiB ours':>13} "
         f"{'naive':>7} {'ratio':>6} | {'peak MiB ours':>13} {'naive':>7} {'ratio':>6}"
@@ -183,9 +199,9 @@ def main() -> None:
         ours_b, naive_b = max(r[4] for r in rows), max(r[7] for r in rows)
         ours_p, naive_p = max(r[5] for r in rows), max(r[8] for r in rows)
         print(
-            f"{tp:>5},{pp:<5} {tp_g:>4} | {ours_s:7.3f} {naive_s:7.3f} {naive_s / ours_s:6.1f}x | "
-            f"{ours_b / mib:13.1f} {naive_b / mib:7.1f} {naive_b / max(ours_b, 1):5.1f}x | "
-            f"{ours_p / mib:13.1f} {naive_p / mib:7.1f} {naive_p / max(ours_p, 1):5.1f}x"
+            f"{tp:>5},{pp:<5} {tp_g:>4} | {ours_s:7.3f} {naive_s:7.3f} {_ratio(naive_s, ours_s):>7} | "
+            f"{ours_b / mib:13.1f} {naive_b / mib:7.1f} {_ratio(naive_b, ours_b):>6} | "
+            f"{ours_p / mib:13.1f} {naive_p / mib:7.1f} {_ratio(naive_p, ours_p):>6}"
         )
     for p in procs:
         p.join()

@@ -39,4 +39,17 @@ TORCH_LIBRARY(mcore_rl, m) {
   // casting to out's dtype; unpack_copy runs the same table backwards.
   m.def("pack_copy(Tensor[] sources, Tensor table, Tensor(a!) out) -> ()");
   m.def("unpack_copy(Tensor packed, Tensor table, Tensor(a!)[] outs) -> ()");
+  // One decode step of the rollout engine's attention (see mcore_rl/ops/decode.py): rotary on the new token's
+  // query and key heads, its key and value written into cache column `column`, then grouped-query attention
+  // of each row over cache columns [start[row], column]. CPU only.
+  m.def(
+      "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int column, "
+      "Tensor? start, int num_heads, float scale) -> Tensor");
+  // The decode step's pointwise blocks, one pass each (CPU only): x * rsqrt(mean(x^2) + eps) * weight per
+  // row, and silu(gate) * up of a fused [rows, 2f] = [gate | up] projection.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  // add + x @ W for a few rows of x [M, K], W [K, N] packed as column panels [ceil(N / 16), K, 16] (see
+  // mcore_rl/ops/decode.py), add None, [N] or [M, N] (CPU only).
+  m.def("decode_linear(Tensor x, Tensor panels, int n, Tensor? add) -> Tensor");
 }

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 TABLE_COLUMNS = 7  # see mcore_rl.ops.pack for the meaning of each column
+PANEL_COLUMNS = 16  # output columns per panel of a packed decode_linear weight
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -206,3 +207,75 @@ def column_parallel_to_rollout(shards: Sequence[torch.Tensor], *, dst_tp: int, d
 def row_parallel_to_rollout(shards: Sequence[torch.Tensor], *, dst_tp: int, dst_rank: int) -> torch.Tensor:
     """Weights split along dim 1 (row-parallel linears) -> columns of rollout rank ``dst_rank``."""
     return torch.cat(list(shards), dim=1).chunk(dst_tp, dim=1)[dst_rank]
+
+
+def rotate_signed_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Non-interleaved rotary on the first ``cos.shape[-1]`` dims of ``x`` (the rest passes through).
+
+    ``sin`` is signed (``[-sin, +sin]`` halves), so ``rotate_half(x) * sin`` is ``swap_halves(x) * sin``.
+    """
+    rot = cos.shape[-1]
+    half = rot // 2
+    head = x[..., :rot]
+    rotated = head * cos + torch.cat([head[..., half:], head[..., :half]], dim=-1) * sin
+    return rotated if rot == x.shape[-1] else torch.cat([rotated, x[..., rot:]], dim=-1)
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    column: int,
+    start: torch.Tensor | None,
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step of grouped-query attention with a KV cache (see :mod:`mcore_rl.ops.decode`)."""
+    b, num_kv, head_dim = qkv.shape[0], keys.shape[1], keys.shape[2]
+    dtype = compute_dtype(qkv.dtype)
+    q, k, v = qkv.to(dtype).view(b, num_heads + 2 * num_kv, head_dim).split([num_heads, num_kv, num_kv], 1)
+    cos, sin = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [b or 1, 1, rotary_dim]
+    q, k = rotate_signed_halves(q, cos, sin), rotate_signed_halves(k, cos, sin)
+    keys[:b, :, :, column] = k.to(keys.dtype)
+    values[:b, :, column] = v.to(values.dtype)
+    cached_keys = keys[:b, :, :, : column + 1].to(dtype)  # [b, kv, head_dim, L]
+    cached_values = values[:b, :, : column + 1].to(dtype)  # [b, kv, L, head_dim]
+    scores = torch.matmul(q.reshape(b, num_kv, num_heads // num_kv, head_dim), cached_keys) * scale
+    if start is not None:
+        hidden = torch.arange(column + 1, device=qkv.device) < start[:, None]  # [b, L]
+        scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+    context = torch.matmul(torch.softmax(scores, dim=-1), cached_values)  # [b, kv, group, head_dim]
+    return context.reshape(b, num_heads * head_dim).to(qkv.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x * x, -1) + eps) * weight`` (``torch.nn.RMSNorm``) in the compute dtype."""
+    dtype = compute_dtype(x.dtype)
+    xc = x.to(dtype)
+    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``[rows, 2f] = [gate | up]``."""
+    gate, up = gate_up.to(compute_dtype(gate_up.dtype)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> column panels [ceil(N / 16), K, 16], zero-padded past column N (see mcore_rl.ops.decode)."""
+    k, n = weight_t.shape
+    padded = torch.zeros(
+        k, -(-n // PANEL_COLUMNS) * PANEL_COLUMNS, dtype=weight_t.dtype, device=weight_t.device
+    )
+    padded[:, :n] = weight_t
+    return padded.view(k, -1, PANEL_COLUMNS).transpose(0, 1).contiguous()
+
+
+def decode_linear(x: torch.Tensor, panels: torch.Tensor, n: int, add: torch.Tensor | None) -> torch.Tensor:
+    """``add + x @ W`` with ``W`` [K, n] given as column panels (``add`` None, [n] or [M, n])."""
+    dtype = compute_dtype(x.dtype)
+    weight_t = panels.to(dtype).transpose(0, 1).reshape(panels.shape[1], -1)[:, :n]
+    out = x.to(dtype) @ weight_t
+    return (out if add is None else out + add.to(dtype)).to(x.dtype)

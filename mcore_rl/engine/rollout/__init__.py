@@ -8,13 +8,8 @@ from mcore_rl.engine.rollout.base import (
     SamplingParams,
     SamplingParamsError,
 )
-from mcore_rl.engine.rollout.decoder import (
-    KVCache,
-    RolloutDecoder,
-    RolloutLayoutError,
-    rollout_param_shapes,
-    rollout_shards_from_full,
-)
+from mcore_rl.engine.rollout.decoder import KVCache, RolloutDecoder
+from mcore_rl.engine.rollout.layout import RolloutLayoutError, rollout_param_shapes, rollout_shards_from_full
 from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
 
 __all__ = [

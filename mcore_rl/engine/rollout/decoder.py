@@ -7,27 +7,16 @@ it, non-interleaved rotary with megatron's fp32 ``cos``/``sin`` of ``position * 
 logits come out bitwise equal to megatron's; TP2 and KV-cached decoding differ by fp32 rounding (~1e-6, see
 tests/rollout).
 
-Performance on CPU (the decode step is a few hundred small ops): fused ``qkv``/``gate_up`` projections,
-weights stored column-major so every projection is one NN gemm (``addmm`` folds in the residual at TP1), keys
-cached transposed so ``q @ K`` needs no transpose, and sequences left-padded in the cache so each decode step
-writes one cache column for the whole batch.
+Performance on CPU: fused ``qkv``/``gate_up`` projections, weights stored column-major so every projection
+of a multi-token forward (prefill, recompute) is one NN gemm (``addmm`` folds in the residual at TP1), keys
+cached transposed, and sequences left-padded in the cache so each decode step writes one cache column for the
+whole batch. A decode step (one token per sequence) runs the fused kernels of :mod:`mcore_rl.ops.decode` in
+fp32 on CPU: each projection through a copy of its weight packed into column panels (built when weights
+change; it doubles the projection weights' memory, a price the CPU engine pays for ~1.3x faster GEMMs on a
+few rows), RMSNorm and SiLU-gate in one pass each, and rotary + cache write + GQA attention in one kernel.
+bench/bench_rollout.py measures the result against ``transformers`` ``generate``.
 
-Rollout layout (vLLM's, one TP rank)::
-
-    embed_tokens.weight                         [V_pad / tp, hidden]        vocab rows of this rank
-    layers.{i}.input_layernorm.weight           [hidden]
-    layers.{i}.self_attn.qkv_proj.weight        [(h + 2 kv) * head_dim, hidden], h = heads / tp,
-                                                kv = kv_heads / tp, rows [q_shard; k_shard; v_shard]
-    layers.{i}.self_attn.qkv_proj.bias          [(h + 2 kv) * head_dim]     (Qwen2 / attention_bias)
-    layers.{i}.self_attn.o_proj.weight          [hidden, h * head_dim]      row-parallel (all-reduce)
-    layers.{i}.post_attention_layernorm.weight  [hidden]
-    layers.{i}.mlp.gate_up_proj.weight          [2 * ffn / tp, hidden]      rows [gate_shard; up_shard]
-    layers.{i}.mlp.down_proj.weight             [hidden, ffn / tp]          row-parallel (all-reduce)
-    norm.weight                                 [hidden]
-    lm_head.weight                              [V_pad / tp, hidden]        absent when embeddings are tied
-
-``V_pad = padded_vocab_size(vocab, tp, 128)``; padding rows are never real tokens and their logits are
-dropped after the all-gather. KV heads are split, never replicated, so ``kv_heads % tp == 0``.
+The rollout layout (tensor names and shapes of one TP rank) is defined in ``rollout/layout.py``.
 """
 
 from __future__ import annotations
@@ -42,12 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
-from mcore_rl.engine.rollout.from_megatron import deinterleave_qkv
-from mcore_rl.parallel.layout import padded_vocab_size
-
-VOCAB_DIVISIBLE_BY = 128
-"""Vocab padding granularity (times TP), megatron's default, so both sides pad alike."""
-
+from mcore_rl.engine.rollout.layout import rollout_param_shapes
+from mcore_rl.ops import decode as fused
+from mcore_rl.ops.reference import rotate_signed_halves
 
 _COLUMN_MAJOR = (
     "qkv_proj.weight",
@@ -58,17 +44,24 @@ _COLUMN_MAJOR = (
 )
 
 
+class _Projection(NamedTuple):
+    """``x @ weight_t``: the contiguous [in, out] storage under an [out, in] weight (one plain GEMM call), and
+    on CPU in fp32 the same matrix packed into column panels for decode steps (``ops.decode.decode_linear``)."""
+
+    weight_t: Tensor
+    panels: Tensor | None
+
+
 class _LayerWeights(NamedTuple):
-    """One layer's tensors; projections as contiguous [in, out] (the storage under the [out, in] weights), so
-    ``x @ w`` is one plain gemm call."""
+    """One layer's tensors, resolved once from the weights dict."""
 
     input_norm: Tensor
-    qkv: Tensor
+    qkv: _Projection
     qkv_bias: Tensor | None
-    o_proj: Tensor
+    o_proj: _Projection
     post_norm: Tensor
-    gate_up: Tensor
-    down: Tensor
+    gate_up: _Projection
+    down: _Projection
 
 
 class _Step(NamedTuple):
@@ -76,93 +69,12 @@ class _Step(NamedTuple):
 
     batch: int
     seq: int
-    cos: Tensor  # [b or 1, s, 1, rotary_dim]
+    cos: Tensor  # [b or 1, s, 1, rotary_dim]; fp32 for a decode step, else the model dtype
     sin: Tensor  # [b or 1, s, 1, rotary_dim], signed (see _rope_tables)
-    masked: Tensor | None  # [b or 1, 1, 1, s, key_len] bool, True = hidden
+    masked: Tensor | None  # several tokens: [b or 1, 1, 1, s, key_len] bool, True = hidden
+    first_visible: Tensor | None  # decode step: [b] first cache column each row may see
     rows: slice  # cache rows of the batch
     column: int  # cache column of the first token
-
-
-class RolloutLayoutError(ValueError):
-    """The model cannot be split for this rollout TP size; the message names the field."""
-
-
-def check_rollout_tp(arch: ModelArch, tp: int) -> None:
-    for name, value in (
-        ("num_attention_heads", arch.num_attention_heads),
-        ("num_key_value_heads", arch.num_query_groups),
-        ("intermediate_size", arch.ffn_hidden_size),
-    ):
-        if value % tp:
-            raise RolloutLayoutError(
-                f"{name}={value} is not divisible by the rollout tensor_parallel_size={tp}"
-            )
-
-
-def rollout_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of one rank's tensors in the rollout layout (see the module docstring)."""
-    check_rollout_tp(arch, tp)
-    hidden, hd = arch.hidden_size, arch.head_dim
-    qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) // tp * hd
-    vocab_rows = padded_vocab_size(arch.vocab_size, tp, VOCAB_DIVISIBLE_BY) // tp
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab_rows, hidden)}
-    for i in range(arch.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
-        if arch.qkv_bias:
-            shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, arch.num_attention_heads // tp * hd)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[p + "mlp.gate_up_proj.weight"] = (2 * arch.ffn_hidden_size // tp, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, arch.ffn_hidden_size // tp)
-    shapes["norm.weight"] = (hidden,)
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab_rows, hidden)
-    return shapes
-
-
-def _vocab_shard(full: Tensor, arch: ModelArch, tp: int, rank: int) -> Tensor:
-    rows = padded_vocab_size(arch.vocab_size, tp, VOCAB_DIVISIBLE_BY)
-    padded = torch.cat([full, full.new_zeros(rows - full.shape[0], full.shape[1])])
-    return padded.chunk(tp)[rank]
-
-
-def _qkv_shard(full: Tensor, arch: ModelArch, tp: int, rank: int) -> Tensor:
-    """megatron's per-group ``[q heads of the group; k; v]`` rows -> this rank's ``[q; k; v]``."""
-    return deinterleave_qkv(full.chunk(tp)[rank], arch)  # TP splits whole query groups
-
-
-def rollout_shards_from_full(
-    full: dict[str, Tensor], arch: ModelArch, tp_g: int, tp_rank: int
-) -> dict[str, Tensor]:
-    """One rollout rank's tensors from megatron's full state (TP1, real vocab rows; see engine/weights.py).
-
-    The naive oracle of the resharding plan: it slices full tensors, where the plan moves only shards.
-    """
-    check_rollout_tp(arch, tp_g)
-    out = {"embed_tokens.weight": _vocab_shard(full["embedding.word_embeddings.weight"], arch, tp_g, tp_rank)}
-    for i in range(arch.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"layers.{i}."
-        out[dst + "input_layernorm.weight"] = full[src + "input_layernorm.weight"]
-        out[dst + "self_attn.qkv_proj.weight"] = _qkv_shard(
-            full[src + "self_attention.linear_qkv.weight"], arch, tp_g, tp_rank
-        )
-        if arch.qkv_bias:
-            out[dst + "self_attn.qkv_proj.bias"] = _qkv_shard(
-                full[src + "self_attention.linear_qkv.bias"], arch, tp_g, tp_rank
-            )
-        out[dst + "self_attn.o_proj.weight"] = full[src + "self_attention.linear_proj.weight"].chunk(tp_g, 1)[
-            tp_rank
-        ]
-        out[dst + "post_attention_layernorm.weight"] = full[src + "pre_mlp_layernorm.weight"]
-        gate, up = full[src + "mlp.linear_fc1.weight"].chunk(2)
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([gate.chunk(tp_g)[tp_rank], up.chunk(tp_g)[tp_rank]])
-        out[dst + "mlp.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"].chunk(tp_g, 1)[tp_rank]
-    out["norm.weight"] = full["decoder.final_layernorm.weight"]
-    if not arch.tie_word_embeddings:
-        out["lm_head.weight"] = _vocab_shard(full["output_layer.weight"], arch, tp_g, tp_rank)
-    return {name: t.contiguous() for name, t in out.items()}
 
 
 @dataclass
@@ -249,11 +161,10 @@ class RolloutDecoder:
         self.scale = 1.0 / math.sqrt(arch.head_dim)  # spelled as megatron does: ** -0.5 can differ by an ulp
         self.weights: dict[str, Tensor] = {}
         self._layer_cache: list[_LayerWeights] | None = None
+        self._head: _Projection | None = None
         self.allocate()
         self._inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos = self._sin = torch.empty(0, arch.rotary_dim, device=self.device)
-        half = arch.rotary_dim // 2
-        self._swap_halves = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(self.device)
 
     # --- weights -------------------------------------------------------------------------------------------
     def allocate(self) -> None:
@@ -264,7 +175,7 @@ class RolloutDecoder:
         rows of a decode step is 20-30% faster on CPU than the NT gemm of row-major weights.
         """
         self.weights = {}
-        self._layer_cache = None
+        self._invalidate()
         for name, shape in self.shapes.items():
             if name.endswith(_COLUMN_MAJOR):
                 self.weights[name] = torch.zeros(shape[::-1], dtype=self.dtype, device=self.device).t()
@@ -273,7 +184,12 @@ class RolloutDecoder:
 
     def release(self) -> None:
         self.weights = {}
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Forget the resolved per-layer handles and packed panels (weights changed or moved)."""
         self._layer_cache = None
+        self._head = None
 
     def load(self, name: str, tensor: Tensor) -> None:
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
@@ -285,17 +201,18 @@ class RolloutDecoder:
                 f"{name}: got shape {tuple(tensor.shape)}, this rank expects {self.shapes[name]}"
             )
         self.weights[name].copy_(tensor)
+        self._invalidate()
 
     def to(self, device: torch.device | str) -> None:
         self.weights = {name: t.to(device) for name, t in self.weights.items()}
-        self._layer_cache = None
+        self._invalidate()
 
     # --- rotary --------------------------------------------------------------------------------------------
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
         """cos and signed sin, [length, rotary_dim], fp32 as megatron computes them, grown on demand.
 
         megatron's ``rotate_half(x) * sin`` is ``[-x2, x1] * sin``; we compute ``[x2, x1] * [-sin1, sin2]``
-        (one ``index_select`` instead of chunk, neg and cat), bitwise the same product.
+        (no negation of activations), bitwise the same product.
         """
         if self._cos.shape[0] < length:
             length = max(length, 2 * self._cos.shape[0])
@@ -308,24 +225,29 @@ class RolloutDecoder:
             self._cos, self._sin = torch.cos(freqs), torch.sin(freqs) * sign
         return self._cos, self._sin
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotary on ``x`` [b, s, heads, head_dim] with cos/sin [b or 1, s, 1, rotary_dim]."""
-        if cos.shape[-1] == x.shape[-1]:
-            return x * cos + x.index_select(-1, self._swap_halves) * sin
-        head, tail = x[..., : cos.shape[-1]], x[..., cos.shape[-1] :]
-        return torch.cat([head * cos + head.index_select(-1, self._swap_halves) * sin, tail], dim=-1)
-
     # --- tensor-parallel pieces ----------------------------------------------------------------------------
     def _all_reduce(self, x: Tensor) -> Tensor:
         if self.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
-    def _project_add(self, residual: Tensor, x: Tensor, weight_t: Tensor) -> Tensor:
-        """``residual + all_reduce(x @ weight_t)`` for a row-parallel projection; one ``addmm`` at TP1."""
+    def _projection(self, weight_t: Tensor) -> _Projection:
+        packed = fused.packing_enabled(weight_t.device, weight_t.dtype)
+        return _Projection(weight_t, fused.pack_panels(weight_t) if packed else None)
+
+    @staticmethod
+    def _linear(x: Tensor, proj: _Projection, add: Tensor | None, decoding: bool) -> Tensor:
+        """``add + x @ weight_t``: a decode step's few rows run our packed small-batch kernel (MKL's GEMM
+        re-packs the weight on every call); longer forwards keep ATen's GEMM, bitwise what megatron computes."""
+        if decoding and proj.panels is not None:
+            return fused.decode_linear(x, proj.panels, proj.weight_t.shape[1], add)
+        return torch.mm(x, proj.weight_t) if add is None else torch.addmm(add, x, proj.weight_t)
+
+    def _project_add(self, residual: Tensor, x: Tensor, proj: _Projection, decoding: bool) -> Tensor:
+        """``residual + all_reduce(x @ weight_t)`` for a row-parallel projection; one fused call at TP1."""
         if self.tp_size == 1:
-            return torch.addmm(residual, x, weight_t)
-        return residual + self._all_reduce(torch.mm(x, weight_t))
+            return self._linear(x, proj, residual, decoding)
+        return residual + self._all_reduce(self._linear(x, proj, None, decoding))
 
     def _embed(self, tokens: Tensor) -> Tensor:
         table = self.weights["embed_tokens.weight"]
@@ -336,13 +258,16 @@ class RolloutDecoder:
         out = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
         return self._all_reduce(out)
 
-    def logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor, decoding: bool = False) -> Tensor:
         """Final norm + vocab projection: hidden [n, hidden] -> fp32 logits [n, vocab] (real vocab only)."""
-        hidden = _rms_norm(hidden, self.weights["norm.weight"], self.arch.norm_eps)
-        head = self.weights["embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
-        if self.tp_size == 1:  # skip the padding rows' products altogether
-            return torch.mm(hidden, head[: self.arch.vocab_size].t()).float()
-        local = torch.mm(hidden, head.t()).float()
+        hidden = self._norm(hidden, self.weights["norm.weight"], decoding)
+        if self._head is None:
+            head = self.weights["embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
+            # At TP1 the padding rows' products are skipped altogether.
+            self._head = self._projection(head[: self.arch.vocab_size].t() if self.tp_size == 1 else head.t())
+        if self.tp_size == 1:
+            return self._linear(hidden, self._head, None, decoding).float()
+        local = self._linear(hidden, self._head, None, decoding).float()
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)[..., : self.arch.vocab_size]
@@ -361,7 +286,8 @@ class RolloutDecoder:
 
     def decode(self, tokens: Tensor, column: int, pad: Tensor | None, cache: KVCache) -> Tensor:
         """One new token per cache row [b], all in cache ``column`` -> fp32 logits [b, vocab]."""
-        return self.logits(self._forward(tokens[:, None], column, pad, cache, slice(0, tokens.shape[0])))
+        hidden = self._forward(tokens[:, None], column, pad, cache, slice(0, tokens.shape[0]))
+        return self.logits(hidden, decoding=True)
 
     def full_logits(self, tokens: Tensor) -> Tensor:
         """No-cache recompute of whole (unpadded) sequences: tokens [b, s] -> fp32 logits [b, s, vocab]."""
@@ -378,12 +304,12 @@ class RolloutDecoder:
             self._layer_cache = [
                 _LayerWeights(
                     input_norm=w[f"layers.{i}.input_layernorm.weight"],
-                    qkv=w[f"layers.{i}.self_attn.qkv_proj.weight"].t(),
+                    qkv=self._projection(w[f"layers.{i}.self_attn.qkv_proj.weight"].t()),
                     qkv_bias=w.get(f"layers.{i}.self_attn.qkv_proj.bias"),
-                    o_proj=w[f"layers.{i}.self_attn.o_proj.weight"].t(),
+                    o_proj=self._projection(w[f"layers.{i}.self_attn.o_proj.weight"].t()),
                     post_norm=w[f"layers.{i}.post_attention_layernorm.weight"],
-                    gate_up=w[f"layers.{i}.mlp.gate_up_proj.weight"].t(),
-                    down=w[f"layers.{i}.mlp.down_proj.weight"].t(),
+                    gate_up=self._projection(w[f"layers.{i}.mlp.gate_up_proj.weight"].t()),
+                    down=self._projection(w[f"layers.{i}.mlp.down_proj.weight"].t()),
                 )
                 for i in range(self.arch.num_layers)
             ]
@@ -402,14 +328,28 @@ class RolloutDecoder:
         else:
             positions = (torch.arange(column, column + s, device=tokens.device) - pad[:, None]).clamp_min_(0)
             cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
-        if self.dtype != torch.float32:
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-        step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), rows, column)
+        if s == 1:  # the fused decode op takes fp32 tables and a per-row first visible column
+            step = _Step(b, s, cos, sin, None, self._first_visible(b, column, pad), rows, column)
+        else:
+            if self.dtype != torch.float32:
+                cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+            step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), None, rows, column)
         x = self._embed(tokens.reshape(-1))
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             x = self._attention_block(layer, x, step, keys, values)
-            x = self._mlp_block(layer, x)
+            x = self._mlp_block(layer, x, decoding=s == 1)
         return x
+
+    def _first_visible(self, b: int, column: int, pad: Tensor | None) -> Tensor | None:
+        """A decode query at ``column`` sees columns [first, column]: after the row's left padding and, with a
+        sliding window W, after ``column - W``. None: every row sees every column from 0."""
+        window = self.arch.sliding_window
+        lowest = column - window + 1 if window is not None else 0
+        if lowest <= 0:
+            return pad
+        if pad is None:
+            return torch.full((b,), lowest, dtype=torch.long, device=self.device)
+        return pad.clamp_min(lowest)
 
     def _attention_mask(self, column: int, s: int, pad: Tensor | None) -> Tensor | None:
         """[b or 1, 1, 1, s, key_len] bool, True where a query must NOT see a key: the future, the row's left
@@ -434,9 +374,25 @@ class RolloutDecoder:
         # Python-side index parsing costs more than the tiny copies themselves.
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.arch.head_dim
         b, s, column, first_row = step.batch, step.seq, step.column, step.rows.start
-        h = _rms_norm(x, layer.input_norm, self.arch.norm_eps)
-        qkv = torch.mm(h, layer.qkv) if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
-        qk = self._rotate(qkv.narrow(1, 0, (nh + nkv) * hd).view(b, s, nh + nkv, hd), step.cos, step.sin)
+        h = self._norm(x, layer.input_norm, s == 1)
+        qkv = self._linear(h, layer.qkv, layer.qkv_bias, s == 1)
+        if s == 1:  # one fused op: rotary, cache write, attention
+            rot = self.arch.rotary_dim
+            context = fused.decode_attention(
+                qkv,
+                step.cos.view(-1, rot),
+                step.sin.view(-1, rot),
+                keys.narrow(0, first_row, b),
+                values.narrow(0, first_row, b),
+                column,
+                step.first_visible,
+                nh,
+                self.scale,
+            )
+            return self._project_add(x, context, layer.o_proj, decoding=True)
+        qk = rotate_signed_halves(
+            qkv.narrow(1, 0, (nh + nkv) * hd).view(b, s, nh + nkv, hd), step.cos, step.sin
+        )
         keys = keys.narrow(0, first_row, b).narrow(3, 0, column + s)
         values = values.narrow(0, first_row, b).narrow(2, 0, column + s)
         keys.narrow(3, column, s).copy_(qk.narrow(2, nh, nkv).permute(0, 2, 3, 1))
@@ -444,7 +400,7 @@ class RolloutDecoder:
             qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view(b, s, nkv, hd).transpose(1, 2)
         )
         context = self._attend(qk.narrow(2, 0, nh), keys, values, step.masked)
-        return self._project_add(x, context, layer.o_proj)
+        return self._project_add(x, context, layer.o_proj, decoding=False)
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, masked: Tensor | None) -> Tensor:
         """q [b, s, heads, hd], keys [b, kv, hd, key_len], values [b, kv, key_len, hd] -> context
@@ -460,10 +416,7 @@ class RolloutDecoder:
         nkv, key_len = keys.shape[1], keys.shape[3]
         group = nh // nkv
         # 3-D views for bmm directly (torch.matmul on 4-D adds a dozen expand/reshape calls per layer).
-        if s == 1:
-            q = q.reshape(b * nkv, group, hd)
-        else:
-            q = q.reshape(b, s, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b * nkv, group * s, hd)
+        q = q.reshape(b, s, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b * nkv, group * s, hd)
         scores = torch.bmm(q, keys.reshape(b * nkv, hd, key_len)).mul_(self.scale)
         if scores.dtype != torch.float32:
             scores = scores.float()
@@ -475,11 +428,18 @@ class RolloutDecoder:
         if probs.dtype != values.dtype:
             probs = probs.to(values.dtype)
         context = torch.bmm(probs, values.reshape(b * nkv, key_len, hd))  # [b * kv, group * s, hd]
-        if s == 1:
-            return context.view(b, nh * hd)
         return context.view(b, nkv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b * s, nh * hd)
 
-    def _mlp_block(self, layer: _LayerWeights, x: Tensor) -> Tensor:
-        h = _rms_norm(x, layer.post_norm, self.arch.norm_eps)
-        gate, up = torch.mm(h, layer.gate_up).chunk(2, dim=-1)
-        return self._project_add(x, F.silu(gate) * up, layer.down)
+    def _mlp_block(self, layer: _LayerWeights, x: Tensor, decoding: bool) -> Tensor:
+        gate_up = self._linear(self._norm(x, layer.post_norm, decoding), layer.gate_up, None, decoding)
+        if decoding:
+            return self._project_add(x, fused.silu_mul(gate_up), layer.down, decoding)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._project_add(x, F.silu(gate) * up, layer.down, decoding)
+
+    def _norm(self, x: Tensor, weight: Tensor, decoding: bool) -> Tensor:
+        """RMSNorm: a decode step (a few rows) runs the fused kernel; longer forwards keep the ATen spelling
+        that is bitwise megatron's."""
+        if decoding:
+            return fused.rms_norm(x, weight, self.arch.norm_eps)
+        return _rms_norm(x, weight, self.arch.norm_eps)

@@ -1,9 +1,9 @@
 """vLLM as the rollout engine on GPUs, in the same processes as the actor (the ``gpu`` extra).
 
 UNVERIFIED: vLLM cannot be installed on the CPU machines this project is built and tested on; this module is
-written against vLLM's public API as documented for v0.11-v0.21 (``LLM(distributed_executor_backend=
-"external_launcher")``, ``LLM.sleep/wake_up(tags=...)``, ``LLM.apply_model``, ``logprobs_mode``) and is
-exercised only by ``gpu``-marked tests.
+written against vLLM's public API of the V1 engine, v0.11 and later (``LLM(distributed_executor_backend=
+"external_launcher")``, ``LLM.sleep/wake_up(tags=...)``, ``LLM.apply_model``, ``logprobs_mode``, added in
+0.10.2) and is exercised only by ``gpu``-marked tests.
 
 How it fits the hybrid engine:
 
@@ -15,8 +15,15 @@ How it fits the hybrid engine:
   vLLM's own per-rank layout (fused ``qkv_proj`` = [q; k; v] shards, ``gate_up_proj`` = [gate; up] shards), so
   :meth:`load_weights` copies each shard straight into vLLM's parameter. No rank ever builds a full tensor
   (``model.load_weights`` would need full HF tensors and shard them again).
-- Log-probs are requested as ``processed_logprobs`` (after temperature); with top-k/top-p they describe the
-  truncated distribution, so recompute old log-probs with the actor when those are on.
+- Log-probs: our definition (``rollout/base.py``) is ``log_softmax(logits / T)`` over the whole vocab. vLLM's
+  ``raw_logprobs`` (its default) are taken before the temperature, and its ``processed_logprobs`` after the
+  temperature *and* after top-k / top-p have set the filtered logits to -inf. We ask for
+  ``processed_logprobs``, which equals our definition exactly when top-k and top-p are off (greedy requests
+  get the raw logits' log-softmax, also our definition). With filtering on, vLLM's numbers are the truncated
+  distribution's (higher by ``-log(kept probability mass)``), which the actor cannot recompute, so
+  :meth:`VLLMRolloutEngine.generate` refuses that combination unless the engine was built with
+  ``truncated_logprobs_ok=True`` (then the driver must recompute old log-probs with the actor, as it does by
+  default).
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
+from mcore_rl.engine.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 
 def vllm_param_name(rollout_name: str) -> str:
@@ -52,6 +65,7 @@ class VLLMRolloutEngine:
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
         enforce_eager: bool = False,
+        truncated_logprobs_ok: bool = False,
     ) -> None:
         try:
             from vllm import LLM
@@ -67,6 +81,7 @@ class VLLMRolloutEngine:
                 f"rollout tensor_parallel_size={tensor_parallel_size} must divide world_size={world}"
             )
         self.arch = arch
+        self.truncated_logprobs_ok = truncated_logprobs_ok
         self._config_dir = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
         with open(os.path.join(self._config_dir, "config.json"), "w") as f:
             json.dump(arch.extra, f)
@@ -90,6 +105,14 @@ class VLLMRolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
+
+        filtered = not params.greedy and (0 < params.top_k < self.arch.vocab_size or params.top_p < 1.0)
+        if filtered and not self.truncated_logprobs_ok:
+            raise SamplingParamsError(
+                f"top_k={params.top_k} / top_p={params.top_p}: vLLM reports log-probs of the filtered "
+                "distribution, which the actor cannot recompute; turn filtering off, use the local engine, or "
+                "build VLLMRolloutEngine(truncated_logprobs_ok=True) and recompute old log-probs with the actor"
+            )
 
         vllm_params = VLLMSamplingParams(
             n=params.n,

@@ -45,7 +45,10 @@ class HybridConfig:
     sleep_level: int = 1
     """Rollout sleep between phases: 1 frees the KV cache, 2 also drops the rollout weights."""
     bucket_bytes: int = 256 << 20
-    """Largest p2p message during resharding (memory in flight per peer)."""
+    """Largest p2p message during resharding (a single larger unit, e.g. one huge row, still goes whole)."""
+    max_inflight_bytes: int | None = None
+    """Most bytes a rank sends plus receives per reshard round, i.e. its peak extra memory during the
+    reshard (None: ``2 * bucket_bytes``). A single message larger than this goes alone in its round."""
     rollout_dtype: torch.dtype | None = None
     """Cast weights to this dtype during the reshard (None keeps the training dtype)."""
 
@@ -54,6 +57,8 @@ class HybridConfig:
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
+            raise ValueError(f"max_inflight_bytes must be positive or None, got {self.max_inflight_bytes}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class HybridEngine:
                 self.local_params(),
                 dtype=self.config.rollout_dtype,
                 bucket_bytes=self.config.bucket_bytes,
+                max_inflight_bytes=self.config.max_inflight_bytes,
             )
         with _timed(steps, "load"):
             self.rollout_engine.wake_up(["weights"])

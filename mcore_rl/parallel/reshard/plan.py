@@ -11,13 +11,18 @@ Coordinates are "full" megatron coordinates: a parameter's split dimension is cu
 splits independently (``linear_fc1`` = [gate; up] has two), measured in *units* (a query group's
 ``(heads_per_group + 2) * head_dim`` rows for ``linear_qkv``, one row or column otherwise). The executor maps
 units to local offsets on both sides (``local_units``) and de-interleaves into the rollout engine's layout.
+
+Scheduling is pure too: ``ReshardPlan.rounds`` splits transfers into messages of at most ``bucket_bytes``
+(``split_transfer``, ``pair_buckets``) and assigns every message to a round (``schedule_rounds``) so that no
+rank has more than ``max_inflight_bytes`` in flight; every rank derives the same schedule on its own.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +30,7 @@ from mcore_rl.parallel.layout import ParallelLayout, padded_vocab_size
 from mcore_rl.parallel.sharding import ShardKind
 
 Interval = tuple[int, int, int]  # (segment, start unit, stop unit)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,7 @@ class ReshardPlan:
     bytes_per_element: int = 4
     train_vocab_divisible_by: int = 128
     rollout_vocab_divisible_by: int = 128
+    _cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def received_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
@@ -214,18 +221,117 @@ class ReshardPlan:
 
     def buckets(self, max_bytes: int) -> list[list[Transfer]]:
         """Transfers grouped per (src, dst) pair into buckets of at most ``max_bytes`` (one oversize item alone)."""
-        by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        return [list(b.transfers) for b in pair_buckets(self.transfers, max_bytes)]
+
+    def wire_transfers(self, max_bytes: int, bytes_per_element: int | None = None) -> list[Transfer]:
+        """``transfers`` sized at ``bytes_per_element`` (the dtype on the wire) and split along their units so
+        that none exceeds ``max_bytes`` unless a single unit does."""
+        bpe = bytes_per_element or self.bytes_per_element
+        out: list[Transfer] = []
         for t in self.transfers:
-            by_pair[(t.src, t.dst)].append(t)
-        out: list[list[Transfer]] = []
-        for _, items in sorted(by_pair.items()):
-            bucket: list[Transfer] = []
-            size = 0
-            for t in items:
-                if bucket and size + t.num_bytes > max_bytes:
-                    out.append(bucket)
-                    bucket, size = [], 0
-                bucket.append(t)
-                size += t.num_bytes
-            out.append(bucket)
+            unit_bytes = self.specs[t.param].elements_per_unit * bpe
+            out += split_transfer(
+                replace(t, num_bytes=(t.stop - t.start) * unit_bytes), unit_bytes, max_bytes
+            )
         return out
+
+    def rounds(
+        self, bucket_bytes: int, max_inflight_bytes: int, bytes_per_element: int | None = None
+    ) -> tuple[tuple[Bucket, ...], ...]:
+        """The global message schedule (identical on every rank; see :func:`schedule_rounds`), memoised."""
+        key = ("rounds", bucket_bytes, max_inflight_bytes, bytes_per_element or self.bytes_per_element)
+
+        def build() -> tuple[tuple[Bucket, ...], ...]:
+            buckets = pair_buckets(self.wire_transfers(bucket_bytes, bytes_per_element), bucket_bytes)
+            return tuple(tuple(r) for r in schedule_rounds(buckets, max_inflight_bytes))
+
+        return self.cached(key, build)
+
+    def cached(self, key: tuple[Any, ...], build: Callable[[], T]) -> T:
+        """``build()`` once per ``key``: derived schedules (and the executor's copy tables) are reused on every
+        weight sync. Valid because a plan is never mutated after :func:`build_plan` returns it."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Transfers of one (src, dst) pair sent as one flat message, in this order."""
+
+    src: int
+    dst: int
+    transfers: tuple[Transfer, ...]
+    num_bytes: int
+
+
+def split_transfer(t: Transfer, unit_bytes: int, max_bytes: int) -> list[Transfer]:
+    """``t`` cut along its units into pieces of at most ``max_bytes`` (at least one unit each)."""
+    step = max(1, max_bytes // unit_bytes)
+    return [
+        replace(
+            t, start=lo, stop=min(lo + step, t.stop), num_bytes=(min(lo + step, t.stop) - lo) * unit_bytes
+        )
+        for lo in range(t.start, t.stop, step)
+    ]
+
+
+def pair_buckets(transfers: Iterable[Transfer], max_bytes: int) -> list[Bucket]:
+    """Transfers grouped per (src, dst) pair, pairs in sorted order, greedily into buckets of at most
+    ``max_bytes`` (an item larger than that goes alone)."""
+    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        by_pair[(t.src, t.dst)].append(t)
+    out: list[Bucket] = []
+    for (src, dst), items in sorted(by_pair.items()):
+        bucket: list[Transfer] = []
+        size = 0
+        for t in items:
+            if bucket and size + t.num_bytes > max_bytes:
+                out.append(Bucket(src, dst, tuple(bucket), size))
+                bucket, size = [], 0
+            bucket.append(t)
+            size += t.num_bytes
+        out.append(Bucket(src, dst, tuple(bucket), size))
+    return out
+
+
+def schedule_rounds(buckets: Sequence[Bucket], max_inflight_bytes: int) -> list[list[Bucket]]:
+    """Every bucket assigned to one round such that (a) each (src, dst) pair sends at most one message per
+    round, so batched isend/irecv cannot mismatch, and (b) each rank sends plus receives at most
+    ``max_inflight_bytes`` per round (a bucket larger than that goes alone for both its ranks).
+
+    First-fit decreasing: buckets by size, largest first (ties in input order), each into the earliest round it
+    fits. A pure function of its input, so every rank computes the same schedule and p2p never deadlocks.
+    """
+    rounds: list[_Round] = []
+    for *_, bucket in sorted((-b.num_bytes, i, b) for i, b in enumerate(buckets)):
+        target = next((r for r in rounds if r.fits(bucket, max_inflight_bytes)), None)
+        if target is None:
+            target = _Round()
+            rounds.append(target)
+        target.add(bucket)
+    return [r.buckets for r in rounds]
+
+
+@dataclass
+class _Round:
+    buckets: list[Bucket] = field(default_factory=list)
+    pairs: set[tuple[int, int]] = field(default_factory=set)
+    loads: dict[int, int] = field(default_factory=dict)
+    """rank -> bytes it sends plus receives in this round."""
+
+    def fits(self, bucket: Bucket, cap: int) -> bool:
+        if (bucket.src, bucket.dst) in self.pairs:
+            return False
+        for rank in (bucket.src, bucket.dst):
+            load = self.loads.get(rank, 0)
+            if load + bucket.num_bytes > cap and not (load == 0 and bucket.num_bytes > cap):
+                return False
+        return True
+
+    def add(self, bucket: Bucket) -> None:
+        self.buckets.append(bucket)
+        self.pairs.add((bucket.src, bucket.dst))
+        for rank in (bucket.src, bucket.dst):
+            self.loads[rank] = self.loads.get(rank, 0) + bucket.num_bytes

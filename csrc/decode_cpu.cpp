@@ -1,0 +1,362 @@
+// CPU kernel of the rollout engine's decode step (one new token per sequence), fused: rotary on the new
+// query and key heads, the key and value written into the KV cache, and grouped-query attention over the
+// row's visible cache columns, all in fp32. The semantics (and the pure-PyTorch oracle) are in
+// mcore_rl/ops/decode.py and mcore_rl/ops/reference.py.
+//
+// Why a kernel: at decode time every (sequence, KV head) pair is a 1 x L by L x head_dim product for each of
+// its query heads. As batched GEMMs these run far below peak (MKL pays a per-matrix setup for matrices of
+// a few rows), and the rotary and cache writes around them are a dozen tiny ATen ops per layer. Here one
+// task per (sequence, KV head) reads each cached key and value once for all the query heads of its group,
+// with vectorised FMAs along the cache columns (keys are stored transposed, [head_dim, max_len]) and along
+// head_dim (values, [max_len, head_dim]).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace mcore_rl {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+
+// Non-interleaved rotary, as the decoder (and megatron) computes it: out = x * cos + swap_halves(x) * sin
+// on the first `rot` dims, with `sin` already signed ([-sin, +sin] halves); the rest passes through.
+void rotate(const float* x, const float* cos, const float* sin, int64_t rot, int64_t head_dim, float* out) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < rot; ++i) {
+    const int64_t partner = i < half ? i + half : i - half;
+    out[i] = x[i] * cos[i] + x[partner] * sin[i];
+  }
+  std::memcpy(out + rot, x + rot, (head_dim - rot) * sizeof(float));
+}
+
+// Register-blocked micro-kernels: H query heads x C vectors of cache columns (scores), or H heads x C vectors
+// of head_dim (values), accumulated in registers over the whole reduction, so each cached key or value is
+// loaded once per block and every FMA has an independent accumulator chain (H * C <= 8 keeps them, the loads
+// and the broadcasts within AVX2's 16 registers).
+template <int H, int C>
+void score_block(const float* q, int64_t head_dim, const float* keys, int64_t ld, int64_t l, int64_t n,
+                 float* scores) {
+  Vec acc[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = Vec(0.0f);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    Vec k[C];
+    for (int c = 0; c < C; ++c) k[c] = Vec::loadu(keys + d * ld + l + c * kVec);
+    for (int h = 0; h < H; ++h) {
+      const Vec qd(q[h * head_dim + d]);
+      for (int c = 0; c < C; ++c) acc[h][c] = at::vec::fmadd(qd, k[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c].store(scores + h * n + l + c * kVec);
+}
+
+// scores[h][l] = sum_d q[h][d] * keys[d][l] for H heads and l in [0, n); keys rows are `ld` floats apart.
+template <int H>
+void score_heads(const float* q, int64_t head_dim, const float* keys, int64_t ld, int64_t n, float* scores) {
+  constexpr int C = 8 / H;
+  int64_t l = 0;
+  for (; l + C * kVec <= n; l += C * kVec) score_block<H, C>(q, head_dim, keys, ld, l, n, scores);
+  for (; l + kVec <= n; l += kVec) score_block<H, 1>(q, head_dim, keys, ld, l, n, scores);
+  for (; l < n; ++l) {  // fewer than one vector of columns left
+    for (int h = 0; h < H; ++h) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) sum += q[h * head_dim + d] * keys[d * ld + l];
+      scores[h * n + l] = sum;
+    }
+  }
+}
+
+void query_key_scores(const float* q, int64_t group, int64_t head_dim, const float* keys, int64_t ld,
+                      int64_t n, float* scores) {
+  int64_t h = 0;
+  for (; h + 4 <= group; h += 4) score_heads<4>(q + h * head_dim, head_dim, keys, ld, n, scores + h * n);
+  for (; h + 2 <= group; h += 2) score_heads<2>(q + h * head_dim, head_dim, keys, ld, n, scores + h * n);
+  for (; h < group; ++h) score_heads<1>(q + h * head_dim, head_dim, keys, ld, n, scores + h * n);
+}
+
+// In place: row <- exp(row * scale - max) and returns 1 / sum (the caller folds it into the output).
+float scaled_softmax_numerator(float* row, int64_t n, float scale) {
+  at::vec::map([scale](Vec x) { return x * Vec(scale); }, row, row, n);
+  const float max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+  at::vec::map([max](Vec x) { return (x - Vec(max)).exp(); }, row, row, n);
+  const float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, row, n);
+  return 1.0f / sum;
+}
+
+// context[h][d0 : d0 + C vectors] = inv_sum[h] * sum_l probs[h][l] * values[l][d0 : ...] for H heads.
+template <int H, int C>
+void value_block(const float* probs, const float* inv_sum, int64_t n, const float* values, int64_t head_dim,
+                 int64_t d0, float* context) {
+  Vec acc[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = Vec(0.0f);
+  for (int64_t l = 0; l < n; ++l) {
+    Vec v[C];
+    for (int c = 0; c < C; ++c) v[c] = Vec::loadu(values + l * head_dim + d0 + c * kVec);
+    for (int h = 0; h < H; ++h) {
+      const Vec p(probs[h * n + l]);
+      for (int c = 0; c < C; ++c) acc[h][c] = at::vec::fmadd(p, v[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) (acc[h][c] * Vec(inv_sum[h])).store(context + h * head_dim + d0 + c * kVec);
+}
+
+template <int H>
+void value_heads(const float* probs, const float* inv_sum, int64_t n, const float* values, int64_t head_dim,
+                 float* context) {
+  constexpr int C = 8 / H;
+  int64_t d = 0;
+  for (; d + C * kVec <= head_dim; d += C * kVec) value_block<H, C>(probs, inv_sum, n, values, head_dim, d, context);
+  for (; d + kVec <= head_dim; d += kVec) value_block<H, 1>(probs, inv_sum, n, values, head_dim, d, context);
+  for (; d < head_dim; ++d) {  // head_dim not a multiple of the vector width
+    for (int h = 0; h < H; ++h) {
+      float sum = 0.0f;
+      for (int64_t l = 0; l < n; ++l) sum += probs[h * n + l] * values[l * head_dim + d];
+      context[h * head_dim + d] = sum * inv_sum[h];
+    }
+  }
+}
+
+void weighted_values(const float* probs, const float* inv_sum, int64_t group, int64_t n, const float* values,
+                     int64_t head_dim, float* context) {
+  int64_t h = 0;
+  for (; h + 2 <= group; h += 2) {
+    value_heads<2>(probs + h * n, inv_sum + h, n, values, head_dim, context + h * head_dim);
+  }
+  for (; h < group; ++h) value_heads<1>(probs + h * n, inv_sum + h, n, values, head_dim, context + h * head_dim);
+}
+
+void check_inputs(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                  const at::Tensor& values, int64_t column, const std::optional<at::Tensor>& start,
+                  int64_t num_heads) {
+  for (const at::Tensor* t : {&qkv, &cos, &sin, &keys, &values}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "decode_attention: every tensor must be contiguous fp32");
+  }
+  TORCH_CHECK(qkv.dim() == 2 && keys.dim() == 4 && values.dim() == 4, "decode_attention: bad ranks");
+  const int64_t batch = qkv.size(0), kv_heads = keys.size(1), head_dim = keys.size(2), max_len = keys.size(3);
+  TORCH_CHECK(kv_heads > 0 && num_heads % kv_heads == 0, "num_heads must be a multiple of the KV heads");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * kv_heads) * head_dim, "qkv must be [b, (h + 2 kv) * head_dim]");
+  TORCH_CHECK(keys.size(0) >= batch && values.size(0) >= batch, "the cache has fewer rows than the batch");
+  TORCH_CHECK(values.size(1) == kv_heads && values.size(2) == max_len && values.size(3) == head_dim,
+              "values must be [rows, kv, max_len, head_dim] matching keys [rows, kv, head_dim, max_len]");
+  TORCH_CHECK(0 <= column && column < max_len, "column ", column, " outside the cache (", max_len, ")");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && (cos.size(0) == 1 || cos.size(0) == batch),
+              "cos / sin must be [b or 1, rotary_dim]");
+  TORCH_CHECK(cos.size(1) <= head_dim && cos.size(1) % 2 == 0, "rotary_dim must be even and <= head_dim");
+  if (start.has_value()) {
+    TORCH_CHECK(start->scalar_type() == at::kLong && start->dim() == 1 && start->size(0) == batch &&
+                    start->is_contiguous(),
+                "start must be a contiguous int64 [b]");
+  }
+}
+
+at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& keys, at::Tensor& values, int64_t column,
+                                const std::optional<at::Tensor>& start, int64_t num_heads, double scale) {
+  check_inputs(qkv, cos, sin, keys, values, column, start, num_heads);
+  const int64_t batch = qkv.size(0), kv_heads = keys.size(1), head_dim = keys.size(2), max_len = keys.size(3);
+  const int64_t group = num_heads / kv_heads, rot = cos.size(1), width = qkv.size(1);
+  const int64_t* first_visible = start.has_value() ? start->data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; first_visible != nullptr && r < batch; ++r) {
+    TORCH_CHECK(0 <= first_visible[r] && first_visible[r] <= column, "start[", r, "] must be in [0, column]");
+  }
+  at::Tensor context = at::empty({batch, num_heads * head_dim}, qkv.options());
+  const float *qkv_ptr = qkv.data_ptr<float>(), *cos_ptr = cos.data_ptr<float>(), *sin_ptr = sin.data_ptr<float>();
+  float *key_ptr = keys.data_ptr<float>(), *value_ptr = values.data_ptr<float>();
+  float* out_ptr = context.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), scores(group * (column + 1)), inv_sum(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads;
+      const float* row = qkv_ptr + r * width;
+      const float* c = cos_ptr + (cos.size(0) == 1 ? 0 : r) * rot;
+      const float* s = sin_ptr + (cos.size(0) == 1 ? 0 : r) * rot;
+      float* k_cache = key_ptr + (r * kv_heads + g) * head_dim * max_len;  // [head_dim, max_len]
+      float* v_cache = value_ptr + (r * kv_heads + g) * max_len * head_dim;  // [max_len, head_dim]
+      // The new token's key (rotated) and value go into cache column `column` first: it attends to itself.
+      rotate(row + (num_heads + g) * head_dim, c, s, rot, head_dim, q.data());
+      for (int64_t d = 0; d < head_dim; ++d) k_cache[d * max_len + column] = q[d];
+      std::memcpy(v_cache + column * head_dim, row + (num_heads + kv_heads + g) * head_dim,
+                  head_dim * sizeof(float));
+      for (int64_t h = 0; h < group; ++h) {
+        rotate(row + (g * group + h) * head_dim, c, s, rot, head_dim, q.data() + h * head_dim);
+      }
+      const int64_t first = first_visible != nullptr ? first_visible[r] : 0, n = column + 1 - first;
+      query_key_scores(q.data(), group, head_dim, k_cache + first, max_len, n, scores.data());
+      for (int64_t h = 0; h < group; ++h) inv_sum[h] = scaled_softmax_numerator(scores.data() + h * n, n, fscale);
+      weighted_values(scores.data(), inv_sum.data(), group, n, v_cache + first * head_dim, head_dim,
+                      out_ptr + r * num_heads * head_dim + g * group * head_dim);
+    }
+  });
+  return context;
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, name,
+              " must be a contiguous fp32 [rows, columns] tensor");
+}
+
+// x * rsqrt(mean(x * x) + eps) * weight per row (torch.nn.RMSNorm), one pass to sum and one to scale.
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 1 &&
+                  weight.size(0) == cols,
+              "weight must be a contiguous fp32 [", cols, "]");
+  at::Tensor out = at::empty_like(x);
+  const float *in = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * cols;
+      const float sum_sq = at::vec::map_reduce_all<float>([](Vec v) { return v * v; },
+                                                          [](Vec a, Vec b) { return a + b; }, row, cols);
+      const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(cols) + static_cast<float>(eps));
+      at::vec::map2([inv_rms](Vec v, Vec g) { return v * Vec(inv_rms) * g; }, dst + r * cols, row, w, cols);
+    }
+  });
+  return out;
+}
+
+// [rows, 2f] = [gate | up] -> silu(gate) * up, [rows, f].
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * width;
+      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, dst + r * width, gate,
+                    gate + width, width);
+    }
+  });
+  return out;
+}
+
+// --- decode_linear: out = add + x @ W for a few rows of x, W stored as column panels -----------------------
+// MKL's sgemm re-packs the weight for every call, and with a handful of rows that packing costs about as much as
+// the multiply. Here the weight is packed once, when it is loaded: panel p holds output columns
+// [16p, 16p + 16) as a contiguous [K, 16] block (zero-padded past N), so a decode step streams each weight
+// exactly once, sequentially. The panel stays in L1 while every 6-row block of x multiplies it with 12
+// independent FMA accumulators.
+constexpr int64_t kRowsPerBlock = 6;
+constexpr int64_t kPanelCols = 16;
+
+template <int MR>
+void linear_block(const float* x, int64_t k_dim, const float* panel, const float* init, int64_t init_ld,
+                  float* out, int64_t out_ld) {
+  Vec acc[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2; ++v) acc[r][v] = init != nullptr ? Vec::loadu(init + r * init_ld + v * kVec) : Vec(0.0f);
+  for (int64_t k = 0; k < k_dim; ++k) {
+    // Spelled as loops over small arrays: GCC then keeps all 12 accumulators in registers (two named
+    // Vec locals made it spill them on every k, at half the speed).
+    Vec wk[2];
+    for (int v = 0; v < 2; ++v) wk[v] = Vec::loadu(panel + k * kPanelCols + v * kVec);
+    for (int r = 0; r < MR; ++r) {
+      const Vec xk(x[r * k_dim + k]);
+      for (int v = 0; v < 2; ++v) acc[r][v] = at::vec::fmadd(xk, wk[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2; ++v) acc[r][v].store(out + r * out_ld + v * kVec);
+}
+
+// All rows of x times one panel; init (the added rows, or null) and out point at the panel's first column.
+void linear_panel(const float* x, int64_t rows, int64_t k_dim, const float* panel, const float* init,
+                  int64_t init_ld, float* out, int64_t out_ld) {
+  int64_t r = 0;
+  for (; r + kRowsPerBlock <= rows; r += kRowsPerBlock) {
+    linear_block<kRowsPerBlock>(x + r * k_dim, k_dim, panel, init ? init + r * init_ld : nullptr, init_ld,
+                                out + r * out_ld, out_ld);
+  }
+  const float* x_rest = x + r * k_dim;
+  const float* init_rest = init ? init + r * init_ld : nullptr;
+  float* out_rest = out + r * out_ld;
+  switch (rows - r) {
+    case 5: linear_block<5>(x_rest, k_dim, panel, init_rest, init_ld, out_rest, out_ld); break;
+    case 4: linear_block<4>(x_rest, k_dim, panel, init_rest, init_ld, out_rest, out_ld); break;
+    case 3: linear_block<3>(x_rest, k_dim, panel, init_rest, init_ld, out_rest, out_ld); break;
+    case 2: linear_block<2>(x_rest, k_dim, panel, init_rest, init_ld, out_rest, out_ld); break;
+    case 1: linear_block<1>(x_rest, k_dim, panel, init_rest, init_ld, out_rest, out_ld); break;
+    default: break;
+  }
+}
+
+// The last panel when N is not a multiple of 16: staged through [rows, 16] buffers so that no load or store
+// reaches past column N of `add` or `out`.
+void linear_tail_panel(const float* x, int64_t rows, int64_t k_dim, const float* panel, const float* init,
+                       int64_t init_ld, float* out, int64_t n_dim, int64_t first_col) {
+  const int64_t width = n_dim - first_col;
+  std::vector<float> staged_init(init ? rows * kPanelCols : 0, 0.0f), staged_out(rows * kPanelCols);
+  for (int64_t r = 0; init != nullptr && r < rows; ++r) {
+    std::memcpy(staged_init.data() + r * kPanelCols, init + r * init_ld + first_col, width * sizeof(float));
+  }
+  linear_panel(x, rows, k_dim, panel, init ? staged_init.data() : nullptr, init_ld ? kPanelCols : 0,
+               staged_out.data(), kPanelCols);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(out + r * n_dim + first_col, staged_out.data() + r * kPanelCols, width * sizeof(float));
+  }
+}
+
+at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t n_dim,
+                             const std::optional<at::Tensor>& add) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), k_dim = x.size(1), num_panels = (n_dim + kPanelCols - 1) / kPanelCols;
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous() && panels.dim() == 3 &&
+                  panels.size(0) == num_panels && panels.size(1) == k_dim && panels.size(2) == kPanelCols,
+              "panels must be a contiguous fp32 [ceil(N / 16), K, 16] = [", num_panels, ", ", k_dim, ", 16]");
+  int64_t init_ld = 0;  // 0: one row broadcast to every row (a bias)
+  if (add.has_value()) {
+    TORCH_CHECK(add->scalar_type() == at::kFloat && add->is_contiguous(), "add must be contiguous fp32");
+    TORCH_CHECK((add->dim() == 1 && add->size(0) == n_dim) ||
+                    (add->dim() == 2 && add->size(0) == rows && add->size(1) == n_dim),
+                "add must be [N] or [rows, N]");
+    init_ld = add->dim() == 2 ? n_dim : 0;
+  }
+  at::Tensor out = at::empty({rows, n_dim}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>();
+  const float* init = add.has_value() ? add->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t full_panels = n_dim / kPanelCols;
+  at::parallel_for(0, full_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c = p * kPanelCols;
+      linear_panel(xp, rows, k_dim, wp + p * k_dim * kPanelCols, init ? init + c : nullptr, init_ld, op + c, n_dim);
+    }
+  });
+  if (full_panels < num_panels) {
+    linear_tail_panel(xp, rows, k_dim, wp + full_panels * k_dim * kPanelCols, init, init_ld, op, n_dim,
+                      full_panels * kPanelCols);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mcore_rl, CPU, m) {
+  m.impl("decode_linear", &decode_linear_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
+}
+
+}  // namespace mcore_rl

@@ -1,0 +1,120 @@
+"""Fused kernels of the rollout engine's decode step (one new token per sequence, a few rows at a time).
+
+A decode step of a small model is hundreds of tiny ops, where per-op dispatch and the poor efficiency of
+batched GEMMs on matrices of a few rows dominate. CPU kernels (``csrc/decode_cpu.cpp``) cover a whole layer:
+:func:`decode_linear` (projections of a few rows), :func:`rms_norm`, :func:`silu_mul` and
+:func:`decode_attention`. Each runs
+the compiled kernel for contiguous fp32 CPU tensors and otherwise its reference in
+:mod:`mcore_rl.ops.reference` (bf16 / fp16, GPU, or no native build), which is also the test oracle.
+
+Attention: rotary, KV-cache write and grouped-query attention, fused.
+
+``decode_attention(qkv, cos, sin, keys, values, column, start, num_heads, scale)`` takes the new token of each
+of ``b`` sequences (cache rows ``0..b-1``), all at cache column ``column``:
+
+* ``qkv`` [b, (num_heads + 2 * kv_heads) * head_dim]: the fused projection, rows ``[q heads; k heads; v heads]``;
+* ``cos`` / ``sin`` [b or 1, rotary_dim]: rotary tables at each row's position, ``sin`` signed
+  (``[-sin, +sin]`` halves; non-interleaved rotary on the first ``rotary_dim`` dims of each head);
+* ``keys`` [rows, kv_heads, head_dim, max_len] (transposed) and ``values`` [rows, kv_heads, max_len, head_dim]:
+  the KV cache, updated in place at ``column`` with the rotated key and the value;
+* ``start`` [b] int64 or None: the first cache column row ``i`` may see (left padding, sliding window); the
+  row attends to columns ``[start[i], column]``, itself included;
+
+and returns the attention context [b, num_heads * head_dim] (query head ``h`` reads KV head
+``h // (num_heads // kv_heads)``), softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mcore_rl.ops import _native, reference
+
+
+def _native_fp32(*tensors: Tensor) -> bool:
+    return (
+        _native.native_available()
+        and tensors[0].device.type == "cpu"
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * weight`` for ``x`` [rows, hidden] (``torch.nn.RMSNorm``)."""
+    if _native_fp32(x, weight) and x.dim() == 2:
+        return torch.ops.mcore_rl.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for the fused projection ``gate_up`` [rows, 2f] = ``[gate | up]`` -> [rows, f]."""
+    if _native_fp32(gate_up) and gate_up.dim() == 2:
+        return torch.ops.mcore_rl.silu_mul(gate_up)
+    return reference.silu_mul(gate_up)
+
+
+def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_linear` has a kernel for weights on ``device`` in ``dtype`` (CPU fp32)."""
+    return _native.native_available() and device.type == "cpu" and dtype == torch.float32
+
+
+def pack_panels(weight_t: Tensor) -> Tensor:
+    """A projection ``x @ weight_t`` (``weight_t`` [K, N]) packed for :func:`decode_linear`: column panels
+    [ceil(N / 16), K, 16], panel p holding columns [16p, 16p + 16) contiguously, zero-padded past N."""
+    return reference.pack_panels(weight_t)
+
+
+def decode_linear(x: Tensor, panels: Tensor, n: int, add: Tensor | None = None) -> Tensor:
+    """``add + x @ W`` for ``x`` [M, K] and ``W`` [K, n] packed by :func:`pack_panels`; ``add`` None, a bias [n]
+    or a residual [M, n]."""
+    if _native_fp32(x, panels, *(() if add is None else (add,))):
+        return torch.ops.mcore_rl.decode_linear(x, panels, n, add)
+    return reference.decode_linear(x, panels, n, add)
+
+
+def decode_attention(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    column: int,
+    start: Tensor | None,
+    num_heads: int,
+    scale: float,
+) -> Tensor:
+    if _native_fp32(qkv, cos, sin, keys, values):
+        return torch.ops.mcore_rl.decode_attention(
+            qkv, cos, sin, keys, values, column, start, num_heads, scale
+        )
+    return reference.decode_attention(qkv, cos, sin, keys, values, column, start, num_heads, scale)
+
+
+if _native.extension_loaded():
+
+    @torch.library.register_fake("mcore_rl::decode_attention")
+    def _(
+        qkv: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        column: int,
+        start: Tensor | None,
+        num_heads: int,
+        scale: float,
+    ) -> Tensor:
+        return qkv.new_empty(qkv.shape[0], num_heads * keys.shape[2])
+
+    @torch.library.register_fake("mcore_rl::rms_norm")
+    def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("mcore_rl::decode_linear")
+    def _(x: Tensor, panels: Tensor, n: int, add: Tensor | None) -> Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("mcore_rl::silu_mul")
+    def _(gate_up: Tensor) -> Tensor:
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
