@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mcore_rl.parallel.layout import ParallelLayout, padded_vocab_size
-from mcore_rl.parallel.reshard import build_plan, model_param_specs
+from mcore_rl.parallel.context import free_local_port
+from mcore_rl.parallel.layout import ParallelLayout
+from mcore_rl.parallel.reshard import build_plan, model_param_specs, padded_rows
 from mcore_rl.parallel.reshard.executor import execute_plan
 from mcore_rl.parallel.reshard.planner import owner_stages
 from mcore_rl.parallel.sharding import ShardKind, tp_shard
@@ -52,10 +52,6 @@ def _stage(spec, train: ParallelLayout, num_layers: int) -> int:
     return min(owner_stages(spec, train, num_layers, tied=False))
 
 
-def _padded(spec, tp: int) -> int | None:
-    return padded_vocab_size(spec.shape[0], tp) if spec.kind is ShardKind.VOCAB else None
-
-
 def _naive(
     specs, train: ParallelLayout, local: dict, tp_g: int, coord: int, num_layers: int
 ) -> tuple[float, int, int]:
@@ -66,7 +62,9 @@ def _naive(
     start = time.perf_counter()
     for spec in specs:
         stage = _stage(spec, train, num_layers)
-        shard_shape = tp_shard(torch.empty(spec.shape), spec.kind, 0, train.tp, _padded(spec, train.tp)).shape
+        shard_shape = tp_shard(
+            torch.empty(spec.shape), spec.kind, 0, train.tp, padded_rows(spec, train.tp)
+        ).shape
         shards = [torch.empty(shard_shape) for _ in range(train.tp)]
         if me.pp == stage and spec.kind is not ShardKind.REPLICATED:
             dist.all_gather(shards, local[spec.name], group=_tp_group(train, rank))
@@ -83,7 +81,7 @@ def _naive(
         dist.broadcast(full, src=src)
         received += full.numel() * 4 * (rank != src)
         peak = max(peak, (full.numel() + sum(s.numel() for s in shards)) * 4)
-        tp_shard(full, spec.kind, coord, tp_g, _padded(spec, tp_g)).clone()
+        tp_shard(full, spec.kind, coord, tp_g, padded_rows(spec, tp_g)).clone()
         del full, shards
     return time.perf_counter() - start, received, peak
 
@@ -109,7 +107,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results)
             _GROUPS[tuple(group)] = dist.new_group(group)
         me = train.coords(rank)
         local = {
-            s.name: tp_shard(full[s.name], s.kind, me.tp, tp, _padded(s, tp)).clone()
+            s.name: tp_shard(full[s.name], s.kind, me.tp, tp, padded_rows(s, tp)).clone()
             for s in specs
             if _stage(s, train, args.layers) == me.pp
         }
@@ -173,9 +171,7 @@ def main() -> None:
         )
     args.layouts = [(2, 2), (1, 4), (4, 1)] if args.world == 4 else [(args.world, 1)]
     args.rollout_tps = [1, 2, 4] if args.world >= 4 else [1, args.world]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [

@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from mcore_rl.parallel.context import free_local_port
+
 _PRELOAD = ("torch", "megatron.core", "megatron.core.models.gpt")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reset_after_task() -> None:
@@ -83,7 +78,7 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_local_port()
         self._procs = [
             ctx.Process(
                 target=_worker_main, args=(r, world_size, port, self._tasks[r], self._results), daemon=True

@@ -67,7 +67,7 @@ def _init_world(backend: str, timeout_minutes: int) -> None:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_local_port()))
     elif missing:
         raise LayoutError(f"torch.distributed rendezvous variables missing: {missing} (launch with torchrun)")
     if backend == "nccl":
@@ -83,7 +83,8 @@ def _live_process_groups() -> list[dist.ProcessGroup]:
     return [g for g in distributed_c10d._world.pg_map if g is not default]
 
 
-def _free_port() -> int:
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (single-node rendezvous without a launcher; tests, benches)."""
     import socket
 
     with socket.socket() as s:

@@ -11,17 +11,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.ops import _native, pack_copy, unpack_copy
-from mcore_rl.parallel.layout import ParallelLayout, padded_vocab_size
-from mcore_rl.parallel.reshard import build_plan, execution_schedule, model_param_specs
+from mcore_rl.parallel.layout import ParallelLayout
+from mcore_rl.parallel.reshard import build_plan, execution_schedule, model_param_specs, padded_rows
 from mcore_rl.parallel.reshard.executor import execute_plan
 from mcore_rl.parallel.reshard.hybrid import HybridConfig
 from mcore_rl.parallel.reshard.planner import owner_stages
-from mcore_rl.parallel.sharding import ShardKind, tp_shard
+from mcore_rl.parallel.sharding import tp_shard
 from tests.parallel.test_reshard_plan import ARCH
-
-
-def _padded(spec, tp):
-    return padded_vocab_size(spec.shape[0], tp) if spec.kind is ShardKind.VOCAB else None
 
 
 def _setup(world: int, rank: int, tp: int, pp: int, tp_g: int):
@@ -33,7 +29,7 @@ def _setup(world: int, rank: int, tp: int, pp: int, tp_g: int):
     full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
     me = train.coords(rank)
     local = {
-        s.name: tp_shard(full[s.name], s.kind, me.tp, tp, _padded(s, tp))
+        s.name: tp_shard(full[s.name], s.kind, me.tp, tp, padded_rows(s, tp))
         for s in specs
         if me.pp in owner_stages(s, train, ARCH["num_layers"], tied=False)
     }
@@ -46,7 +42,8 @@ def _mismatched(plan, full, out, rank: int, dtype: torch.dtype) -> list[str]:
         name
         for name, spec in plan.specs.items()
         if not torch.equal(
-            out[name], tp_shard(full[name], spec.kind, coord, plan.tp_g, _padded(spec, plan.tp_g)).to(dtype)
+            out[name],
+            tp_shard(full[name], spec.kind, coord, plan.tp_g, padded_rows(spec, plan.tp_g)).to(dtype),
         )
     ]
 
@@ -171,7 +168,7 @@ def test_schedules_of_all_ranks_fit_together(world, tp, pp, tp_g):
         plan, full, local = plans[rank]
         out = {
             n: torch.zeros_like(
-                tp_shard(full[n], s.kind, plan.rollout_coords[rank][0], tp_g, _padded(s, tp_g))
+                tp_shard(full[n], s.kind, plan.rollout_coords[rank][0], tp_g, padded_rows(s, tp_g))
             )
             for n, s in plan.specs.items()
         }

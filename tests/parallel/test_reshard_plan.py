@@ -14,6 +14,7 @@ from mcore_rl.parallel.reshard import (
     Transfer,
     build_plan,
     model_param_specs,
+    padded_rows,
     rollout_coordinates,
     schedule_rounds,
     shard_intervals,
@@ -147,7 +148,7 @@ def test_applying_the_plan_to_real_shards_gives_the_rollout_shards(layout, tied)
     full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
     train_shards = {
         r: {
-            s.name: tp_shard(full[s.name], s.kind, train.coords(r).tp, train.tp, _padded(s, train.tp))
+            s.name: tp_shard(full[s.name], s.kind, train.coords(r).tp, train.tp, padded_rows(s, train.tp))
             for s in specs
         }
         for r in range(train.world_size)
@@ -155,7 +156,9 @@ def test_applying_the_plan_to_real_shards_gives_the_rollout_shards(layout, tied)
     for rank in range(train.world_size):
         coord = plan.rollout_coords[rank][0]
         out = {
-            s.name: torch.zeros_like(tp_shard(full[s.name], s.kind, coord, plan.tp_g, _padded(s, plan.tp_g)))
+            s.name: torch.zeros_like(
+                tp_shard(full[s.name], s.kind, coord, plan.tp_g, padded_rows(s, plan.tp_g))
+            )
             for s in specs
         }
         pieces = [(name, iv, rank) for name, iv in plan.local_copies.get(rank, [])]
@@ -170,14 +173,8 @@ def test_applying_the_plan_to_real_shards_gives_the_rollout_shards(layout, tied)
             )
             shard_view(spec, out[name], local_units(spec, dst_tp_size, dst_tp, interval), n).copy_(data)
         for spec in specs:
-            expected = tp_shard(full[spec.name], spec.kind, coord, plan.tp_g, _padded(spec, plan.tp_g))
+            expected = tp_shard(full[spec.name], spec.kind, coord, plan.tp_g, padded_rows(spec, plan.tp_g))
             assert torch.equal(out[spec.name], expected), (rank, spec.name)
-
-
-def _padded(spec, tp):
-    from mcore_rl.parallel.layout import padded_vocab_size
-
-    return padded_vocab_size(spec.shape[0], tp) if spec.kind is ShardKind.VOCAB else None
 
 
 def test_buckets_respect_the_size_limit_and_keep_every_transfer():

@@ -136,6 +136,12 @@ def arch_param_specs(arch: Any) -> list[ParamSpec]:
     )
 
 
+def padded_rows(spec: ParamSpec, tp: int, vocab_divisible_by: int = 128) -> int | None:
+    """The padded row count ``sharding.tp_shard`` takes for ``spec`` at degree ``tp``: vocab-split parameters
+    are padded (megatron's rule), every other kind is split as it is (None)."""
+    return padded_vocab_size(spec.shape[0], tp, vocab_divisible_by) if spec.kind is ShardKind.VOCAB else None
+
+
 def shard_intervals(spec: ParamSpec, tp: int, coord: int, vocab_divisible_by: int = 128) -> list[Interval]:
     """The full-coordinate intervals held by TP coordinate ``coord`` of ``tp``."""
     if spec.kind is ShardKind.REPLICATED:
