@@ -170,6 +170,9 @@ def main() -> None:
             "--hidden must be a multiple of 256 (4 query groups of 64-dim heads split over TP up to 4)"
         )
     args.layouts = [(2, 2), (1, 4), (4, 1)] if args.world == 4 else [(args.world, 1)]
+    deepest = max(pp for _, pp in args.layouts)
+    if args.layers % deepest:
+        parser.error(f"--layers must be a multiple of {deepest} (the deepest pipeline benchmarked)")
     args.rollout_tps = [1, 2, 4] if args.world >= 4 else [1, args.world]
     port = free_local_port()
     ctx = mp.get_context("spawn")
