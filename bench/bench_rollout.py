@@ -10,7 +10,10 @@ The gap narrows as the batch grows: both engines then spend most of a decode ste
 FLOP/s and in reading the KV cache, and per-op overhead (where ours saves most) matters less. Measured on the
 2-core CI machine, hidden 256: 3.9x at batch 4, 2.35x at batch 16 (the default), 1.9x at batch 64.
 
-    python bench/bench_rollout.py [--batch 16] [--prompt-len 32] [--new-tokens 128] [--threads 1]
+    python bench/bench_rollout.py [--batch 16] [--n 1] [--prompt-len 32] [--new-tokens 128] [--threads 1]
+
+``--n`` samples per prompt (RL's group sampling): HF repeats each prompt ``n`` times (``num_return_sequences``);
+ours prefills each prompt once and copies its KV cache rows.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16, help="prompts")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
@@ -91,7 +95,7 @@ def main() -> None:
     engine.load_weights(hf_to_rollout(model, arch).items())
 
     prompts = torch.randint(0, arch.vocab_size, (args.batch, args.prompt_len))
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    params = SamplingParams(temperature=1.0, n=args.n, max_new_tokens=args.new_tokens, seed=0)
 
     def run_hf() -> None:
         with torch.inference_mode():
@@ -104,14 +108,15 @@ def main() -> None:
                 top_p=1.0,
                 max_new_tokens=args.new_tokens,
                 min_new_tokens=args.new_tokens,
+                num_return_sequences=args.n,
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        assert out.shape == (args.batch, args.prompt_len + args.new_tokens)
+        assert out.shape == (args.batch * args.n, args.prompt_len + args.new_tokens)
 
     def run_ours() -> None:
         out = engine.generate(prompts.tolist(), params)
-        assert int(out.lengths.sum()) == args.batch * args.new_tokens
+        assert int(out.lengths.sum()) == args.batch * args.n * args.new_tokens
 
     # Same weights, same function: greedy continuations must agree (a sanity check, not timed).
     greedy = engine.generate(prompts[:2].tolist(), SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -131,13 +136,13 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved so that machine load hits both alike
         hf_times.append(timed(run_hf))
         ours_times.append(timed(run_ours))
-    tokens = args.batch * args.new_tokens
+    tokens = args.batch * args.n * args.new_tokens
     print(
         f"model: hidden {arch.hidden_size}, {arch.num_layers} layers, {arch.num_attention_heads} heads / "
         f"{arch.num_query_groups} kv, vocab {arch.vocab_size}, fp32; torch threads {args.threads}"
     )
     print(
-        f"batch {args.batch} x prompt {args.prompt_len} + {args.new_tokens} new tokens, temperature 1, "
+        f"batch {args.batch} x n {args.n} x prompt {args.prompt_len} + {args.new_tokens} new tokens, temperature 1, "
         f"best of {args.repeats}; greedy outputs agree with HF: {agree}"
     )
     for i, clock in enumerate(("wall", "cpu")):
