@@ -54,7 +54,7 @@ ARCH = ModelArch.from_hf_config(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sft-steps", type=int, default=1500, help="SFT steps at most")
     parser.add_argument(
-        "--sft-target", type=float, default=0.3, help="stop SFT at this held-out accuracy (200 prompts)"
+        "--sft-target", type=float, default=0.3, help="stop SFT at this validation accuracy (200 prompts)"
     )
     parser.add_argument("--sft-lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=64, help="SFT sequences per step")
@@ -73,7 +73,8 @@ def _sft_loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[
 
 def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
-    held_out = make_problems(1000, seed=10_000 + args.seed)
+    held_out = make_problems(1000, seed=10_000 + args.seed)  # the before / after scores
+    validation = make_problems(200, seed=20_000 + args.seed)  # SFT's stopping rule and the progress bars
     with (
         ParallelContext.initialize(ParallelConfig(seed=args.seed)) as ctx,
         open(os.path.join(args.out, "metrics.jsonl"), "w") as log,
@@ -84,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
         hybrid, rollout = build_hybrid(engine, ARCH, ctx)
         before = greedy_accuracy(hybrid, rollout, held_out, TOKENIZER)
         print(f"held-out exact match before training: {before:.1%} (1000 prompts)")
-        sft_steps = _sft(engine, hybrid, rollout, args, held_out[:200], log)
+        sft_steps = _sft(engine, hybrid, rollout, args, validation, log)
         after_sft = greedy_accuracy(hybrid, rollout, held_out, TOKENIZER)
         print(f"after {sft_steps} SFT steps: {after_sft:.1%}")
         _set_lr(engine, args.grpo_lr)
-        grpo_steps = _grpo(hybrid, rollout, args, held_out[:200], log)
+        grpo_steps = _grpo(hybrid, rollout, args, validation, log)
         after = greedy_accuracy(hybrid, rollout, held_out, TOKENIZER)
     print(
         f"held-out exact match (1000 prompts): {before:.1%} before, {after_sft:.1%} after SFT, "
@@ -130,11 +131,11 @@ def _sft(
         record: dict[str, Any] = {"stage": "sft", "step": step, "loss": float(metrics[0]["loss"])}
         record["grad_norm"] = result.grad_norm
         if step % args.eval_every == 0:
-            record["heldout_accuracy"] = greedy_accuracy(hybrid, rollout, validation, TOKENIZER)
+            record["val_accuracy"] = greedy_accuracy(hybrid, rollout, validation, TOKENIZER)
         record["elapsed_s"] = round(time.perf_counter() - start, 2)
         log.write(json.dumps(record) + "\n")
-        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=record.get("heldout_accuracy", ""), refresh=False)
-        if record.get("heldout_accuracy", 0.0) >= args.sft_target:
+        bar.set_postfix(loss=f"{record['loss']:.3f}", acc=record.get("val_accuracy", ""), refresh=False)
+        if record.get("val_accuracy", 0.0) >= args.sft_target:
             break
     bar.close()
     return step
@@ -160,11 +161,11 @@ def _grpo(
                 grpo_step(hybrid, rollout, problems, TOKENIZER, config, seed=args.seed * 1000 + step)
             )
             if step % 50 == 0:
-                record["heldout_accuracy"] = greedy_accuracy(hybrid, rollout, validation, TOKENIZER)
+                record["val_accuracy"] = greedy_accuracy(hybrid, rollout, validation, TOKENIZER)
             record["elapsed_s"] = round(time.perf_counter() - start, 2)
             log.write(json.dumps(record) + "\n")
             bar.update()
             bar.set_postfix(
-                reward=f"{record['reward']:.2f}", acc=record.get("heldout_accuracy", ""), refresh=False
+                reward=f"{record['reward']:.2f}", acc=record.get("val_accuracy", ""), refresh=False
             )
     return step
