@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.weights import load_full_state, unwrap
 from mcore_rl.parallel.context import ParallelContext
@@ -152,6 +153,19 @@ class TrainEngine:
     def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
         """Load a full (TP=1) state into this rank's shards and refresh the optimizer's main params."""
         load_full_state(self.models, full, self.arch, self.ctx)
+        # bf16 keeps separate fp32 main params; without this the first step would undo the load.
+        self.optimizer.reload_model_params()
+
+    def save_model(self, directory: str) -> None:
+        """Collective: the model weights (not the optimizer) as a distributed checkpoint, loadable at any
+        layout by :meth:`load_model` or ``mcore-rl convert mcore-to-hf``."""
+        info = ModelCheckpointInfo.for_arch(self.arch, self.config.params_dtype)
+        save_model(self.chunks, self.ctx, directory, info)
+
+    def load_model(self, directory: str) -> None:
+        """Collective: model weights saved at any layout (``save_model``, HF conversion) into this engine; the
+        optimizer's main params follow (its moments are kept)."""
+        load_model(self.chunks, self.ctx, directory)
         # bf16 keeps separate fp32 main params; without this the first step would undo the load.
         self.optimizer.reload_model_params()
 
