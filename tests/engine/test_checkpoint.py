@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch.distributed as dist
 
 from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.trainer_checkpoint import load_training_checkpoint, save_training_checkpoint
 from mcore_rl.engine.weights import gather_full_state, load_full_state
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
 from tests.models import tiny_arch
@@ -84,8 +87,6 @@ def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
 def _engine_save_train_load(directory: str) -> dict[str, float]:
     """A bf16 TP2 engine trains and saves; a TP1xDP2 engine loads it: the same weights, and a zero-lr step keeps
     them (the fp32 main params were refreshed from the load, not left at the engine's random init)."""
-    from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-
     bf16 = ModelOptions(dtype=torch.bfloat16)
 
     arch = tiny_arch("llama")
@@ -115,3 +116,102 @@ def _engine_save_train_load(directory: str) -> dict[str, float]:
 def test_train_engine_saves_and_loads_across_layouts(run_distributed, tmp_path):
     for diffs in run_distributed(_engine_save_train_load, str(tmp_path / "ckpt")):
         assert diffs == {"load": 0.0, "step": 0.0}
+
+
+def _resume_matches_uninterrupted(directory: str, parallel: dict, resume_parallel: dict) -> float:
+    """Train 2 steps, checkpoint, train 1 more; a fresh engine restored from the checkpoint and trained 1 step
+    must reach the same weights (Adam moments and step count restored, not just the weights)."""
+    arch = tiny_arch("llama")
+    optim = OptimizerConfig(lr=1e-2, adam_beta2=0.99)
+
+    def batch(step: int) -> MicroBatch:
+        tokens = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+        return MicroBatch(tokens, torch.arange(8).expand(2, 8))
+
+    def loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return output.float().logsumexp(-1).mean(), {}
+
+    with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+        engine = TrainEngine.build(arch, ctx, optim=optim)
+        for step in range(2):
+            engine.train_step([batch(step)], loss)
+        save_training_checkpoint(engine, directory, step=2, extra={"consumed_prompts": 64})
+        engine.train_step([batch(2)], loss)
+        uninterrupted = gather_full_state(engine.models, arch, ctx)
+    with ParallelContext.initialize(ParallelConfig(**resume_parallel)) as ctx:
+        engine = TrainEngine.build(arch, ctx, optim=optim)
+        step, extra = load_training_checkpoint(engine, directory)
+        assert (step, extra) == (2, {"consumed_prompts": 64})
+        engine.train_step([batch(2)], loss)
+        resumed = gather_full_state(engine.models, arch, ctx)
+    return max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in uninterrupted)
+
+
+@pytest.mark.parametrize(
+    "parallel, resume_parallel",
+    [
+        ({}, {}),
+        ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2}),
+        ({}, {"pipeline_parallel_size": 2}),
+    ],
+    ids=["dp2", "tp2", "dp2-to-pp2"],
+)
+def test_training_checkpoint_resumes_exactly(run_distributed, tmp_path, parallel, resume_parallel):
+    diffs = run_distributed(_resume_matches_uninterrupted, str(tmp_path / "ckpt"), parallel, resume_parallel)
+    assert max(diffs) < 1e-6, diffs
+
+
+def _resume_at_another_tp(directory: str) -> str:
+    arch = tiny_arch("llama")
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+        save_training_checkpoint(TrainEngine.build(arch, ctx), directory, step=0)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        engine = TrainEngine.build(arch, ctx)
+        with pytest.raises(ValueError, match="tensor_parallel_size=2") as err:
+            load_training_checkpoint(engine, directory)
+        return str(err.value)
+
+
+def test_training_checkpoint_refuses_another_tp(run_distributed, tmp_path):
+    run_distributed(_resume_at_another_tp, str(tmp_path / "ckpt"))
+    with pytest.raises(FileNotFoundError, match="not a training checkpoint"):
+        load_training_checkpoint(None, str(tmp_path))  # checked before anything collective
+
+
+def _save_before_the_first_step_changes_nothing(directory: str) -> float:
+    arch = tiny_arch("llama")
+    tokens = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = MicroBatch(tokens, torch.arange(8).expand(2, 8))
+    states = []
+    for save in (False, True):
+        with ParallelContext.initialize(ParallelConfig()) as ctx:
+            engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
+            if save:
+                save_training_checkpoint(engine, directory, step=0)
+            engine.train_step([batch], lambda o, mb: (o.float().logsumexp(-1).mean(), {}))
+            states.append(gather_full_state(engine.models, arch, ctx))
+    return max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0])
+
+
+def test_training_checkpoint_before_the_first_step(run_distributed, tmp_path):
+    assert run_distributed(_save_before_the_first_step_changes_nothing, str(tmp_path / "ckpt")) == [0.0, 0.0]
+
+
+def _save_over_a_checkpoint_and_a_crashed_save(directory: str) -> int:
+    arch = tiny_arch("llama")
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        engine = TrainEngine.build(arch, ctx)
+        save_training_checkpoint(engine, directory, step=1)
+        if ctx.rank == 0:  # what a save killed halfway leaves behind
+            os.makedirs(f"{directory}.tmp-2")
+            open(f"{directory}.tmp-2/partial", "w").close()
+        dist.barrier()
+        save_training_checkpoint(engine, directory, step=2)
+        step, _ = load_training_checkpoint(engine, directory)
+        return step
+
+
+def test_training_checkpoint_replaces_atomically(run_distributed, tmp_path):
+    directory = str(tmp_path / "ckpt")
+    assert run_distributed(_save_over_a_checkpoint_and_a_crashed_save, directory) == [2, 2]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging or previous copy left behind
