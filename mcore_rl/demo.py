@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         engine = TrainEngine.build(
             ARCH, ctx, optim=OptimizerConfig(lr=args.sft_lr, adam_beta2=0.99, clip_grad=1.0)
         )
-        hybrid, rollout = build_hybrid(engine, ARCH, ctx)
+        hybrid, rollout = build_hybrid(engine)
         before = greedy_accuracy(hybrid, rollout, held_out, TOKENIZER)
         print(f"held-out exact match before training: {before:.1%} (1000 prompts)")
         sft_steps = _sft(engine, hybrid, rollout, args, validation, log)
@@ -101,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _set_lr(engine: TrainEngine, lr: float) -> None:
     """The GRPO stage continues with the same optimizer (and its moments) at its own learning rate."""
-    optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
-    for optimizer in optimizers:
+    for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
             group["max_lr"] = group["min_lr"] = lr

@@ -23,14 +23,11 @@ import torch
 
 from mcore_rl.algo import LossAggregation, compute_grpo_advantages, ppo_policy_loss
 from mcore_rl.data.arithmetic import AdditionProblem, CharTokenizer, exact_match
-from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.rollout import GenerationOutput, LocalRolloutEngine, SamplingParams
-from mcore_rl.engine.rollout.from_megatron import rollout_tensors
 from mcore_rl.engine.train_engine import LossFn, MicroBatch, TrainEngine
-from mcore_rl.engine.weights import local_parameters
 from mcore_rl.ops import vocab_parallel_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.parallel.reshard import arch_param_specs, build_plan
 from mcore_rl.parallel.reshard.hybrid import HybridEngine
 
 
@@ -43,32 +40,16 @@ class GRPOConfig:
     clip_ratio: float = 0.2
 
 
-def build_hybrid(
-    engine: TrainEngine, arch: ModelArch, ctx: ParallelContext
-) -> tuple[HybridEngine, LocalRolloutEngine]:
+def build_hybrid(engine: TrainEngine) -> tuple[HybridEngine, LocalRolloutEngine]:
     """The actor's hybrid engine with the embedded rollout engine at rollout TP1 on every rank."""
+    ctx = engine.ctx
     if ctx.dp_size > 1 or ctx.pp_size > 1:
         # Every rank here samples and trains on the same batch, and the metrics come from the last stage.
         raise ValueError(
             f"the demo loop runs one data-parallel replica without pipelining (tensor parallel only); "
             f"got dp_size={ctx.dp_size}, pp_size={ctx.pp_size}"
         )
-    plan = build_plan(
-        arch_param_specs(arch),
-        ctx.layout,
-        1,
-        num_layers=arch.num_layers,
-        tied_embeddings=arch.tie_word_embeddings,
-    )
-    rollout = LocalRolloutEngine(arch)
-    hybrid = HybridEngine(
-        engine,
-        rollout,
-        plan,
-        local_params=lambda: dict(local_parameters(engine.models, arch, ctx)),
-        to_rollout_tensors=lambda shards: rollout_tensors(shards, arch),
-    )
-    return hybrid, rollout
+    return build_local_hybrid(engine)
 
 
 def greedy_accuracy(

@@ -83,9 +83,12 @@ def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
     depend on the layout.
     """
     models = [unwrap(c) for c in chunks]
-    if len(models) == 1:
-        return {"model": models[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+    return {name: m.sharded_state_dict() for name, m in zip(model_keys(len(models)), models, strict=True)}
+
+
+def model_keys(num_chunks: int) -> list[str]:
+    """Top-level checkpoint keys of the model chunks: ``model``, or ``model0``, ``model1``, ... (Megatron-LM's)."""
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
 def save_strategy() -> Any:
@@ -157,9 +160,14 @@ def load_model(chunks: list[Any], ctx: ParallelContext, directory: str) -> None:
     missing_weights = sorted(k for k in unexpected if "_extra_state" not in k)
     if missing_weights:
         raise KeyError(f"{directory}: checkpoint lacks {missing_weights}")
+    load_model_state(chunks, loaded, directory)
+
+
+def load_model_state(chunks: list[Any], loaded: dict[str, Any], directory: str) -> None:
+    """The model part of a loaded checkpoint dict into ``chunks``; every weight must match (TE's
+    ``_extra_state`` may be absent)."""
     models = [unwrap(c) for c in chunks]
-    names = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
-    for name, model in zip(names, models, strict=True):
+    for name, model in zip(model_keys(len(models)), models, strict=True):
         result = model.load_state_dict(loaded[name], strict=False)
         absent = [k for k in result.missing_keys if "_extra_state" not in k]
         if absent or result.unexpected_keys:

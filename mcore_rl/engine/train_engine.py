@@ -146,6 +146,11 @@ class TrainEngine:
         return cls(ctx, arch, chunks, optimizer, config)
 
     @property
+    def optimizers(self) -> list[Any]:
+        """The megatron optimizers under ``optimizer`` (a ChainedOptimizer holds one per parameter kind)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    @property
     def models(self) -> list[Any]:
         """The bare GPTModel chunks (for weight loading, export, resharding)."""
         return [unwrap(c) for c in self.chunks]

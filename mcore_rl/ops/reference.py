@@ -251,10 +251,15 @@ def decode_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x * x, -1) + eps) * weight`` (``torch.nn.RMSNorm``) in the compute dtype."""
+    """``x * rsqrt(mean(x * x, -1) + eps) * weight`` (``torch.nn.RMSNorm``) in the compute dtype.
+
+    Spelled as ``F.rms_norm`` computes it (``x * x`` is its ``pow(x, 2)``, the mean is sum / n), so in fp32 it
+    is bitwise equal to megatron's norm while skipping the composite's dtype round trips; in-place ops avoid
+    scalar-to-tensor copies."""
     dtype = compute_dtype(x.dtype)
     xc = x.to(dtype)
-    return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)).to(x.dtype)
+    inv_rms = (xc * xc).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
+    return (xc * inv_rms * weight.to(dtype)).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ def _two_grpo_steps() -> list[dict[str, float]]:
     tokenizer = CharTokenizer()
     with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-3))
-        hybrid, rollout = build_hybrid(engine, arch, ctx)
+        hybrid, rollout = build_hybrid(engine)
         config = GRPOConfig(prompts_per_step=4, samples_per_prompt=4)
 
         # A random model never adds correctly; this verifier gives mixed rewards, hence a real update.

@@ -84,33 +84,39 @@ def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
         load_model([], None, str(tmp_path))  # type: ignore[arg-type]
 
 
+def _batch(vocab_size: int, seed: int) -> MicroBatch:
+    """Two random sequences of 8 tokens, for the training-engine checkpoint tests."""
+    tokens = torch.randint(0, vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    return MicroBatch(tokens, torch.arange(8).expand(2, 8))
+
+
+def _loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return output.float().logsumexp(-1).mean(), {}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
 def _engine_save_train_load(directory: str) -> dict[str, float]:
     """A bf16 TP2 engine trains and saves; a TP1xDP2 engine loads it: the same weights, and a zero-lr step keeps
     them (the fp32 main params were refreshed from the load, not left at the engine's random init)."""
     bf16 = ModelOptions(dtype=torch.bfloat16)
 
     arch = tiny_arch("llama")
-    tokens = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    batch = MicroBatch(tokens, torch.arange(8).expand(2, 8))
-
-    def loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return output.float().logsumexp(-1).mean(), {}
-
+    batch = _batch(arch.vocab_size, 0)
     with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
         engine = TrainEngine.build(arch, ctx, bf16, OptimizerConfig(lr=1e-2))
-        engine.train_step([batch], loss)
+        engine.train_step([batch], _loss)
         engine.save_model(directory)
         trained = gather_full_state(engine.models, arch, ctx)
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         engine = TrainEngine.build(arch, ctx, bf16, OptimizerConfig(lr=0.0))
         engine.load_model(directory)
         loaded = gather_full_state(engine.models, arch, ctx)
-        engine.train_step([batch], loss)
+        engine.train_step([batch], _loss)
         stepped = gather_full_state(engine.models, arch, ctx)
-    return {
-        "load": max(float((loaded[k] - trained[k]).abs().max()) for k in trained),
-        "step": max(float((stepped[k] - trained[k]).abs().max()) for k in trained),
-    }
+    return {"load": _max_diff(loaded, trained), "step": _max_diff(stepped, trained)}
 
 
 def test_train_engine_saves_and_loads_across_layouts(run_distributed, tmp_path):
@@ -124,27 +130,20 @@ def _resume_matches_uninterrupted(directory: str, parallel: dict, resume_paralle
     arch = tiny_arch("llama")
     optim = OptimizerConfig(lr=1e-2, adam_beta2=0.99)
 
-    def batch(step: int) -> MicroBatch:
-        tokens = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
-        return MicroBatch(tokens, torch.arange(8).expand(2, 8))
-
-    def loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return output.float().logsumexp(-1).mean(), {}
-
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=optim)
         for step in range(2):
-            engine.train_step([batch(step)], loss)
+            engine.train_step([_batch(arch.vocab_size, step)], _loss)
         save_training_checkpoint(engine, directory, step=2, extra={"consumed_prompts": 64})
-        engine.train_step([batch(2)], loss)
+        engine.train_step([_batch(arch.vocab_size, 2)], _loss)
         uninterrupted = gather_full_state(engine.models, arch, ctx)
     with ParallelContext.initialize(ParallelConfig(**resume_parallel)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=optim)
         step, extra = load_training_checkpoint(engine, directory)
         assert (step, extra) == (2, {"consumed_prompts": 64})
-        engine.train_step([batch(2)], loss)
+        engine.train_step([_batch(arch.vocab_size, 2)], _loss)
         resumed = gather_full_state(engine.models, arch, ctx)
-    return max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in uninterrupted)
+    return _max_diff(resumed, uninterrupted)
 
 
 @pytest.mark.parametrize(
@@ -180,17 +179,15 @@ def test_training_checkpoint_refuses_another_tp(run_distributed, tmp_path):
 
 def _save_before_the_first_step_changes_nothing(directory: str) -> float:
     arch = tiny_arch("llama")
-    tokens = torch.randint(0, arch.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    batch = MicroBatch(tokens, torch.arange(8).expand(2, 8))
     states = []
     for save in (False, True):
         with ParallelContext.initialize(ParallelConfig()) as ctx:
             engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
             if save:
                 save_training_checkpoint(engine, directory, step=0)
-            engine.train_step([batch], lambda o, mb: (o.float().logsumexp(-1).mean(), {}))
+            engine.train_step([_batch(arch.vocab_size, 0)], _loss)
             states.append(gather_full_state(engine.models, arch, ctx))
-    return max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0])
+    return _max_diff(states[0], states[1])
 
 
 def test_training_checkpoint_before_the_first_step(run_distributed, tmp_path):

@@ -11,16 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.model import build_model_chunks
 from mcore_rl.engine.rollout.base import SamplingParams
-from mcore_rl.engine.rollout.from_megatron import rollout_tensors
-from mcore_rl.engine.rollout.local import LocalRolloutEngine
 from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.engine.weights import gather_full_state, local_parameters
+from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.ops import vocab_parallel_logprob_entropy
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.parallel.reshard import arch_param_specs, build_plan
-from mcore_rl.parallel.reshard.hybrid import HybridConfig, HybridEngine, Phase
+from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from tests.models import tiny_arch
 
 TEMPERATURE = 0.9
@@ -68,22 +66,7 @@ def _hybrid_parity(family: str, parallel: dict, tp_g: int) -> dict:
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
         engine.load_full_state(full)
-        plan = build_plan(
-            arch_param_specs(arch),
-            ctx.layout,
-            tp_g,
-            num_layers=arch.num_layers,
-            tied_embeddings=arch.tie_word_embeddings,
-        )
-        rollout = LocalRolloutEngine(arch, tp_group=ctx.subgroup(plan.rollout_groups()) if tp_g > 1 else None)
-        hybrid = HybridEngine(
-            engine,
-            rollout,
-            plan,
-            local_params=lambda: dict(local_parameters(engine.models, arch, ctx)),
-            to_rollout_tensors=lambda shards: rollout_tensors(shards, arch),
-            config=HybridConfig(bucket_bytes=16 << 10),
-        )
+        hybrid, rollout = build_local_hybrid(engine, tp_g, HybridConfig(bucket_bytes=16 << 10))
         diffs = []
         for step in range(2):
             transition = hybrid.to_rollout()
@@ -102,7 +85,7 @@ def _hybrid_parity(family: str, parallel: dict, tp_g: int) -> dict:
             "diffs": diffs,
             "phase": hybrid.phase,
             "received": transition.reshard.bytes_received,
-            "planned": plan.received_bytes()[dist.get_rank()],
+            "planned": hybrid.plan.received_bytes()[dist.get_rank()],
             "history": len(hybrid.history),
         }
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
 from mcore_rl.ops import decode as fused
+from mcore_rl.ops.reference import rms_norm as rms_norm_spelled_out
 from mcore_rl.ops.reference import rotate_signed_halves
 
 _COLUMN_MAJOR = (
@@ -126,12 +127,11 @@ class KVCache:
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``F.rms_norm`` (what megatron's ``torch.nn.RMSNorm`` runs). In fp32 the same arithmetic spelled out is
-    bitwise identical and skips the composite's dtype round trips (a third of its CPU time)."""
+    """``F.rms_norm`` (what megatron's ``torch.nn.RMSNorm`` runs); in fp32 its arithmetic spelled out, bitwise
+    the same and a third cheaper on CPU (see ``ops.reference.rms_norm``)."""
     if x.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    # x * x is what pow(x, 2) computes and mean is sum / n; in-place ops avoid scalar-to-tensor copies.
-    return x * (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_() * weight
+    return rms_norm_spelled_out(x, weight, eps)
 
 
 class RolloutDecoder:
@@ -171,8 +171,9 @@ class RolloutDecoder:
         """(Re)create zero weights; they must be loaded before use.
 
         Projection weights keep their rollout-layout shape [out, in] but live in column-major storage (the
-        transpose of a contiguous [in, out] buffer): ``x @ w.t()`` is then an NN gemm, which for the few
-        rows of a decode step is 20-30% faster on CPU than the NT gemm of row-major weights.
+        transpose of a contiguous [in, out] buffer): ``x @ w.t()`` is then an NN gemm, which for a few rows is
+        20-30% faster on CPU than the NT gemm of row-major weights (decode steps where no packed panels exist,
+        bf16 or GPU, and multi-token forwards use it).
         """
         self.weights = {}
         self._invalidate()

@@ -103,20 +103,23 @@ def _block(spec: ParamSpec, shape: tuple[int, ...], local_unit: int, num_units: 
     return local_unit * spec.unit_rows * inner, outer, cols, stride
 
 
+def _shard_block(spec: ParamSpec, tp: int, coord: int, vocab_divisible_by: int, iv: Interval) -> Block:
+    """Where interval ``iv`` sits in the TP shard ``coord`` of ``tp`` (replicated params: the whole tensor)."""
+    size, coord = _tp(spec, tp, coord)
+    offset = local_units(spec, size, coord, iv, vocab_divisible_by)
+    return _block(spec, shard_shape(spec, size, vocab_divisible_by), offset, iv[2] - iv[1])
+
+
 def _train_block(plan: ReshardPlan, rank: int, name: str, iv: Interval) -> Block:
-    spec = plan.specs[name]
-    size, coord = _tp(spec, plan.train.tp, plan.train.coords(rank).tp)
-    offset = local_units(spec, size, coord, iv, plan.train_vocab_divisible_by)
-    shape = shard_shape(spec, size, plan.train_vocab_divisible_by)
-    return _block(spec, shape, offset, iv[2] - iv[1])
+    return _shard_block(
+        plan.specs[name], plan.train.tp, plan.train.coords(rank).tp, plan.train_vocab_divisible_by, iv
+    )
 
 
 def _rollout_block(plan: ReshardPlan, rank: int, name: str, iv: Interval) -> Block:
-    spec = plan.specs[name]
-    size, coord = _tp(spec, plan.tp_g, plan.rollout_coords[rank][0])
-    offset = local_units(spec, size, coord, iv, plan.rollout_vocab_divisible_by)
-    shape = shard_shape(spec, size, plan.rollout_vocab_divisible_by)
-    return _block(spec, shape, offset, iv[2] - iv[1])
+    return _shard_block(
+        plan.specs[name], plan.tp_g, plan.rollout_coords[rank][0], plan.rollout_vocab_divisible_by, iv
+    )
 
 
 def _table(rows: Sequence[Sequence[int]]) -> torch.Tensor:

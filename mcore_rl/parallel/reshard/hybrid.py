@@ -140,21 +140,17 @@ class HybridEngine:
                 f"transition requested from {phase.value} but the engine is in {self.phase.value}"
             )
 
-    def _optimizers(self) -> list[Any]:
-        optimizer = self.train_engine.optimizer
-        return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
     def _offload(self) -> None:
         if self.config.offload_grad_buffers:
             for chunk in self.train_engine.chunks:
                 chunk.offload_grad_buffers()
         if self.config.offload_optimizer and torch.cuda.is_available():
-            for optimizer in self._optimizers():
+            for optimizer in self.train_engine.optimizers:
                 optimizer.offload_to_cpu()
 
     def _restore(self) -> None:
         if self.config.offload_optimizer and torch.cuda.is_available():
-            for optimizer in self._optimizers():
+            for optimizer in self.train_engine.optimizers:
                 optimizer.restore_from_cpu()
         if self.config.offload_grad_buffers:
             for chunk in self.train_engine.chunks:
