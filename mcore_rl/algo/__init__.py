@@ -39,7 +39,7 @@ from mcore_rl.algo.losses import (
     ppo_policy_loss,
     value_loss,
 )
-from mcore_rl.algo.masked import masked_mean, masked_sum, masked_whiten
+from mcore_rl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "AdaptiveKLController",
@@ -67,6 +67,7 @@ __all__ = [
     "log_probs_from_logits",
     "masked_mean",
     "masked_sum",
+    "masked_var",
     "masked_whiten",
     "num_valid_seqs",
     "parse_kl_estimator",

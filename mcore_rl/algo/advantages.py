@@ -170,19 +170,22 @@ def compute_reinforce_pp_advantages(
 ) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025), verl's `compute_reinforce_plus_plus_outcome_advantage`.
 
-    Discounted return-to-go `G_t = r_t + gamma * G_{t+1}`, restarted after every masked-out position (after EOS,
-    or at each gap of a multi-turn response), then whitened over all valid tokens of the batch.
+    Discounted return-to-go over valid tokens, `G_t = r_t + gamma * G_next` where `next` is the next *valid*
+    token, then whitened over all valid tokens of the batch. A masked-out position inside a response (a tool
+    observation between two turns) carries the running return through unchanged and costs no discount step,
+    so an outcome reward reaches every earlier turn (verl fixed its reset-at-every-gap scan the same way,
+    verl-project/verl#7278); trailing padding holds nothing because each row's scan starts at 0. This is the
+    convention `compute_gae_advantages` uses for values and advantages.
 
-    Shapes: rewards, mask [B, T] -> AdvantageOutput(whitened G, G), both [B, T].
+    Shapes: rewards, mask [B, T] -> AdvantageOutput(whitened G, G), both [B, T]; G is 0 at masked positions.
     """
     mask, _ = _scores(rewards, mask)
     r = zero_masked(rewards, mask)
     running = torch.zeros(mask.shape[0], dtype=r.dtype, device=r.device)
     returns = torch.zeros_like(r)
     for t in reversed(range(mask.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = torch.where(mask[:, t], running, torch.zeros_like(running))
     returns = torch.where(mask, returns, torch.zeros_like(returns))
     return AdvantageOutput(advantages=masked_whiten(returns, mask), returns=returns)
 

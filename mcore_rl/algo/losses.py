@@ -32,6 +32,8 @@ class LossAggMode(str, Enum):
 
     TOKEN_MEAN = "token-mean"
     """Sum over all valid tokens / number of valid tokens (DAPO; the default)."""
+    TOKEN_SUM = "token-sum"
+    """Sum over all valid tokens, no normaliser: the loss (and gradient) grows with the tokens in the batch."""
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
     """Per-sequence token sum, averaged over sequences."""
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
@@ -89,6 +91,7 @@ def aggregate_loss(
     """Aggregate a [B, T] per-token loss into a scalar (verl's `agg_loss`).
 
     * token-mean: `sum(loss over valid tokens) / num_tokens`
+    * token-sum: `sum(loss over valid tokens)` (additive over DP ranks and micro-batches: no count needed)
     * seq-mean-token-sum: `sum_i (sum_t loss_it) / num_seqs`
     * seq-mean-token-mean: `sum_i (mean_t loss_it) / num_seqs`
     * seq-mean-token-sum-norm: `sum_i (sum_t loss_it) / num_seqs / norm_constant` (norm_constant default T)
@@ -103,6 +106,8 @@ def aggregate_loss(
     values = zero_masked(loss_mat, mask)
     if spec.mode == LossAggMode.TOKEN_MEAN:
         return _safe_div(values.sum(), spec.global_num_tokens, mask.sum())
+    if spec.mode == LossAggMode.TOKEN_SUM:
+        return values.sum()
 
     tokens_per_seq = mask.sum(dim=-1)
     seq_losses = values.sum(dim=-1)

@@ -75,6 +75,22 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / (count + _MEAN_EPS)
 
 
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over all valid positions (verl's `masked_var`), Bessel-corrected when `unbiased`.
+
+    Shapes: values, mask [B, T] -> scalar. Raises ValueError for an empty mask, and for a single valid position
+    when `unbiased` (the corrected variance is undefined there; verl raises too).
+    """
+    mask = mask.bool()
+    num_valid = int(mask.sum())
+    if num_valid == 0 or (unbiased and num_valid < 2):
+        needed = 2 if unbiased else 1
+        raise ValueError(f"masked_var needs at least {needed} valid tokens in mask, got {num_valid}")
+    valid = zero_masked(values, mask)
+    var = masked_mean((valid - masked_mean(valid, mask)).square(), mask)
+    return var * (num_valid / (num_valid - 1)) if unbiased else var
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Standardise `values` with the mean and unbiased (Bessel) variance of its valid positions.
 
@@ -87,7 +103,5 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if num_valid < 2:
         raise ValueError(f"masked_whiten needs at least 2 valid tokens in mask, got {num_valid}")
     valid = zero_masked(values, mask)
-    mean = masked_mean(valid, mask)
-    var = masked_mean((valid - mean).square(), mask) * (num_valid / (num_valid - 1))
-    whitened = (valid - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    whitened = (valid - masked_mean(valid, mask)) * torch.rsqrt(masked_var(valid, mask) + _WHITEN_EPS)
     return torch.where(mask, whitened, torch.zeros_like(whitened))

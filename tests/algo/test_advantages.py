@@ -15,6 +15,7 @@ from mcore_rl.algo import (
     compute_reinforce_pp_baseline_advantages,
     compute_remax_advantages,
     compute_rloo_advantages,
+    masked_var,
     masked_whiten,
 )
 
@@ -48,6 +49,20 @@ def test_masked_whiten_hand_case() -> None:
     # valid values 1, 2, 3: mean 2, unbiased variance 1 -> -1, 0, 1; the masked 100 is ignored and zeroed.
     out = masked_whiten(t([[1, 2, 3, 100]]), t([[1, 1, 1, 0]]))
     assert_close(out, [[-1, 0, 1, 0]])
+
+
+def test_masked_var_hand_case() -> None:
+    # Valid {1, 2, 3}: mean 2, biased var 2/3, unbiased 1. The masked 100 and a NaN in padding change nothing.
+    values, mask = t([[1, 2, 3, 100], [NAN, NAN, NAN, NAN]]), t([[1, 1, 1, 0], [0, 0, 0, 0]])
+    torch.testing.assert_close(masked_var(values, mask), torch.tensor(1.0))
+    torch.testing.assert_close(masked_var(values, mask, unbiased=False), torch.tensor(2.0 / 3.0))
+    torch.testing.assert_close(masked_var(t([[5, 7]]), t([[1, 0]]), unbiased=False), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize(("mask", "unbiased"), [([[1, 0]], True), ([[0, 0]], True), ([[0, 0]], False)])
+def test_masked_var_refuses_too_few_tokens(mask: list[list[float]], unbiased: bool) -> None:
+    with pytest.raises(ValueError, match="masked_var needs at least"):
+        masked_var(t([[1, 2]]), t(mask), unbiased=unbiased)
 
 
 def test_masked_whiten_needs_two_tokens() -> None:
@@ -140,17 +155,35 @@ def test_rloo_hand_case() -> None:
     torch.testing.assert_close(per_seq(out.advantages), torch.tensor([1.0, 0.0, -0.5, -0.5, 0.0, 0.7]))
 
 
+def _whiten_by_hand(values: list[float]) -> list[float]:
+    """(x - mean) / sqrt(unbiased var + 1e-8), computed with the statistics module (independent of our code)."""
+    import statistics
+
+    mean, var = statistics.fmean(values), statistics.variance(values)
+    return [(x - mean) / math.sqrt(var + 1e-8) for x in values]
+
+
 def test_reinforce_pp_hand_case() -> None:
     # gamma 0.5. Row 0: G = (1 + 0.5 * 1, 0 + 0.5 * 2, 2) = (1.5, 1, 2). Row 1: padding at t=2: G = (0 + 0.5 * 4,
-    # 4). Row 2: the gap at t=1 restarts the return (as verl's reset after EOS), so G0 = 0, not 0.25 * 2.
-    # Whitened over {1.5, 1, 2, 2, 4, 0, 2}: mean 12.5 / 7, unbiased var 1.48809524.
+    # 4). Row 2: the hole at t=1 (a tool observation) carries the return through without a discount step, so
+    # G0 = 0 + 0.5 * 2 = 1 (verl before #7278 restarted it: G0 = 0).
     rewards = t([[1, 0, 2], [0, 4, NAN], [0, NAN, 2]])
     out = compute_reinforce_pp_advantages(rewards, t([[1, 1, 1], [1, 1, 0], [1, 0, 1]]), gamma=0.5)
-    assert_close(out.returns, [[1.5, 1, 2], [2, 4, 0], [0, 0, 2]])
-    assert_close(
-        out.advantages,
-        [[-0.23421602, -0.64409405, 0.17566201], [0.17566201, 1.81517413, 0], [-1.46385010, 0, 0.17566201]],
-    )
+    assert_close(out.returns, [[1.5, 1, 2], [2, 4, 0], [1, 0, 2]])
+    w = _whiten_by_hand([1.5, 1, 2, 2, 4, 1, 2])
+    assert_close(out.advantages, [[w[0], w[1], w[2]], [w[3], w[4], 0], [w[5], 0, w[6]]], atol=1e-5)
+
+
+def test_reinforce_pp_observation_span_equals_compact_response() -> None:
+    # verl-project/verl#7278: [act, act, obs, obs, act, act] with the outcome reward on the last token must give
+    # the actions the same returns as the compact [act, act, act, act] (gamma 1), and 0 on the observations.
+    compact = compute_reinforce_pp_advantages(t([[0, 0, 0, 1]]), t([[1, 1, 1, 1]]), gamma=1.0)
+    expanded = compute_reinforce_pp_advantages(t([[0, 0, 0, 0, 0, 1]]), t([[1, 1, 0, 0, 1, 1]]), gamma=1.0)
+    assert_close(expanded.returns, [[1, 1, 0, 0, 1, 1]])
+    torch.testing.assert_close(expanded.returns[:, [0, 1, 4, 5]], compact.returns)
+    # With a discount, the observation costs no step: (model, obs, model) with gamma 0.5 -> (0.5, 0, 1).
+    discounted = compute_reinforce_pp_advantages(t([[0, 0, 1]]), t([[1, 0, 1]]), gamma=0.5)
+    assert_close(discounted.returns, [[0.5, 0, 1]])
 
 
 def test_reinforce_pp_baseline_hand_case() -> None:

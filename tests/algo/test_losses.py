@@ -40,6 +40,7 @@ AGG_MASK = t([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
     ("mode", "expected"),
     [
         ("token-mean", (1 + 2 + 3 + 4) / 4),
+        ("token-sum", 1 + 2 + 3 + 4),
         ("seq-mean-token-sum", (6 + 4) / 2),  # the fully masked row is not a sequence
         ("seq-mean-token-mean", (2 + 4) / 2),
         ("seq-mean-token-sum-norm", (6 + 4) / 2 / 3),  # norm constant defaults to T = 3
