@@ -73,6 +73,10 @@ setup(
         "pyyaml",
         "tqdm",
         "numpy",
+        "omegaconf>=2.3",  # run configs: structured YAML recipes + key=value overrides
+        "pyarrow",  # parquet prompt datasets (verl format)
+        "tokenizers",
+        "math-verify",  # MATH-style answer equivalence in rule rewards
     ],
     extras_require={
         # GPU-only: never installed on CPU machines or in CI. NVIDIA apex is source-only and optional.

@@ -1,0 +1,86 @@
+"""Run configuration: one typed schema, YAML recipes and ``key=value`` overrides (OmegaConf).
+
+The schema is the dataclasses in :mod:`mcore_rl.config.model` and :mod:`mcore_rl.config.run`; YAML
+recipes (``recipes/``) and overrides load into them, nothing else describes a run. Keys follow verl where
+the meaning is the same::
+
+    model:      path, hf_config, tokenizer_path, load_weights, dtype
+    parallel:   tensor_model_parallel_size, pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size, sequence_parallel, data_parallel_size, backend,
+                timeout_minutes                                   (training layout: actor and reference)
+    rollout:    name, tensor_model_parallel_size, n, temperature, top_p, top_k,
+                response_length (= data.max_response_length), stop_token_ids, gpu_memory_utilization,
+                val_kwargs {temperature, top_p, top_k, n}, hybrid {offload_*, sleep_level, bucket_bytes, ...}
+    algorithm:  adv_estimator, norm_adv_by_std_in_grpo, gamma, lam, use_kl_loss, kl_loss_coef,
+                kl_loss_type, use_kl_in_reward, kl_penalty, kl_ctrl {type, kl_coef, target_kl, horizon},
+                clip_ratio_low/high/c, loss_agg_mode, entropy_coeff, ppo_epochs,
+                ppo_mini_batch_size (prompts), ppo_micro_batch_size_per_gpu (sequences)
+    optim:      lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps, weight_decay,
+                adam_beta1/2, adam_eps, clip_grad, use_distributed_optimizer      (the RL stage)
+    data:       train_files, val_files, test_files, prompt_key, reward_fn_key, max_prompt_length,
+                max_response_length, train_batch_size (prompts per step), val_batch_size,
+                filter_overlong_prompts, skip_bad_rows, apply_chat_template, shuffle, seed, drop_last
+    reward:     custom_function, sources {data_source: scorer}, on_error, num_workers, timeout_s,
+                gsm8k_method, format_score
+    trainer:    project_name, experiment_name, total_epochs, total_training_steps, test_freq,
+                val_before_train, save_freq, resume_mode, resume_from_path, max_ckpt_to_keep,
+                default_local_dir, seed, nnodes, n_gpus_per_node, device, ray_address, num_cpus,
+                on_nonfinite_loss
+    logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold
+    sft:        enable, train_files, val_files, response_key, total_steps, train_batch_size,
+                micro_batch_size_per_gpu, max_length, optim {as optim}, test_freq, target_val_accuracy
+
+Python API::
+
+    cfg = load_config("recipes/demo_cpu.yaml", ["rollout.n=8", "trainer.total_training_steps=20"])
+    cfg = check_config(RunConfig(model=ModelConfig(path="my/model"), data=DataConfig(train_files=[...])))
+    save_config(cfg, run_dir)          # run_dir/config.yaml, the resolved config
+
+``mcore-rl config show RECIPE [k=v ...]`` prints the resolved config.
+"""
+
+from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
+from mcore_rl.config.model import (
+    AlgorithmConfig,
+    HybridSection,
+    KLControl,
+    ModelConfig,
+    OptimConfig,
+    ParallelSection,
+    RolloutConfig,
+    ValSampling,
+)
+from mcore_rl.config.run import (
+    DataConfig,
+    LoggingConfig,
+    RewardConfig,
+    RunConfig,
+    SFTConfig,
+    TrainerConfig,
+)
+from mcore_rl.config.validate import validate
+
+__all__ = [
+    "CONFIG_FILE",
+    "AlgorithmConfig",
+    "ConfigError",
+    "DataConfig",
+    "HybridSection",
+    "KLControl",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelSection",
+    "RewardConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SFTConfig",
+    "TrainerConfig",
+    "ValSampling",
+    "check_config",
+    "config_to_yaml",
+    "load_config",
+    "save_config",
+    "validate",
+]

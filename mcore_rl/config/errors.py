@@ -1,0 +1,8 @@
+"""The one error type of run configuration."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; each line names one full dotted key (and the file or
+    override it came from, when known) and, for a choice, the allowed values."""

@@ -1,0 +1,172 @@
+"""YAML recipes and ``key=value`` overrides into a checked :class:`~mcore_rl.config.run.RunConfig`.
+
+OmegaConf does the merging, typing and interpolation (``${data.max_response_length}``); this module adds
+what a user needs around it:
+
+* ``defaults:`` in a recipe lists parent recipes (paths relative to the recipe, ``.yaml`` optional) merged
+  first, in order; ``_self_`` in the list places the recipe itself (last by default). Cycles are refused.
+* one-line errors: an unknown key names its full dotted path, where it came from and the keys allowed
+  there; a wrong type names the key, the expected type and the value; then :func:`validate` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mcore_rl.config.errors import ConfigError
+from mcore_rl.config.run import RunConfig
+from mcore_rl.config.validate import CHOICES, validate
+
+CONFIG_FILE = "config.yaml"
+"""Name of the resolved config written next to a run's outputs and inside each checkpoint."""
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), check_paths: bool = False
+) -> RunConfig:
+    """The run config of recipe ``path`` (None: the schema defaults) with ``key=value`` ``overrides``
+    applied in order, resolved and validated (see :func:`validate`; ``check_paths`` also requires files)."""
+    merged = OmegaConf.structured(RunConfig)
+    layers = _recipe_chain(Path(path), ()) if path is not None else []
+    layers.append(("overrides", _parse_overrides(overrides)))
+    for source, layer in layers:
+        _check_keys(OmegaConf.to_container(layer, resolve=False), RunConfig, "", source)
+        merged = _merge(merged, layer, source)
+    return check_config(merged, check_paths=check_paths)
+
+
+def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False) -> RunConfig:
+    """A resolved, type-checked and validated copy of ``cfg`` (e.g. one built in Python): interpolations
+    such as ``rollout.response_length`` take their values, wrong types and broken rules raise ConfigError."""
+    try:
+        node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+        resolved = OmegaConf.to_object(node)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_reword(err, "config")) from None
+    assert isinstance(resolved, RunConfig)
+    validate(resolved, check_paths=check_paths)
+    return resolved
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    """The config as YAML, every key written out (interpolations already resolved)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: RunConfig, folder: str | os.PathLike[str]) -> Path:
+    """Write ``folder/config.yaml`` (atomically: a partial file is never left under the final name)."""
+    os.makedirs(folder, exist_ok=True)
+    target = Path(folder) / CONFIG_FILE
+    staging = target.with_suffix(".yaml.tmp")
+    staging.write_text(config_to_yaml(cfg))
+    os.replace(staging, target)
+    return target
+
+
+def _recipe_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictConfig]]:
+    """``(source, layer)`` pairs of ``path`` and its ``defaults:`` parents, in merge order."""
+    path = path if path.suffix in (".yaml", ".yml") or path.is_file() else path.with_suffix(".yaml")
+    resolved = path.resolve()
+    if resolved in seen:
+        cycle = " -> ".join(str(p) for p in (*seen, resolved))
+        raise ConfigError(f"{path}: defaults form a cycle ({cycle})")
+    try:
+        layer = OmegaConf.load(path)
+    except FileNotFoundError:
+        parent = f" (listed in defaults of {seen[-1]})" if seen else ""
+        raise ConfigError(f"{path}: recipe not found{parent}") from None
+    except Exception as err:  # yaml's scanner errors name the line and column
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got a list")
+    defaults = layer.pop("defaults", [])
+    if not isinstance(defaults, ListConfig | list):
+        raise ConfigError(f"{path}: defaults must be a list of recipe paths, got {defaults!r}")
+    names = [str(d) for d in defaults]
+    if "_self_" not in names:
+        names.append("_self_")
+    chain: list[tuple[str, DictConfig]] = []
+    for name in names:
+        if name == "_self_":
+            chain.append((str(path), layer))
+        else:
+            chain += _recipe_chain(path.parent / name, (*seen, resolved))
+    return chain
+
+
+def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    merged = OmegaConf.create({})
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key or key.startswith(("+", "~")):
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        try:  # one at a time, so a value YAML cannot parse is named
+            merged.merge_with(OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            raise ConfigError(f"override {item!r}: {_first_line(err)}") from None
+    return merged
+
+
+def _merge(base: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+    try:
+        merged = OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_reword(err, source)) from None
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
+    """Unknown keys and a scalar given for a section, named by full dotted key, before OmegaConf sees them
+    (its own message does not say which file, and a scalar-for-section error names no key at all)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'config'}: expected a section (mapping), got {raw!r} ({source})"
+        )
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {dotted} ({source}); keys allowed under {prefix.rstrip('.') or 'the root'}: "
+                f"{', '.join(fields)}"
+            )
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            _check_keys(value, hint, f"{dotted}.", source)
+
+
+def _expected(full_key: str) -> str:
+    """The schema type of ``full_key`` as text, e.g. ``int | None``, and its allowed values if a choice."""
+    schema: Any = RunConfig
+    hint: Any = None
+    for part in full_key.split("."):
+        if not (dataclasses.is_dataclass(schema) and isinstance(schema, type)):
+            return "a value"
+        hint = typing.get_type_hints(schema).get(part)
+        schema = hint
+    text = str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    if full_key in CHOICES:
+        text += " (one of: " + ", ".join("null" if c is None else str(c) for c in CHOICES[full_key]) + ")"
+    return text
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).split("\n", 1)[0]
+
+
+def _reword(err: OmegaConfBaseException, source: str) -> str:
+    key = getattr(err, "full_key", None)
+    if not key:
+        return f"{source}: {_first_line(err)}"
+    return f"{key}: {_first_line(err)}; expected {_expected(key)} ({source})"
