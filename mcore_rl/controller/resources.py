@@ -1,0 +1,119 @@
+"""Ray's side of placement: starting or joining Ray, and resource pools on placement groups.
+
+``num_cpus`` for a local Ray comes from the environment, never from a guess: Slurm's allocation
+(``SLURM_CPUS_ON_NODE``) when present, else the CPUs this process may run on (``os.sched_getaffinity``),
+which honours cgroup/taskset limits that ``os.cpu_count()`` ignores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+def available_cpus(environ: dict[str, str] | None = None) -> int:
+    """CPUs granted to this job: ``SLURM_CPUS_ON_NODE``, else ``len(os.sched_getaffinity(0))``."""
+    env = os.environ if environ is None else environ
+    slurm = env.get("SLURM_CPUS_ON_NODE")
+    if slurm:
+        try:
+            value = int(slurm)
+        except ValueError:
+            raise ValueError(f"SLURM_CPUS_ON_NODE must be an integer, got {slurm!r}") from None
+        if value < 1:
+            raise ValueError(f"SLURM_CPUS_ON_NODE must be >= 1, got {value}")
+        return value
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """How the driver reaches Ray."""
+
+    address: str | None = None
+    """``None`` starts a local Ray inside the driver; ``'auto'`` or ``'host:port'`` joins a running cluster
+    (``ray start --head`` / the Slurm template)."""
+    num_cpus: int | None = None
+    """Logical CPUs of a local Ray; None: :func:`available_cpus`. Ignored when joining a cluster."""
+    object_store_memory_bytes: int = 256 << 20
+    """Object store size of a local Ray (bulk tensors pass through it once per shard)."""
+
+
+def init_ray(config: RayConfig | None = None) -> bool:
+    """Start or join Ray unless already connected; True when this call started or joined it (the caller
+    then owns ``ray.shutdown()``)."""
+    import ray
+
+    config = config or RayConfig()
+    if ray.is_initialized():
+        return False
+    if config.address is not None:
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
+        return True
+    ray.init(
+        num_cpus=config.num_cpus or available_cpus(),
+        include_dashboard=False,
+        object_store_memory=config.object_store_memory_bytes,
+        log_to_driver=True,
+    )
+    return True
+
+
+class ResourcePool:
+    """One placement group of ``num_bundles`` equal bundles; each worker rank takes one bundle.
+
+    Roles colocated in the same processes (actor, reference, rollout: the hybrid worker) share one pool,
+    which is the default. A separate pool (e.g. for a reward model) is simply another ``ResourcePool``.
+    """
+
+    def __init__(
+        self,
+        num_bundles: int,
+        cpus_per_bundle: float,
+        gpus_per_bundle: float = 0.0,
+        strategy: str = "PACK",
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if num_bundles < 1:
+            raise ValueError(f"num_bundles must be >= 1, got {num_bundles}")
+        if cpus_per_bundle <= 0:
+            raise ValueError(f"cpus_per_bundle must be > 0, got {cpus_per_bundle}")
+        self.num_bundles = num_bundles
+        self.cpus_per_bundle = cpus_per_bundle
+        self.gpus_per_bundle = gpus_per_bundle
+        bundle: dict[str, float] = {"CPU": cpus_per_bundle}
+        if gpus_per_bundle:
+            bundle["GPU"] = gpus_per_bundle
+        self.placement_group = placement_group([bundle] * num_bundles, strategy=strategy)
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=ready_timeout_s)
+        if not ready:
+            self.remove()
+            raise RuntimeError(
+                f"placement group of {num_bundles} x {bundle} not ready after {ready_timeout_s:.0f} s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            )
+
+    @classmethod
+    def for_world(cls, world_size: int, use_gpus: bool = False) -> ResourcePool:
+        """Bundles for ``world_size`` ranks sharing this cluster's CPUs evenly (one GPU each with GPUs)."""
+        import ray
+
+        cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        return cls(world_size, cpus / world_size, 1.0 if use_gpus else 0.0)
+
+    def scheduling(self, bundle_index: int) -> Any:
+        """The Ray scheduling strategy that pins an actor to bundle ``bundle_index``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group, placement_group_bundle_index=bundle_index
+        )
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)

@@ -1,0 +1,88 @@
+"""The base of every Ray worker: one process, one torch.distributed rank, one ParallelContext.
+
+A worker group (``worker_group.py``) creates one actor per rank, asks rank 0 for a rendezvous address
+(its node's IP and a free port there), and hands it to every rank, which then joins the world through
+:meth:`ParallelContext.initialize` (gloo on CPU, nccl on GPU). Nothing here talks to the driver except
+through return values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mcore_rl.controller.dispatch import RankInfo
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+
+
+class Worker:
+    """One rank. Subclasses add role methods (generate, update, ...); ``__init__`` only stores."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.num_threads = num_threads
+        self._ctx: ParallelContext | None = None
+
+    @property
+    def ctx(self) -> ParallelContext:
+        if self._ctx is None:
+            raise RuntimeError(f"rank {self.rank}: init_parallel() has not run")
+        return self._ctx
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 only: this node's IP and a port free on it, for every rank's MASTER_ADDR/PORT."""
+        import socket
+
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((address, 0))
+            return address, int(s.getsockname()[1])
+
+    def init_parallel(self, master_addr: str, master_port: int, parallel: ParallelConfig) -> RankInfo:
+        """Collective: join the world and build the ParallelContext for ``parallel``."""
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+        torch.set_num_threads(self.num_threads)
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so its device is always index 0.
+            LOCAL_RANK="0",
+        )
+        self._ctx = ParallelContext.initialize(parallel)
+        return self.rank_info()
+
+    def rank_info(self) -> RankInfo:
+        """This rank's coordinates; without a rollout engine every rank is its own rollout replica."""
+        ctx = self.ctx
+        return RankInfo(
+            rank=ctx.rank,
+            dp_rank=ctx.dp_rank,
+            tp_rank=ctx.tp_rank,
+            pp_rank=ctx.pp_rank,
+            is_last_stage=ctx.is_last_stage,
+            rollout_replica=ctx.rank,
+            rollout_tp_rank=0,
+        )
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(ctx, *args, **kwargs)`` on this rank: ad-hoc collectives for tools and tests."""
+        return fn(self.ctx, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Leave the world cleanly (the group kills the actor afterwards)."""
+        if self._ctx is not None:
+            self._ctx.destroy(destroy_process_group=True)
+            self._ctx = None

@@ -1,0 +1,171 @@
+"""A group of Ray actors, one torch.distributed rank each, driven by the single controller.
+
+Every call fans out to all ranks (they run collectives together) and is awaited with :meth:`WorkerGroup.get`,
+which waits on all ranks' results at once and fails fast: the first rank that raises, or whose process dies
+(kill -9, OOM), ends the call within about a second with that rank and its traceback, and the whole group
+is killed, since the surviving ranks would otherwise wait in a collective until its 30-minute timeout.
+
+Bulk data moves as whole shards: ``call_sharded`` puts each shard in the object store once and hands the
+same reference to every rank that consumes it (the TP/PP peers of one DP replica); the driver never loops
+over samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.controller.dispatch import RankInfo, shard_of_rank
+from mcore_rl.controller.resources import ResourcePool
+from mcore_rl.parallel.context import ParallelConfig
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; the message names the rank, the method and carries its traceback."""
+
+    def __init__(self, rank: int, method: str, detail: str) -> None:
+        super().__init__(f"rank {rank} failed in {method}: {detail}")
+        self.rank = rank
+        self.method = method
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The in-flight results of one call on every rank (object refs in rank order)."""
+
+    method: str
+    refs: list[Any]
+
+
+class WorkerGroup:
+    """``world_size`` actors of one worker class on a resource pool. Build with :meth:`spawn`."""
+
+    def __init__(self, actors: list[Any], pool: ResourcePool, owns_pool: bool) -> None:
+        self.actors = actors
+        self.pool = pool
+        self.owns_pool = owns_pool
+        self.infos: list[RankInfo] = []
+        self._alive = True
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    @classmethod
+    def spawn(
+        cls,
+        worker_cls: type,
+        world_size: int,
+        parallel: ParallelConfig | None = None,
+        pool: ResourcePool | None = None,
+        worker_args: Sequence[Any] = (),
+        start_timeout_s: float = 300.0,
+    ) -> WorkerGroup:
+        """Start one actor per rank on ``pool`` (default: a new pool sharing the cluster's CPUs), form the
+        torch.distributed world and build each rank's ParallelContext."""
+        import ray
+
+        owns_pool = pool is None
+        pool = pool or ResourcePool.for_world(world_size)
+        if pool.num_bundles < world_size:
+            raise ValueError(f"pool has {pool.num_bundles} bundles, world_size {world_size} needs one each")
+        threads = max(1, int(pool.cpus_per_bundle))
+        remote_cls = ray.remote(worker_cls)
+        actors = [
+            remote_cls.options(  # type: ignore[attr-defined]
+                num_cpus=pool.cpus_per_bundle,
+                num_gpus=pool.gpus_per_bundle,
+                scheduling_strategy=pool.scheduling(rank),
+                max_restarts=0,
+            ).remote(rank, world_size, threads, *worker_args)
+            for rank in range(world_size)
+        ]
+        group = cls(actors, pool, owns_pool)
+        try:
+            first = Pending("rendezvous_address", [actors[0].rendezvous_address.remote()])
+            address, port = group.get(first, timeout_s=start_timeout_s)[0]
+            group.infos = group.get(group.call("init_parallel", address, port, parallel or ParallelConfig()))
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    # --- calls ----------------------------------------------------------------------------------------------
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
+        """``method(*args, **kwargs)`` on every rank, without waiting."""
+        self._check_alive()
+        return Pending(method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call_sharded(self, method: str, shards: Sequence[Any], by: str, *args: Any) -> Pending:
+        """``method(shard, *args)`` on every rank, with shard ``d`` going to the ranks whose ``by`` coordinate
+        (``'dp'`` or ``'rollout'``) is ``d``. Each shard enters the object store once."""
+        import ray
+
+        self._check_alive()
+        which = shard_of_rank(self.infos, by)
+        if max(which) + 1 != len(shards):
+            raise ValueError(
+                f"{method}: {len(shards)} shards for {max(which) + 1} '{by}' shards of the group"
+            )
+        refs = [ray.put(s) for s in shards]
+        calls = [getattr(a, method).remote(refs[d], *args) for a, d in zip(self.actors, which, strict=True)]
+        return Pending(method, calls)
+
+    def get(self, pending: Pending, timeout_s: float | None = None) -> list[Any]:
+        """Every rank's result (rank order), failing fast on the first error; see the module docstring."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        method, refs = pending.method, pending.refs
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                self.shutdown()
+                late = sorted(rank_of[r] for r in pending)
+                raise WorkerError(late[0], method, f"ranks {late} did not answer within {timeout_s} s")
+            for ref in ready:
+                try:
+                    results[rank_of[ref]] = ray.get(ref)
+                except (RayTaskError, RayActorError, GetTimeoutError) as err:
+                    self.shutdown()
+                    raise WorkerError(rank_of[ref], method, str(err)) from None
+        return results
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``get(call(method, ...))``: every rank's result."""
+        return self.get(self.call(method, *args, **kwargs))
+
+    # --- lifetime -------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise RuntimeError("this worker group was shut down")
+
+    def shutdown(self, graceful: bool = False) -> None:
+        """Kill every actor (after leaving the world cleanly when ``graceful``) and free the pool."""
+        import ray
+
+        if not self._alive:
+            return
+        self._alive = False
+        if graceful:
+            try:
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+            except Exception:  # noqa: BLE001 - a rank that is already gone must not keep the others alive
+                pass
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.owns_pool:
+            self.pool.remove()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown(graceful=exc[0] is None)

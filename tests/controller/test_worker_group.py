@@ -1,0 +1,90 @@
+"""Worker groups on a real local Ray: collectives across 2 and 4 ranks, dispatch by DP rank, and faults
+(an exception on one rank, kill -9 of one actor) that end the call within seconds with the rank named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mcore_rl.controller import Worker, WorkerError, WorkerGroup, data_owners
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _sum_of_ranks(ctx: ParallelContext) -> tuple[int, int]:
+    value = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(value)
+    tp_value = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(tp_value, group=ctx.tp_group)
+    return int(value.item()), int(tp_value.item())
+
+
+class _ShardSumWorker(Worker):
+    def shard_sum(self, shard: torch.Tensor, scale: float) -> float | None:
+        """Each DP replica sums its shard; only the owner (last stage, TP rank 0) reports."""
+        return scale * float(shard.sum()) if self.ctx.is_last_stage and self.ctx.tp_rank == 0 else None
+
+
+def _fail_on_rank_1(ctx: ParallelContext) -> None:
+    if ctx.rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 would wait here for the 30-minute collective timeout
+
+
+def _wait_in_collective(ctx: ParallelContext) -> None:
+    time.sleep(0.5)
+    dist.barrier()
+
+
+def test_four_ranks_tp2_dp2_run_collectives_and_dp_dispatch() -> None:
+    with WorkerGroup.spawn(_ShardSumWorker, 4, ParallelConfig(tensor_parallel_size=2)) as group:
+        assert [(i.tp_rank, i.dp_rank) for i in group.infos] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+        assert group.run("run", _sum_of_ranks) == [(10, 1), (10, 1), (10, 5), (10, 5)]
+        shards = [torch.ones(3), torch.full((3,), 2.0)]
+        results = group.get(group.call_sharded("shard_sum", shards, "dp", 10.0))
+        assert [results[i] for i in data_owners(group.infos)] == [30.0, 60.0]
+        assert results[1] is None and results[3] is None
+
+
+def test_exception_on_one_rank_ends_the_call_fast_with_its_rank_and_traceback() -> None:
+    import ray
+
+    group = WorkerGroup.spawn(Worker, 2)
+    assert group.run("run", _sum_of_ranks) == [(3, 0), (3, 1)]
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed in run") as info:
+        group.run("run", _fail_on_rank_1)
+    assert time.monotonic() - start < 15
+    assert "boom on purpose" in str(info.value) and "_fail_on_rank_1" in str(info.value)
+    _assert_cleaned_up(ray, group)
+
+
+def test_kill_9_of_one_actor_ends_the_call_fast_with_its_rank() -> None:
+    import ray
+
+    group = WorkerGroup.spawn(Worker, 2)
+    pids = group.run("pid")
+    refs = group.call("run", _wait_in_collective)
+    os.kill(pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 0 failed in run"):
+        group.get(refs)
+    assert time.monotonic() - start < 15
+    _assert_cleaned_up(ray, group)
+
+
+def _assert_cleaned_up(ray, group: WorkerGroup) -> None:
+    """Every actor is dead (a call on it raises) and the pool's placement group is removed."""
+    from ray.exceptions import RayActorError
+    from ray.util.placement_group import placement_group_table
+
+    for actor in group.actors:
+        with pytest.raises(RayActorError):
+            ray.get(actor.pid.remote(), timeout=10)
+    assert placement_group_table(group.pool.placement_group)["state"] == "REMOVED"
