@@ -12,6 +12,7 @@ over samples.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -155,10 +156,9 @@ class WorkerGroup:
             return
         self._alive = False
         if graceful:
-            try:
+            # A rank that is already gone must not keep the others alive.
+            with contextlib.suppress(Exception):
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
-            except Exception:  # noqa: BLE001 - a rank that is already gone must not keep the others alive
-                pass
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         if self.owns_pool:
