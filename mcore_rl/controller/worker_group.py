@@ -75,7 +75,7 @@ class WorkerGroup:
         threads = max(1, int(pool.cpus_per_bundle))
         remote_cls = ray.remote(worker_cls)
         actors = [
-            remote_cls.options(  # type: ignore[attr-defined]
+            remote_cls.options(
                 num_cpus=pool.cpus_per_bundle,
                 num_gpus=pool.gpus_per_bundle,
                 scheduling_strategy=pool.scheduling(rank),
@@ -122,14 +122,14 @@ class WorkerGroup:
         method, refs = pending.method, pending.refs
         rank_of = {ref: r for r, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
-        pending = list(refs)
+        waiting = list(refs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
+        while waiting:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=remaining)
             if not ready:
                 self.shutdown()
-                late = sorted(rank_of[r] for r in pending)
+                late = sorted(rank_of[r] for r in waiting)
                 raise WorkerError(late[0], method, f"ranks {late} did not answer within {timeout_s} s")
             for ref in ready:
                 try:
