@@ -1,13 +1,19 @@
 """``mcore-rl`` command line: one subcommand per tool; each lives next to its component and registers here.
 
-Subcommands import their (heavy) modules only when run, so ``mcore-rl --help`` stays instant.
+Subcommands import their (heavy) modules only when run, so ``mcore-rl --help`` stays instant. Every
+expected failure ends in one line on stderr naming the file or field, exit code 1 (2 for a bad flag);
+SIGTERM/SIGINT/SIGHUP remove partial output and exit ``128 + signum``; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
+
+from mcore_rl.io.errors import Interrupted
 
 # subcommand -> module providing ``add_arguments(parser)`` and ``run(args) -> int``, and its one-line help.
 SUBCOMMANDS = {
@@ -19,6 +25,7 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mcore-rl", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure (any position)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -27,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("MCORE_RL_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] not in SUBCOMMANDS:
         build_parser().parse_args(argv)  # prints usage / the unknown-command error and exits
         return 2
@@ -34,7 +43,43 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"mcore-rl {argv[0]}", description=help_text)
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(argv[1:])) or 0)
+    args = parser.parse_args(argv[1:])  # a bad flag: argparse's usage line and exit code 2
+    from mcore_rl.io.signals import raise_on_signals
+
+    with raise_on_signals():
+        try:
+            return int(module.run(args) or 0)
+        except (Exception, KeyboardInterrupt, Interrupted) as err:
+            return _report(f"mcore-rl {argv[0]}", err, debug)
+
+
+def _report(prog: str, err: BaseException, debug: bool) -> int:
+    """One line on stderr for a failure, and its exit code; the traceback too with ``--debug``."""
+    from mcore_rl.io.errors import InputError, UsageError
+    from mcore_rl.parallel.layout import LayoutError
+
+    if debug:
+        traceback.print_exception(err)
+    if isinstance(err, Interrupted):
+        line, code = f"{prog}: {err}; partial output removed", 128 + err.signum
+    elif isinstance(err, KeyboardInterrupt):
+        line, code = f"{prog}: interrupted; partial output removed", 130
+    elif isinstance(err, (InputError, LayoutError)):
+        line, code = f"{prog}: error: {err}", 2 if isinstance(err, UsageError) else 1
+    elif isinstance(err, OSError):
+        line, code = f"{prog}: error: {_os_error(err)}", 1
+    else:
+        hint = "" if debug else " (run with --debug for the traceback)"
+        line, code = f"{prog}: internal error: {type(err).__name__}: {err}{hint}", 1
+    print(" ".join(line.split()), file=sys.stderr, flush=True)  # one line, whatever the message holds
+    return code
+
+
+def _os_error(err: OSError) -> str:
+    """``path: reason`` for the file the system refused (the real cause, not a guess about the file)."""
+    names = " -> ".join(str(n) for n in (err.filename, err.filename2) if n is not None)
+    reason = err.strerror or str(err)
+    return f"{names}: {reason}" if names else reason
 
 
 if __name__ == "__main__":

@@ -1,27 +1,30 @@
 """``mcore-rl convert``: HF <-> megatron-core checkpoint conversion.
 
-    mcore-rl convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp M] [--dtype bf16|fp32] [--overwrite]
-    mcore-rl convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--dtype bf16|fp32]
-                                 [--max-shard-size 5GB] [--overwrite]
+    mcore-rl convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp M] [--dtype bf16|fp16|fp32]
+                                 [--overwrite] [--allow-nonfinite]
+    mcore-rl convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--dtype bf16|fp16|fp32]
+                                 [--max-shard-size 5GB] [--overwrite] [--allow-nonfinite]
 
 Both also run as ``python -m mcore_rl.convert ...`` and under ``torchrun ... -m mcore_rl.convert``
-(hf-to-mcore splits the writing over the ranks; mcore-to-hf runs on rank 0).
+(hf-to-mcore splits the writing over the ranks; mcore-to-hf runs on rank 0). Failures are reported by
+``mcore_rl.cli.main`` in one line; flag values are checked here, before anything is read.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import sys
 
 import torch
 
-from mcore_rl.convert.mapping import ConvertError
+from mcore_rl.io.errors import UsageError
+from mcore_rl.io.flags import positive_int
 
-_DTYPES = {
+DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
 }
@@ -33,46 +36,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> megatron distributed checkpoint")
     to_mcore.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
     to_mcore.add_argument("--out", required=True, help="checkpoint folder to create")
-    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel chunking (loads at any TP)")
-    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline stages (splits writing under torchrun)")
-    to_mcore.add_argument("--dtype", default=None, help="bf16 or fp32 (default: the HF weights' dtype)")
-    to_mcore.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    to_mcore.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel chunking (loads at any TP)"
+    )
+    to_mcore.add_argument(
+        "--pp", type=positive_int, default=1, help="pipeline stages (splits writing under torchrun)"
+    )
     to_hf = sub.add_parser("mcore-to-hf", help="megatron distributed checkpoint -> HF safetensors folder")
     to_hf.add_argument("--ckpt", required=True, help="megatron distributed checkpoint folder")
     to_hf.add_argument("--out", required=True, help="HF folder to create")
     to_hf.add_argument(
         "--hf-config-from", default=None, help="HF folder with the model's config.json and tokenizer files"
     )
-    to_hf.add_argument("--dtype", default=None, help="bf16 or fp32 (default: the stored dtype)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MiB")
-    to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    for command in (to_mcore, to_hf):
+        command.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the input's dtype)")
+        command.add_argument(
+            "--overwrite", action="store_true", help="replace an existing non-empty --out (never an input)"
+        )
+        command.add_argument(
+            "--allow-nonfinite",
+            action="store_true",
+            help="convert weights holding NaN/Inf with a warning (default: refuse them)",
+        )
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    if name.lower() not in _DTYPES:
-        raise ConvertError(f"--dtype {name!r} is not a known dtype; use bf16 or fp32")
-    return _DTYPES[name.lower()]
+    if name.lower() not in DTYPES:
+        raise UsageError(f"--dtype {name!r} is not a known dtype; use bf16, fp16 or fp32")
+    return DTYPES[name.lower()]
 
 
 def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text.upper())
-    if match is None or float(match.group(1)) <= 0:
-        raise ConvertError(f"--max-shard-size {text!r} is not a size like 5GB or 500MiB")
+    if match is None or int(float(match.group(1)) * _UNITS[match.group(2) or ""]) < 1:
+        raise UsageError(f"--max-shard-size {text!r} is not a size like 5GB or 500MiB")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def run(args: argparse.Namespace) -> int:
-    from mcore_rl.engine.arch import ConfigError
-    from mcore_rl.parallel.layout import LayoutError
+    from mcore_rl.parallel.launch_env import current_rank
 
-    try:
-        out = _convert(args)
-    except (ConvertError, ConfigError, LayoutError) as err:
-        print(f"mcore-rl convert {args.direction}: error: {err}", file=sys.stderr)
-        return 1
-    if os.environ.get("RANK", "0") == "0":  # one line per job, not per torchrun rank
+    out = _convert(args)
+    if current_rank() == 0:  # one line per job, not per torchrun rank
         print(f"wrote {out}")
     return 0
 
@@ -83,11 +91,19 @@ def _convert(args: argparse.Namespace) -> str:
         from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
 
         return convert_hf_to_mcore(
-            HfToMcoreOptions(args.hf_dir, args.out, args.tp, args.pp, dtype, args.overwrite)
+            HfToMcoreOptions(
+                args.hf_dir, args.out, args.tp, args.pp, dtype, args.overwrite, args.allow_nonfinite
+            )
         )
     from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 
     options = McoreToHfOptions(
-        args.ckpt, args.out, args.hf_config_from, dtype, parse_size(args.max_shard_size), args.overwrite
+        args.ckpt,
+        args.out,
+        args.hf_config_from,
+        dtype,
+        parse_size(args.max_shard_size),
+        args.overwrite,
+        args.allow_nonfinite,
     )
     return convert_mcore_to_hf(options)

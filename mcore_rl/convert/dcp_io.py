@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from mcore_rl.convert.mapping import ConvertError
+from mcore_rl.io.checkpoint_read import read_dcp_metadata
 
 # --- writing ---------------------------------------------------------------------------------------------
 
@@ -193,11 +194,16 @@ def _with_dest(item: ReadItem, result_index: int) -> ReadItem:
 
 
 class DistCheckpointReader:
-    """Random access to the tensors of a DCP folder, one region at a time, from a single process."""
+    """Random access to the tensors of a DCP folder, one region at a time, from a single process.
+
+    ``.metadata`` is read through :func:`~mcore_rl.io.checkpoint_read.read_dcp_metadata` (a restricted
+    unpickler; the data files it names must lie inside ``directory``); tensor data is read by torch with
+    ``weights_only=True``.
+    """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.metadata: Metadata = FileSystemReader(directory).read_metadata()
+        self.metadata: Metadata = read_dcp_metadata(directory)
         self._reader = _CachedMetadataReader(directory, self.metadata)
         self.tensors: dict[str, TensorStorageMetadata] = {
             k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
@@ -209,9 +215,16 @@ class DistCheckpointReader:
 
         dtypes = {r.fqn: self.tensors[r.fqn].properties.dtype for r in regions}
         planner = _RegionLoadPlanner(regions, dtypes)
-        with warnings.catch_warnings():  # a single-process read is the intent, not a fallback
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+        try:
+            with warnings.catch_warnings():  # a single-process read is the intent, not a fallback
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+        except Exception as err:  # a truncated or damaged data file: DCP wraps the cause in its own error
+            names = ", ".join(r.fqn for r in regions)
+            cause = " ".join(str(err).split())[-300:]
+            raise ConvertError(
+                f"{self.directory}: cannot read {names} from the data files ({cause})"
+            ) from None
         return planner.results
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +28,20 @@ from mcore_rl.convert.mapping import (
     ConvertError,
     TensorMap,
     check_convertible,
+    check_finite,
     hf_shapes,
     optional_hf_names,
     tensor_maps,
     to_full,
 )
 from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import StagedOutput, copy_side_files
+from mcore_rl.convert.output import conversion_output, copy_side_files
 from mcore_rl.convert.safetensors_io import SafetensorsReader
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, ModelCheckpointInfo
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
+from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
+from mcore_rl.io.inputs import input_file
+from mcore_rl.io.output import OutputFolder
 from mcore_rl.parallel.layout import ParallelLayout
 
 
@@ -55,7 +58,9 @@ class HfToMcoreOptions:
     dtype: torch.dtype | None = None
     """Stored dtype; None keeps the HF weights' dtype."""
     overwrite: bool = False
-    """Replace a non-empty ``out``."""
+    """Replace a non-empty ``out`` (never an input, the current directory or home)."""
+    allow_nonfinite: bool = False
+    """Convert weights holding NaN/Inf with a warning instead of refusing them."""
 
 
 def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype | None) -> torch.dtype:
@@ -85,7 +90,13 @@ def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dt
     dtypes = sorted({str(reader.infos[n].dtype) for n in expected})
     if len(dtypes) > 1:
         raise ConvertError(f"{reader.directory}: weights mix dtypes {dtypes}; choose one with --dtype")
-    return reader.infos[next(iter(expected))].dtype
+    stored = reader.infos[next(iter(expected))]
+    if stored.dtype not in STORABLE_DTYPES:
+        raise ConvertError(
+            f"{os.path.join(reader.directory, stored.file)}: weights are {stored.dtype}, which a checkpoint "
+            "does not store; choose --dtype bf16, fp16 or fp32"
+        )
+    return stored.dtype
 
 
 def _shape_fields(arch: ModelArch) -> str:
@@ -97,11 +108,11 @@ def _shape_fields(arch: ModelArch) -> str:
     )
 
 
-def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, torch.dtype, StagedOutput]:
+def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, torch.dtype, OutputFolder]:
     """All input validation, from headers only; raises before anything is written."""
-    if not os.path.isdir(options.hf_dir):
-        raise ConvertError(f"--hf-dir {options.hf_dir} is not a folder")
-    arch = ModelArch.from_hf_config(options.hf_dir)
+    if not options.hf_dir or not os.path.isdir(options.hf_dir):
+        raise ConvertError(f"--hf-dir {options.hf_dir!r} is not a folder")
+    arch = ModelArch.from_hf_config(str(input_file(options.hf_dir, "config.json")))
     check_convertible(arch)
     layout = ParallelLayout(world_size=options.tp * options.pp, tp=options.tp, pp=options.pp)
     layout.check_model(
@@ -111,16 +122,20 @@ def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, to
     )
     reader = SafetensorsReader(options.hf_dir)
     dtype = check_hf_weights(arch, reader, options.dtype)
-    return arch, reader, dtype, StagedOutput(options.out, options.overwrite, inputs=[options.hf_dir])
+    output = conversion_output(options.out, [options.hf_dir], options.overwrite, kind="mcore-checkpoint")
+    return arch, reader, dtype, output
 
 
 class _ChunkSource:
     """Builds chunks from the HF tensors, keeping the last full-state tensor (chunks come grouped by it)."""
 
-    def __init__(self, arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype, allow_nonfinite: bool
+    ) -> None:
         self.arch = arch
         self.reader = reader
         self.dtype = dtype
+        self.allow_nonfinite = allow_nonfinite
         self.maps: dict[str, TensorMap] = {m.full_name: m for m in tensor_maps(arch)}
         self._cached: tuple[str, torch.Tensor] | None = None
 
@@ -130,6 +145,9 @@ class _ChunkSource:
             release_freed_memory()
             tensor_map = self.maps[name]
             hf = [self.reader.get(n) for n in tensor_map.hf_names]
+            for n, t in zip(tensor_map.hf_names, hf, strict=True):
+                where = os.path.join(self.reader.directory, self.reader.infos[n].file)
+                check_finite(t, n, where, self.allow_nonfinite)
             self._cached = (name, to_full(self.arch, tensor_map, hf).to(self.dtype))
         return self._cached[1]
 
@@ -157,13 +175,12 @@ def _extra_state_bytes() -> io.BytesIO:
 
 
 def write_checkpoint(
-    directory: str, arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype, tp: int, pp: int
+    directory: str, arch: ModelArch, source: _ChunkSource, dtype: torch.dtype, tp: int, pp: int
 ) -> None:
     """Collective over the default process group: each rank writes its part of the plan into ``directory``."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     chunks, extra_states = checkpoint_plan(arch, tp, pp)
     mine = [c for c in chunks if c.writer % world == rank]
-    source = _ChunkSource(arch, reader, dtype)
     by_index = {}
     items = []
     for c in mine:
@@ -196,36 +213,14 @@ def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
     """
     from mcore_rl.parallel.context import ParallelConfig, ParallelContext
 
-    arch, reader, dtype, staging = prepare(options)
+    arch, reader, dtype, output = prepare(options)
+    source = _ChunkSource(arch, reader, dtype, options.allow_nonfinite)
     with ParallelContext.initialize(ParallelConfig()) as ctx:  # world from torchrun, or a world of one
-        shared = [staging.begin() if ctx.rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        staging.tmp = str(shared[0])
+        staging = begin_collective(output, ctx.rank)
         try:
-            write_checkpoint(staging.tmp, arch, reader, dtype, options.tp, options.pp)
+            write_checkpoint(staging, arch, source, dtype, options.tp, options.pp)
         except BaseException:
-            if ctx.rank == 0:
-                staging.abort()
+            abort_collective(output, ctx.rank)
             raise
-        _finish_on_rank0(
-            ctx.rank, staging, lambda: finish_checkpoint(staging.tmp, arch, dtype, options.hf_dir)
-        )
-    return staging.out
-
-
-def _finish_on_rank0(rank: int, staging: StagedOutput, finish: Callable[[], None]) -> None:
-    """Rank 0 finishes and renames; all ranks learn whether it worked (nobody waits on a failed rank)."""
-    failure: BaseException | None = None
-    if rank == 0:
-        try:
-            finish()
-            staging.commit()
-        except BaseException as err:
-            staging.abort()
-            failure = err
-    outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    dist.broadcast_object_list(outcome, src=0)
-    if failure is not None:
-        raise failure
-    if outcome[0] is not None:
-        raise ConvertError(f"rank 0 could not finish {staging.out}: {outcome[0]}")
+        commit_collective(output, ctx.rank, lambda: finish_checkpoint(staging, arch, dtype, options.hf_dir))
+    return output.path

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.io.errors import InputError
 
 
-class ConvertError(ValueError):
+class ConvertError(InputError):
     """Input a conversion cannot use; the message names the file or field at fault."""
 
 
@@ -177,3 +178,18 @@ def optional_hf_names(arch: ModelArch) -> set[str]:
     if arch.tie_word_embeddings:
         names.add("lm_head.weight")
     return names
+
+
+def check_finite(tensor: torch.Tensor, name: str, where: str, allow: bool) -> None:
+    """NaN/Inf in a weight: refused (naming the tensor and file), or one warning line with ``allow``."""
+    if not tensor.is_floating_point():
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad == 0:
+        return
+    message = f"{where}: tensor {name} holds {bad} NaN/Inf value(s) of {tensor.numel()}"
+    if not allow:
+        raise ConvertError(f"{message}; pass --allow-nonfinite to convert it anyway")
+    from mcore_rl.io.errors import note
+
+    note(f"warning: {message}; converted as is (--allow-nonfinite)")

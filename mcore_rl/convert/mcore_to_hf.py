@@ -25,16 +25,19 @@ from mcore_rl.convert.mapping import (
     ConvertError,
     TensorMap,
     check_convertible,
+    check_finite,
     full_shape,
     hf_shapes,
     tensor_maps,
     to_hf,
 )
 from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import StagedOutput, copy_side_files
+from mcore_rl.convert.output import conversion_output, copy_side_files
 from mcore_rl.convert.safetensors_io import OutputTensor, StreamingShardWriter
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, ModelCheckpointInfo
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
+from mcore_rl.io.inputs import check_input_tree, input_file
+from mcore_rl.parallel.launch_env import current_rank
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' historical default ("5GB")
 
@@ -51,7 +54,11 @@ class McoreToHfOptions:
     dtype: torch.dtype | None = None
     """Output dtype; None keeps the stored one."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    """Largest safetensors shard; one tensor larger than it gets a shard of its own."""
     overwrite: bool = False
+    """Replace a non-empty ``out`` (never an input, the current directory or home)."""
+    allow_nonfinite: bool = False
+    """Convert weights holding NaN/Inf with a warning instead of refusing them."""
 
 
 @dataclass(frozen=True)
@@ -64,16 +71,19 @@ class _Source:
 
 def _open_checkpoint(options: McoreToHfOptions) -> _Source:
     ckpt = options.ckpt
+    if not ckpt or not os.path.isdir(ckpt):
+        raise ConvertError(f"--ckpt {ckpt!r} is not a folder")
+    check_input_tree(ckpt, "--ckpt")
     marker = os.path.join(ckpt, "metadata.json")
-    try:
-        with open(marker) as f:
-            backend = json.load(f).get("sharded_backend")
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConvertError(f"{marker}: not a megatron distributed checkpoint ({err})") from None
+    if not os.path.isfile(marker):
+        raise ConvertError(f"{marker}: no such file; --ckpt {ckpt} is not a megatron distributed checkpoint")
+    backend = _read_json(marker).get("sharded_backend")
     if backend != "torch_dist":
         raise ConvertError(f"{marker}: sharded_backend={backend!r}, only 'torch_dist' is supported")
     if options.hf_config_from is not None:
-        hf_config = _read_json(os.path.join(options.hf_config_from, "config.json"))
+        if not os.path.isdir(options.hf_config_from):
+            raise ConvertError(f"--hf-config-from {options.hf_config_from!r} is not a folder")
+        hf_config = _read_json(str(input_file(options.hf_config_from, "config.json")))
         side_files_from = options.hf_config_from
     else:
         info = ModelCheckpointInfo.read(ckpt)
@@ -84,21 +94,21 @@ def _open_checkpoint(options: McoreToHfOptions) -> _Source:
         hf_config, side_files_from = info.hf_config, os.path.join(ckpt, HF_ASSETS_DIR)
     arch = ModelArch.from_hf_config(hf_config)
     check_convertible(arch)
-    try:
-        reader = DistCheckpointReader(ckpt)
-    except Exception as err:  # torch raises assorted errors for an unreadable .metadata
-        raise ConvertError(
-            f"{os.path.join(ckpt, '.metadata')}: cannot read checkpoint metadata ({err})"
-        ) from None
-    return _Source(arch, hf_config, reader, side_files_from)
+    return _Source(arch, hf_config, DistCheckpointReader(ckpt), side_files_from)
 
 
 def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object (dict) from ``path``; anything else is one error naming the file."""
     try:
         with open(path) as f:
-            return dict(json.load(f))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConvertError(f"{path}: cannot read ({err})") from None
+            value = json.load(f)
+    except OSError as err:
+        raise ConvertError(f"{path}: cannot read ({err.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConvertError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader) -> Region:
@@ -138,25 +148,32 @@ def _output_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, A
 
 def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
     """Write the HF folder; returns its path. Under torchrun, ranks other than 0 return at once."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return os.path.abspath(options.out)
-    staging = StagedOutput(options.out, options.overwrite, inputs=[options.ckpt])
+    output = conversion_output(
+        options.out, [options.ckpt, options.hf_config_from], options.overwrite, kind="hf-model"
+    )
+    if current_rank() != 0:
+        return output.path
     source = _open_checkpoint(options)
     arch, reader = source.arch, source.reader
     maps = tensor_maps(arch)
     regions = [_region(arch, m, reader) for m in maps]
     stored = reader.tensors[regions[0].fqn].properties.dtype
+    if options.dtype is None and stored not in STORABLE_DTYPES:
+        raise ConvertError(
+            f"{reader.directory}: weights are stored as {stored}; choose --dtype bf16, fp16 or fp32"
+        )
     dtype = options.dtype or stored
     outputs = [
         OutputTensor(name, shape, dtype)
         for m in maps
         for name, shape in zip(m.hf_names, hf_shapes(arch, m), strict=True)
     ]
-    tmp = staging.begin()
+    tmp = output.begin()
     try:
         writer = StreamingShardWriter(tmp, outputs, options.max_shard_bytes)
         for tensor_map, region in zip(maps, regions, strict=True):
             (stored_tensor,) = reader.read([region])
+            check_finite(stored_tensor, region.fqn, reader.directory, options.allow_nonfinite)
             full = stored_tensor.reshape(full_shape(arch, tensor_map))
             for name, tensor in zip(tensor_map.hf_names, to_hf(arch, tensor_map, full), strict=True):
                 writer.add(name, tensor.to(dtype))
@@ -167,8 +184,8 @@ def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
             json.dump(_output_config(source.hf_config, dtype), f, indent=2, sort_keys=True)
             f.write("\n")
         copy_side_files(source.side_files_from, tmp)
-        staging.commit()
+        output.commit()
     except BaseException:
-        staging.abort()
+        output.abort()
         raise
-    return staging.out
+    return output.path

@@ -21,6 +21,7 @@ from typing import BinaryIO
 import torch
 
 from mcore_rl.convert.mapping import ConvertError
+from mcore_rl.io.inputs import input_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,21 +62,18 @@ class SafetensorsReader:
             self._read_header(file)
 
     def _shard_files(self) -> list[str]:
-        index_path = os.path.join(self.directory, INDEX_FILE)
-        if os.path.exists(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ConvertError(f"{index_path}: not a valid safetensors index ({err!r})") from None
+        index_path = input_file(self.directory, INDEX_FILE, required=False)
+        if index_path is not None:
+            weight_map = _read_index(index_path)
             files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not os.path.isfile(os.path.join(self.directory, f))]
-            if missing:
-                raise ConvertError(
-                    f"{os.path.join(self.directory, missing[0])}: shard listed in {INDEX_FILE} is missing"
-                )
+            for file in files:
+                if not os.path.lexists(os.path.join(self.directory, file)):
+                    raise ConvertError(
+                        f"{os.path.join(self.directory, file)}: shard listed in {INDEX_FILE} is missing"
+                    )
+                input_file(self.directory, file)  # no link out of the folder, no "../" names
             return files
-        if os.path.isfile(os.path.join(self.directory, SINGLE_FILE)):
+        if input_file(self.directory, SINGLE_FILE, required=False) is not None:
             return [SINGLE_FILE]
         if any(name.endswith(".bin") for name in os.listdir(self.directory)):
             raise ConvertError(
@@ -87,6 +85,7 @@ class SafetensorsReader:
         from safetensors import safe_open
 
         path = os.path.join(self.directory, file)
+        _check_readable(path)
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -107,11 +106,35 @@ class SafetensorsReader:
 
         info = self.infos[name]
         path = os.path.join(self.directory, info.file)
+        _check_readable(path)
         try:
             with safe_open(path, framework="pt") as f:
                 return f.get_tensor(name)
         except Exception as err:
             raise ConvertError(f"{path}: cannot read tensor {name} ({err})") from None
+
+
+def _read_index(path: str) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: tensor name -> shard file name, both strings."""
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise ConvertError(f"{path}: not a valid safetensors index ({err!r})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ConvertError(f"{path}: weight_map must map tensor names to shard file names (strings)")
+    return weight_map
+
+
+def _check_readable(path: str) -> None:
+    """An unreadable file is reported as such (permission, I/O), not as a corrupt one."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise ConvertError(f"{path}: cannot read ({err.strerror})") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mcore_rl.io.errors import InputError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -23,7 +25,7 @@ SUPPORTED_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A model config we cannot represent; the message names the field (and the file when known)."""
 
 
@@ -103,7 +105,9 @@ class ModelArch:
                     raw = json.load(f)
             except FileNotFoundError:
                 raise ConfigError(f"{path}: no such file") from None
-            except json.JSONDecodeError as err:
+            except OSError as err:
+                raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ConfigError(f"{path}: not valid JSON ({err})") from None
         try:
             return _arch_from_dict(raw)
@@ -112,52 +116,125 @@ class ModelArch:
 
 
 def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"expected a JSON object, found {type(cfg).__name__}")
     architectures = cfg.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ConfigError(f"architectures must be a list of names, got {architectures!r}")
     family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if family is None:
         raise ConfigError(
             f"architectures={architectures} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
-    if cfg.get("mlp_bias"):
+    hidden_act = cfg.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConfigError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+    if _bool(cfg, "mlp_bias", False):
         raise ConfigError("mlp_bias=true is not supported")
-    if family == "qwen2" and cfg.get("use_sliding_window"):
+    if family == "qwen2" and _bool(cfg, "use_sliding_window", False):
         raise ConfigError("use_sliding_window=true is not supported for Qwen2")
-    heads = _required(cfg, "num_attention_heads")
-    hidden = _required(cfg, "hidden_size")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if "type" in rope and "rope_type" not in rope:  # transformers < 4.45 spelling
-        rope["rope_type"] = rope.pop("type")
-    partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    window = cfg.get("sliding_window") if family == "mistral" else None
+    for key in ("dtype", "torch_dtype"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            raise ConfigError(f"{key} must be a dtype name such as 'bfloat16', got {cfg[key]!r}")
+    heads = _int(cfg, "num_attention_heads")
+    hidden = _int(cfg, "hidden_size")
+    rope, rope_theta, partial = _rope(cfg)
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ConfigError(
+            f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (no head_dim)"
+        )
+    window = _int(cfg, "sliding_window", None) if family == "mistral" else None
     return ModelArch(
         family=family,
-        vocab_size=_required(cfg, "vocab_size"),
+        vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        ffn_hidden_size=_required(cfg, "intermediate_size"),
-        num_layers=_required(cfg, "num_hidden_layers"),
+        ffn_hidden_size=_int(cfg, "intermediate_size"),
+        num_layers=_int(cfg, "num_hidden_layers"),
         num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        max_position_embeddings=_required(cfg, "max_position_embeddings"),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_query_groups=_int(cfg, "num_key_value_heads", heads),
+        head_dim=_int(cfg, "head_dim", hidden // heads),
+        max_position_embeddings=_int(cfg, "max_position_embeddings"),
+        norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         partial_rotary_factor=partial,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        sliding_window=int(window) if window else None,
-        initializer_range=float(cfg.get("initializer_range", 0.02)),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+        qkv_bias=family == "qwen2" or _bool(cfg, "attention_bias", False),
+        sliding_window=window,
+        initializer_range=_float(cfg, "initializer_range", 0.02, positive=False),
         extra=dict(cfg),
     )
 
 
-def _required(cfg: dict[str, Any], key: str) -> Any:
-    if key not in cfg:
-        raise ConfigError(f"missing field {key!r}")
-    return cfg[key]
+_REQUIRED = object()
+# Fields each rope type needs (transformers reads them unchecked); "factor" must be > 0 for all.
+_ROPE_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
+    """(rope parameters besides theta, rope_theta, partial_rotary_factor), every field type-checked."""
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    raw = cfg.get(key) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key} must be an object, got {raw!r}")
+    rope = dict(raw)
+    rope_theta = _float(rope, "rope_theta", _float(cfg, "rope_theta", 10000.0), field=f"{key}.rope_theta")
+    rope.pop("rope_theta", None)
+    if "type" in rope and "rope_type" not in rope:  # transformers < 4.45 spelling
+        rope["rope_type"] = rope.pop("type")
+    rope_type = rope.get("rope_type", "default")
+    if not isinstance(rope_type, str):
+        raise ConfigError(f"{key}.rope_type must be a name, got {rope_type!r}")
+    for name in _ROPE_FIELDS.get(rope_type, ()):
+        _float(rope, name, _REQUIRED, field=f"{key}.{name}")
+    if rope_type == "llama3" and rope["high_freq_factor"] <= rope["low_freq_factor"]:
+        raise ConfigError(f"{key}.high_freq_factor must exceed {key}.low_freq_factor")
+    partial = _float(rope, "partial_rotary_factor", _float(cfg, "partial_rotary_factor", 1.0))
+    rope.pop("partial_rotary_factor", None)
+    if partial > 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
+    return rope, rope_theta, partial
+
+
+def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """A positive integer field (JSON true/false and 4.0 are not integers); ``default`` when absent/null."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"missing field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _float(
+    cfg: dict[str, Any], key: str, default: Any, positive: bool = True, field: str | None = None
+) -> float:
+    """A finite number field (> 0, or >= 0 without ``positive``); ``default`` when absent/null."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"missing field {field or key!r}")
+        return float(default)
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if bad or value < 0 or (positive and value == 0):
+        kind = "a positive number" if positive else "a number >= 0"
+        raise ConfigError(f"{field or key} must be {kind}, got {value!r}")
+    return float(value)
+
+
+def _bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """A JSON true/false field: the string "false" is not false (it used to read as true)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:

@@ -19,16 +19,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.arch import ConfigError, ModelArch
 from mcore_rl.engine.weights import unwrap
+from mcore_rl.io.checkpoint_read import check_common_pt, read_dcp_metadata, safe_dcp_loading
+from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
+from mcore_rl.io.errors import InputError
+from mcore_rl.io.inputs import check_input_tree, input_file
+from mcore_rl.io.output import OutputFolder
 from mcore_rl.parallel.context import ParallelContext
 
 MODEL_INFO_FILE = "mcore_rl_model.json"
 HF_ASSETS_DIR = "hf_assets"
 FORMAT_VERSION = 1
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+STORABLE_DTYPES = tuple(_DTYPE_NAMES)
+"""Weight dtypes a model checkpoint stores (what :attr:`ModelCheckpointInfo.dtype` can name)."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,9 @@ class ModelCheckpointInfo:
     hf_config: dict[str, Any]
     """The model's HF ``config.json`` (architecture, vocab, rope, ...)."""
     dtype: str
-    """Stored weight dtype: 'float32' or 'bfloat16'."""
+    """Stored weight dtype: 'float32', 'bfloat16' or 'float16'."""
     format_version: int = FORMAT_VERSION
+    """Version of this file's layout; a reader refuses another."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance (e.g. the HF folder it was converted from)."""
 
@@ -62,17 +69,47 @@ class ModelCheckpointInfo:
 
     @classmethod
     def read(cls, directory: str) -> ModelCheckpointInfo | None:
-        """The info of a checkpoint folder, or None when it has none (not written by mcore_rl)."""
-        path = os.path.join(directory, MODEL_INFO_FILE)
-        if not os.path.exists(path):
+        """The info of a checkpoint folder, or None when it has none (not written by mcore_rl).
+
+        Every field is type-checked; an error names the file and the field."""
+        if not os.path.lexists(os.path.join(directory, MODEL_INFO_FILE)):
             return None
+        path = str(input_file(directory, MODEL_INFO_FILE))
+        raw = read_json_object(path)
+        unknown = sorted(set(raw) - {"hf_config", "dtype", "format_version", "extra"})
+        if unknown:
+            raise ConfigError(f"{path}: unknown field {unknown[0]!r}")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            raise ConfigError(f"{path}: format_version={version!r}, expected {FORMAT_VERSION}")
+        if raw.get("dtype") not in _DTYPE_NAMES.values():
+            raise ConfigError(
+                f"{path}: dtype={raw.get('dtype')!r}, expected one of {list(_DTYPE_NAMES.values())}"
+            )
+        for name in ("hf_config", "extra"):
+            if not isinstance(raw.get(name, {}), dict):
+                raise ConfigError(f"{path}: {name} must be an object, got {raw[name]!r}")
+        if "hf_config" not in raw:
+            raise ConfigError(f"{path}: missing field 'hf_config'")
+        try:
+            ModelArch.from_hf_config(raw["hf_config"])
+        except ConfigError as err:
+            raise ConfigError(f"{path}: hf_config: {str(err).removeprefix('config: ')}") from None
+        return cls(**raw)
+
+
+def read_json_object(path: str) -> dict[str, Any]:
+    """A JSON object from ``path``; anything else is one :class:`ConfigError` naming the file."""
+    try:
         with open(path) as f:
             raw = json.load(f)
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{path}: format_version={raw.get('format_version')!r}, expected {FORMAT_VERSION}"
-            )
-        return cls(**raw)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    return raw
 
 
 def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
@@ -131,30 +168,51 @@ def save_strategy() -> Any:
 def save_model(
     chunks: list[Any], ctx: ParallelContext, directory: str, info: ModelCheckpointInfo | None = None
 ) -> None:
-    """Collective: every rank writes its shards of the model to ``directory`` (created if missing)."""
+    """Collective: every rank writes its shards of the model; ``directory`` appears complete at the end.
+
+    It replaces an earlier checkpoint of ours there, never a folder that is not ours (see
+    :class:`~mcore_rl.io.output.OutputFolder`)."""
     from megatron.core import dist_checkpointing
 
+    output = None
     if ctx.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(chunks), directory, sharded_strategy=save_strategy())
-    if ctx.rank == 0 and info is not None:
-        info.write(directory)
-    dist.barrier()
+        output = OutputFolder.plan(
+            directory, flag="checkpoint folder", replace_ours=True, kind="model-checkpoint"
+        )
+    staging = begin_collective(output, ctx.rank)
+    try:
+        dist_checkpointing.save(sharded_state_dict(chunks), staging, sharded_strategy=save_strategy())
+    except BaseException:
+        abort_collective(output, ctx.rank)
+        raise
+    commit_collective(output, ctx.rank, lambda: info.write(staging) if info is not None else None)
+
+
+def check_checkpoint_folder(directory: str) -> None:
+    """Before megatron reads ``directory``: a complete checkpoint, no link out of it, a safe ``common.pt``."""
+    check_input_tree(directory, "checkpoint folder")
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):  # megatron's completion marker
+        raise InputError(f"{directory}: not a megatron distributed checkpoint (no metadata.json)")
+    read_json_object(os.path.join(directory, "metadata.json"))
+    read_dcp_metadata(directory)
+    check_common_pt(directory)
 
 
 @torch.no_grad()
 def load_model(chunks: list[Any], ctx: ParallelContext, directory: str) -> None:
-    """Collective: load this rank's shards from a model checkpoint saved at any layout."""
-    if not os.path.isfile(os.path.join(directory, "metadata.json")):  # megatron's completion marker
-        raise FileNotFoundError(f"{directory}: not a megatron distributed checkpoint (no metadata.json)")
+    """Collective: load this rank's shards from a model checkpoint saved at any layout.
+
+    The checkpoint is untrusted data: its metadata goes through a restricted unpickler and its objects load
+    with ``weights_only=True`` (:mod:`mcore_rl.io.checkpoint_read`)."""
+    check_checkpoint_folder(directory)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     request = sharded_state_dict(chunks)
-    loaded, _, unexpected = dist_checkpointing.load(
-        request, directory, strict=StrictHandling.RETURN_UNEXPECTED
-    )
+    with safe_dcp_loading():
+        loaded, _, unexpected = dist_checkpointing.load(
+            request, directory, strict=StrictHandling.RETURN_UNEXPECTED
+        )
     # Transformer-Engine layers keep fp8 bookkeeping in ``_extra_state``; a checkpoint from the local spec
     # (CPU, conversion) has none for some of them, and TE starts fresh without it. Weights must all be there.
     missing_weights = sorted(k for k in unexpected if "_extra_state" not in k)

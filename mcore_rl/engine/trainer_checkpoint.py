@@ -8,27 +8,37 @@ parallel size is refused: the optimizer state does not come back exact across TP
 step from TP2 to TP1), so resume at the saved TP, or load the weights alone (``TrainEngine.load_model``). The
 step, the layout and the caller's own counters go into ``trainer_state.json``.
 
-Writes are crash-safe: everything goes to ``<dir>.tmp-<step>`` first and is renamed into place only once every
-rank has finished, so an interrupted save never half-overwrites the previous checkpoint (killed during the
-final swap, the previous one is left at ``<dir>.old``).
+Writes are crash-safe and touch nothing but our own folders (:class:`~mcore_rl.io.output.OutputFolder`):
+everything goes to a staging folder named ``.<dir>.mcore_rl-staging-<pid>-<token>`` and is renamed into place
+only once every rank has finished, so an interrupted save never half-overwrites the previous checkpoint, and
+the next save cleans what a killed one left (restoring the previous checkpoint if the kill fell between the
+two renames of the swap). A folder at ``<dir>`` that is not one of our checkpoints is never replaced; the
+user's ``<dir>.old`` or ``<dir>.tmp-<step>`` are never touched. Loading treats the folder as untrusted data
+(restricted unpickling, ``weights_only`` objects; :mod:`mcore_rl.io.checkpoint_read`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from mcore_rl.engine.arch import ConfigError
 from mcore_rl.engine.checkpoint import (
     ModelCheckpointInfo,
+    check_checkpoint_folder,
     load_model_state,
+    read_json_object,
     save_strategy,
     sharded_state_dict,
 )
+from mcore_rl.io.checkpoint_read import safe_dcp_loading
+from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
+from mcore_rl.io.errors import InputError
+from mcore_rl.io.inputs import input_file
+from mcore_rl.io.output import OutputFolder
 
 TRAINER_STATE_FILE = "trainer_state.json"
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -50,33 +60,53 @@ def save_training_checkpoint(
     :class:`~mcore_rl.engine.train_engine.TrainEngine` into ``directory``, replacing it atomically."""
     from megatron.core import dist_checkpointing
 
-    staging = f"{directory.rstrip('/')}.tmp-{step}"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    state = {"step": step, "layout": _layout(engine), "extra": extra or {}}
+    encoded = json.dumps(state, indent=2, sort_keys=True)  # a non-JSON extra fails here, before writing
+    output = None
     if engine.ctx.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    dist.barrier()
-    _materialise_optimizer_state(engine)  # a run may checkpoint before its first step
-    dist_checkpointing.save(_state(engine, is_loading=False), staging, sharded_strategy=save_strategy())
-    if engine.ctx.rank == 0:
+        output = OutputFolder.plan(
+            directory, flag="checkpoint folder", replace_ours=True, kind="training-checkpoint"
+        )
+    staging = begin_collective(output, engine.ctx.rank)
+    try:
+        _materialise_optimizer_state(engine)  # a run may checkpoint before its first step
+        dist_checkpointing.save(_state(engine, is_loading=False), staging, sharded_strategy=save_strategy())
+    except BaseException:
+        abort_collective(output, engine.ctx.rank)
+        raise
+
+    def finish() -> None:
         ModelCheckpointInfo.for_arch(engine.arch, engine.config.params_dtype).write(staging)
         with open(os.path.join(staging, TRAINER_STATE_FILE), "w") as f:
-            layout = {
-                "tensor_parallel_size": engine.ctx.tp_size,
-                "pipeline_parallel_size": engine.ctx.pp_size,
-            }
-            json.dump({"step": step, "layout": layout, "extra": extra or {}}, f, indent=2, sort_keys=True)
-        _replace(staging, directory)
-    dist.barrier()
+            f.write(encoded + "\n")
+
+    commit_collective(output, engine.ctx.rank, finish)
 
 
-def _replace(staging: str, directory: str) -> None:
-    """``staging`` becomes ``directory``; an existing one is moved aside first and removed only afterwards."""
-    previous = f"{directory.rstrip('/')}.old"
-    if os.path.exists(directory):
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(directory, previous)
-    os.rename(staging, directory)
-    shutil.rmtree(previous, ignore_errors=True)
+def _layout(engine: Any) -> dict[str, int]:
+    return {"tensor_parallel_size": engine.ctx.tp_size, "pipeline_parallel_size": engine.ctx.pp_size}
+
+
+def read_trainer_state(directory: str) -> tuple[int, int, dict[str, Any]]:
+    """``(step, saved tensor_parallel_size, extra)`` from :data:`TRAINER_STATE_FILE`, every field checked."""
+    if not os.path.lexists(os.path.join(directory, TRAINER_STATE_FILE)):
+        raise InputError(f"{directory}: not a training checkpoint (no {TRAINER_STATE_FILE})")
+    path = str(input_file(directory, TRAINER_STATE_FILE))
+    state = read_json_object(path)
+    step, layout, extra = state.get("step"), state.get("layout"), state.get("extra", {})
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"{path}: step must be an integer >= 0, got {step!r}")
+    if not isinstance(layout, dict):
+        raise ConfigError(f"{path}: layout must be an object, got {layout!r}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = layout.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{path}: layout.{key} must be a positive integer, got {value!r}")
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{path}: extra must be an object, got {extra!r}")
+    return step, layout["tensor_parallel_size"], extra
 
 
 def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str, Any]]:
@@ -84,12 +114,8 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
     TP, any DP or PP size); returns ``(step, extra)``."""
     from megatron.core import dist_checkpointing
 
-    state_file = os.path.join(directory, TRAINER_STATE_FILE)
-    if not os.path.isfile(state_file):
-        raise FileNotFoundError(f"{directory}: not a training checkpoint (no {TRAINER_STATE_FILE})")
-    with open(state_file) as f:
-        trainer_state = json.load(f)
-    saved_tp = trainer_state["layout"]["tensor_parallel_size"]
+    step, saved_tp, extra = read_trainer_state(directory)
+    check_checkpoint_folder(directory)
     if saved_tp != engine.ctx.tp_size:
         raise ValueError(
             f"{directory}: saved at tensor_parallel_size={saved_tp}, this run has {engine.ctx.tp_size}; resume at "
@@ -97,11 +123,12 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
             "with TrainEngine.load_model"
         )
     _materialise_optimizer_state(engine)
-    loaded = dist_checkpointing.load(_state(engine, is_loading=True), directory)
+    with safe_dcp_loading():
+        loaded = dist_checkpointing.load(_state(engine, is_loading=True), directory)
     load_model_state(engine.chunks, loaded, directory)
     engine.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(engine)
-    return int(trainer_state["step"]), dict(trainer_state["extra"])
+    return step, extra
 
 
 def _unshare_adam_steps(engine: Any) -> None:

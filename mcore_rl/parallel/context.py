@@ -61,6 +61,9 @@ def _init_world(backend: str, timeout_minutes: int) -> None:
                 f"process group uses backend {dist.get_backend()!r}, config asks for {backend!r}"
             )
         return
+    from mcore_rl.parallel.launch_env import prepare_launch_env
+
+    prepare_launch_env()  # stale launcher variables of a single process: ignored, never waited on
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing and os.environ.get("WORLD_SIZE", "1") == "1":
         # A plain `python script.py`: a world of one on a free local port.

@@ -1,0 +1,324 @@
+"""Output folders that appear only when complete and never replace what is not ours to replace.
+
+Every command that writes a folder (conversion, model and training checkpoints, run outputs) goes through
+:class:`OutputFolder`::
+
+    out = OutputFolder.plan(args.out, flag="--out", inputs=[args.hf_dir], overwrite=args.overwrite)
+    tmp = out.begin()          # exclusive: os.mkdir of .<name>.mcore_rl-staging-<pid>-<token>, marker inside
+    try:
+        ...write into tmp...
+        out.commit()           # fsync everything, then rename into place (never over a concurrent writer)
+    except BaseException:
+        out.abort()            # removes only the staging folder this process created
+        raise
+
+The rules, checked by :meth:`OutputFolder.plan` before anything is written (paths compared as real paths,
+symlinks resolved):
+
+- never the current directory, the home folder, the filesystem root, or a folder containing one of them;
+- never an input, a folder inside an input, or a folder containing an input (``--overwrite`` or not);
+- never a symlink or an existing non-folder (a user's file is never renamed or deleted);
+- an existing non-empty folder only with ``overwrite``, or, with ``replace_ours``, when it carries our
+  :data:`MARKER_FILE` (a training checkpoint replacing its previous save).
+
+Staging folders carry a name only we produce and a marker naming their process; the next run into the same
+folder removes stale ones whose process is gone (with a message), and restores a previous output that a
+killed process had moved aside. Nothing that is not provably ours is ever removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.io.errors import OutputError, note
+from mcore_rl.io.signals import signals_deferred
+
+MARKER_FILE = ".mcore_rl-output.json"
+_AUX_NAME = re.compile(r"^\..*\.mcore_rl-(staging|old)-(\d+)-([0-9a-f]{8})$")
+_NAME_MAX = 255
+
+
+def _real(path: str) -> str:
+    """Absolute path with every symlink of its parents resolved (the last component kept as named)."""
+    absolute = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _is_within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or lies inside it (both real absolute paths)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _protected(real: str) -> str | None:
+    """Why ``real`` may never be an output folder, or None."""
+    if real == os.sep or os.path.dirname(real) == real:
+        return "is the filesystem root"
+    for what, place in (
+        ("the current directory", os.getcwd()),
+        ("your home folder", os.path.expanduser("~")),
+    ):
+        place = os.path.realpath(place)
+        if _is_within(place, real):
+            return f"is {what}" if place == real else f"contains {what} ({place})"
+    return None
+
+
+def _relation_to_input(real: str, given_input: str) -> str | None:
+    source = os.path.realpath(given_input)
+    if real == source:
+        return f"is the input {given_input}"
+    if _is_within(real, source):
+        return f"is inside the input {given_input}"
+    if _is_within(source, real):
+        return f"contains the input {given_input}"
+    return None
+
+
+def _read_marker(folder: str) -> dict[str, Any] | None:
+    """Our marker in ``folder`` (a regular file, not a link), or None."""
+    path = os.path.join(folder, MARKER_FILE)
+    try:
+        if os.path.islink(path) or not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("tool") == "mcore_rl" else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def fsync_tree(folder: str) -> None:
+    """fsync every file and folder under ``folder`` (data on disk before the rename that publishes it)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(root)
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.lstat(path)
+    return (st.st_dev, st.st_ino)
+
+
+@dataclass
+class OutputFolder:
+    """An output folder checked by :meth:`plan`, written under :attr:`staging`, published by :meth:`commit`."""
+
+    path: str
+    """Real absolute path of the folder to create or replace."""
+    given: str
+    """The path as the user gave it (for messages)."""
+    flag: str
+    """The flag or argument that named it (for messages), e.g. ``--out``."""
+    kind: str
+    """What is written ('hf-model', 'checkpoint', ...), recorded in the marker."""
+    replaces: tuple[int, int] | None
+    """(device, inode) of the existing folder this one replaces, None when there is none."""
+    staging: str | None = None
+    """The staging folder, once :meth:`begin` created it."""
+
+    @classmethod
+    def plan(
+        cls,
+        given: str,
+        *,
+        flag: str = "--out",
+        inputs: Sequence[str | None] = (),
+        overwrite: bool = False,
+        replace_ours: bool = False,
+        kind: str = "output",
+    ) -> OutputFolder:
+        """Check ``given`` against the rules of the module docstring; nothing is written."""
+        if not given or not given.strip():
+            raise OutputError(f"{flag} is empty (an unset shell variable?); give the folder to create")
+        real = _real(given)
+        reason = _protected(real) or next(
+            (r for s in inputs if s is not None and (r := _relation_to_input(real, s)) is not None), None
+        )
+        if reason is not None:
+            raise OutputError(f"{flag} {given} {reason}; choose another folder")
+        parent, name = os.path.split(real)
+        if not os.path.isdir(parent):
+            raise OutputError(f"{flag} {given}: parent folder {parent} does not exist")
+        if len(os.fsencode(name)) > _NAME_MAX:
+            raise OutputError(f"{flag} {given}: the name is longer than {_NAME_MAX} bytes")
+        replaces = cls._check_existing(real, given, flag, overwrite, replace_ours)
+        return cls(path=real, given=given, flag=flag, kind=kind, replaces=replaces)
+
+    @staticmethod
+    def _check_existing(
+        real: str, given: str, flag: str, overwrite: bool, replace_ours: bool
+    ) -> tuple[int, int] | None:
+        if not os.path.lexists(real):
+            return None
+        if os.path.islink(real):
+            raise OutputError(f"{flag} {given} is a symbolic link; give the folder it points to, or another")
+        if not os.path.isdir(real):
+            raise OutputError(f"{flag} {given} exists and is not a folder; it is left as it is")
+        try:
+            empty = not os.listdir(real)
+        except OSError as err:
+            raise OutputError(f"{flag} {given}: cannot list it ({err.strerror})") from None
+        if not empty and not overwrite:
+            if not replace_ours:
+                raise OutputError(f"{flag} {given} exists and is not empty; pass --overwrite to replace it")
+            if _read_marker(real) is None:
+                raise OutputError(
+                    f"{flag} {given} exists and was not written by mcore_rl (no {MARKER_FILE}); "
+                    "move it away or choose another folder"
+                )
+        return _identity(real)
+
+    # --- writing ----------------------------------------------------------------------------------------
+    def _aux_name(self, role: str, token: str) -> str:
+        """``.<name>.mcore_rl-<role>-<pid>-<token>``, the name shortened to fit the filesystem's limit."""
+        suffix = f".mcore_rl-{role}-{os.getpid()}-{token}"
+        name = os.fsencode(os.path.basename(self.path))[: _NAME_MAX - 1 - len(suffix)]
+        return os.path.join(os.path.dirname(self.path), f".{os.fsdecode(name)}{suffix}")
+
+    def _write_marker(self, folder: str, **fields: Any) -> None:
+        marker = {
+            "tool": "mcore_rl",
+            "kind": self.kind,
+            "target": self.path,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            **fields,
+        }
+        with open(os.path.join(folder, MARKER_FILE), "w") as f:
+            json.dump(marker, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    def begin(self) -> str:
+        """Clean stale staging of ours, then create this process's staging folder exclusively; returns it."""
+        self.clean_stale()
+        staging = self._aux_name("staging", secrets.token_hex(4))
+        os.mkdir(staging, 0o755)  # fails if anything has that name: never reuses a folder
+        self.staging = staging
+        self._write_marker(staging, state="staging")
+        return staging
+
+    def commit(self) -> None:
+        """Publish the staging folder at :attr:`path`: fsync, then rename, without a window in which a
+        concurrent writer's output or a user's folder could be replaced unseen."""
+        if self.staging is None:
+            raise RuntimeError("commit() before begin()")
+        old = self._aux_name("old", secrets.token_hex(4)) if self.replaces is not None else None
+        self._write_marker(self.staging, state="complete", replaced=old and os.path.basename(old))
+        fsync_tree(self.staging)
+        with signals_deferred():  # the renames below must not be split by a signal
+            if old is not None:
+                self._move_aside(old)
+            try:
+                os.rename(self.staging, self.path)  # a directory never replaces a non-empty one
+            except OSError as err:
+                if old is not None and not os.path.lexists(self.path):
+                    os.rename(old, self.path)
+                if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise OutputError(
+                        f"{self.flag} {self.given} was created by another process while this one ran; "
+                        "it is left as it is (run again with --overwrite to replace it)"
+                    ) from None
+                raise
+            self.staging = None
+            fsync_dir(os.path.dirname(self.path))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _move_aside(self, old: str) -> None:
+        """The folder being replaced goes to ``old``; refused if it is no longer the one :meth:`plan` saw."""
+        current = _identity(self.path) if os.path.lexists(self.path) else None
+        if current is None:
+            return  # removed meanwhile: nothing to replace
+        if current != self.replaces or os.path.islink(self.path):
+            raise OutputError(
+                f"{self.flag} {self.given} was replaced by another process while this one ran; "
+                "it is left as it is"
+            )
+        os.rename(self.path, old)
+
+    def abort(self) -> None:
+        """Remove this process's staging folder (only it); safe to call more than once."""
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
+
+    # --- leftovers of killed runs ------------------------------------------------------------------------
+    def clean_stale(self) -> None:
+        """Remove staging folders of ours for this target whose process is gone; put back a previous output
+        that a killed process had moved aside. Each action prints one note."""
+        parent = os.path.dirname(self.path)
+        for entry in sorted(os.listdir(parent)):
+            match = _AUX_NAME.match(entry)
+            if match is None:
+                continue
+            folder = os.path.join(parent, entry)
+            if match.group(1) == "staging":
+                self._clean_stale_staging(folder)
+            else:
+                self._clean_stale_old(folder, entry)
+
+    def _is_stale(self, marker: dict[str, Any] | None) -> bool:
+        return (
+            marker is not None
+            and marker.get("target") == self.path
+            and marker.get("host") == socket.gethostname()
+            and isinstance(marker.get("pid"), int)
+            and not _pid_alive(marker["pid"])
+        )
+
+    def _clean_stale_staging(self, folder: str) -> None:
+        marker = _read_marker(folder)
+        if os.path.islink(folder) or not self._is_stale(marker):
+            return
+        assert marker is not None
+        old_name = marker.get("replaced")
+        old = os.path.join(os.path.dirname(self.path), old_name) if isinstance(old_name, str) else None
+        if old is not None and os.path.isdir(old) and not os.path.lexists(self.path):
+            os.rename(old, self.path)  # killed between the two renames of a commit
+            note(f"restored {self.path} from {old}, moved aside by process {marker['pid']} that was killed")
+        shutil.rmtree(folder)
+        note(f"removed {folder}, a partial output left by process {marker['pid']} that was killed")
+
+    def _clean_stale_old(self, folder: str, entry: str) -> None:
+        """An ``old`` folder is ours to remove only when the committed output's marker names it."""
+        marker = _read_marker(self.path) if os.path.isdir(self.path) else None
+        if marker is None or marker.get("replaced") != entry or os.path.islink(folder):
+            return
+        if _pid_alive(int(marker.get("pid", 0))) and marker.get("host") == socket.gethostname():
+            return  # its writer is still removing it
+        shutil.rmtree(folder)
+        note(f"removed {folder}, the previous output replaced by process {marker.get('pid')}")
