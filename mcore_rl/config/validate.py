@@ -44,6 +44,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.loss_agg_mode": LOSS_AGG_MODES,
     "optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "sft.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+    "data.generate": (None, "arithmetic"),
     "reward.on_error": ("zero", "raise"),
     "reward.gsm8k_method": ("strict", "flexible"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),

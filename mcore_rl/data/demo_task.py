@@ -1,0 +1,131 @@
+"""The synthetic addition task (:mod:`mcore_rl.data.arithmetic`) as verl-format data, so the demo job reads
+prompts, a tokenizer and rewards the way a real run does.
+
+Written files (each where the config names it; ``.parquet`` or ``.jsonl`` by suffix):
+
+* train / validation / held-out test prompts: ``prompt`` is one user message ``"123+456="``,
+  ``data_source`` is :data:`DATA_SOURCE` (scored by exact match), ``reward_model.ground_truth`` the sum;
+* SFT examples: the same columns plus ``response`` (the sum), for the warm start;
+* a tokenizer folder: ``tokenizer.json`` (a character-level WordLevel model with the ids of
+  :class:`~mcore_rl.data.arithmetic.CharTokenizer`: PAD 0, EOS 1) and ``tokenizer_config.json`` whose
+  chat template renders a conversation as its contents, so the model sees ``123+456=``.
+
+Validation and test prompts never appear among the training or SFT prompts.
+
+    python -m mcore_rl.data.demo_task OUT_DIR [--format jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from mcore_rl.config.run import RunConfig
+from mcore_rl.data.arithmetic import AdditionProblem, CharTokenizer, make_problems
+from mcore_rl.data.rows import write_rows
+from mcore_rl.data.tokenizer import write_tokenizer_config
+
+DATA_SOURCE = "mcore_rl/arithmetic"
+"""``data_source`` of the demo rows; the scorer registry maps it to exact match."""
+SPLIT_SIZES = {"test": 1000, "val": 200, "train": 20_000, "sft": 40_000}
+"""Rows per split; the held-out test and validation sets match the old demo's."""
+PAD_TOKEN, EOS_TOKEN = "<pad>", "</s>"
+
+
+def write_tokenizer(folder: str) -> None:
+    """The demo tokenizer as a HF folder, id for id the same as :class:`CharTokenizer`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = CharTokenizer()
+    vocab = {PAD_TOKEN: chars.PAD, EOS_TOKEN: chars.EOS}
+    vocab.update({ch: chars.encode(ch)[0] for ch in chars.SYMBOLS})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+    tokenizer.decoder = decoders.Fuse()  # join characters without spaces
+    tokenizer.add_special_tokens([PAD_TOKEN, EOS_TOKEN])
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    write_tokenizer_config(
+        folder,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template="{% for message in messages %}{{ message['content'] }}{% endfor %}",
+    )
+
+
+def rows(problems: list[AdditionProblem], split: str, with_response: bool = False) -> list[dict[str, Any]]:
+    out = []
+    for index, p in enumerate(problems):
+        row: dict[str, Any] = {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": p.prompt}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": p.answer},
+            "extra_info": {"split": split, "index": index},
+        }
+        if with_response:
+            row["response"] = p.answer
+        out.append(row)
+    return out
+
+
+def splits(seed: int, sizes: dict[str, int] | None = None) -> dict[str, list[AdditionProblem]]:
+    """Problems per split; training and SFT prompts exclude every validation and test prompt."""
+    sizes = {**SPLIT_SIZES, **(sizes or {})}
+    test = make_problems(sizes["test"], seed=10_000 + seed)
+    val = make_problems(sizes["val"], seed=20_000 + seed)
+    held_out = {p.prompt for p in test + val}
+    out = {"test": test, "val": val}
+    for offset, name in ((30_000, "train"), (40_000, "sft")):
+        pool = make_problems(sizes[name] + len(held_out), seed=offset + seed)
+        out[name] = [p for p in pool if p.prompt not in held_out][: sizes[name]]
+    return out
+
+
+def write_demo_dataset(paths: dict[str, str], seed: int, sizes: dict[str, int] | None = None) -> None:
+    """Write the splits named in ``paths`` (keys: train, val, test, sft, tokenizer) to those paths."""
+    problems = splits(seed, sizes)
+    for split, path in paths.items():
+        if split == "tokenizer":
+            write_tokenizer(path)
+        else:
+            write_rows(path, rows(problems[split], split, with_response=split == "sft"))
+
+
+def prepare_data(cfg: RunConfig) -> list[str]:
+    """Run ``cfg.data.generate`` for the files the config names that are missing; returns those written."""
+    if cfg.data.generate is None:
+        return []
+    if cfg.data.generate != "arithmetic":
+        raise ValueError(f"data.generate={cfg.data.generate!r}: unknown task; known: arithmetic")
+    wanted = {
+        "train": cfg.data.train_files[:1],
+        "val": cfg.data.val_files[:1],
+        "test": cfg.data.test_files[:1],
+        "sft": cfg.sft.train_files[:1],
+        "tokenizer": [cfg.model.tokenizer_path] if cfg.model.tokenizer_path else [],
+    }
+
+    def present(split: str, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, "tokenizer.json") if split == "tokenizer" else path)
+
+    missing = {split: paths[0] for split, paths in wanted.items() if paths and not present(split, paths[0])}
+    write_demo_dataset(missing, cfg.data.seed)
+    return list(missing.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcore_rl.data.demo_task", description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    paths = {s: os.path.join(args.out_dir, f"{s}.{args.format}") for s in ("train", "val", "test", "sft")}
+    write_demo_dataset({**paths, "tokenizer": os.path.join(args.out_dir, "tokenizer")}, args.seed)
+    print(f"wrote {', '.join(sorted(paths.values()))} and {args.out_dir}/tokenizer")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

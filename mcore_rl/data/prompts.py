@@ -1,0 +1,194 @@
+"""Prompt datasets for RL: verl-format rows -> tokenized :class:`PromptRecord`s -> :class:`PromptBatch`es.
+
+Loading is eager (prompts are small; the tokenized set is the unit the sampler shuffles and the
+fingerprint covers). Rows missing a needed column and prompts over ``max_prompt_length`` either stop the
+load with the file, row and column, or are skipped and counted in one warning, per ``DataConfig``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_rl.config.run import DataConfig
+from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
+from mcore_rl.data.sampler import EpochSampler
+from mcore_rl.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One usable prompt."""
+
+    prompt_ids: tuple[int, ...]
+    """Token ids of the rendered prompt (chat template applied)."""
+    data_source: str
+    """Picks the reward function (``DataConfig.reward_fn_key``)."""
+    ground_truth: Any
+    """``reward_model.ground_truth``: only the scorer sees it."""
+    extra_info: dict[str, Any]
+    """``extra_info`` as stored (an empty dict when absent)."""
+    file: str
+    row: int
+    """Where the prompt came from (0-based row), for error messages and debugging."""
+
+
+@dataclass
+class PromptBatch:
+    """B prompts of one step (or one validation call)."""
+
+    prompt_ids: list[list[int]]
+    """[B][len_b] ragged token ids, as the rollout engine takes them."""
+    indices: torch.Tensor
+    """[B] int64: position of each prompt in its dataset."""
+    data_sources: list[str] = field(default_factory=list)
+    """[B]"""
+    ground_truths: list[Any] = field(default_factory=list)
+    """[B]"""
+    extra_infos: list[dict[str, Any]] = field(default_factory=list)
+    """[B]"""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def padded(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ``(tokens [B, S] int64, lengths [B] int64)`` with ``S`` the longest prompt."""
+        lengths = torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long)
+        width = int(lengths.max()) if len(self) else 0
+        tokens = torch.full((len(self), width), pad_token_id, dtype=torch.long)
+        for i, ids in enumerate(self.prompt_ids):
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return tokens, lengths
+
+    def shard(self, rank: int, num_ranks: int) -> PromptBatch:
+        """The contiguous ``rank``-th of ``num_ranks`` equal parts (a data-parallel replica's prompts)."""
+        if len(self) % num_ranks:
+            raise ValueError(f"{len(self)} prompts do not split into {num_ranks} equal parts")
+        size = len(self) // num_ranks
+        part = slice(rank * size, (rank + 1) * size)
+        return PromptBatch(
+            self.prompt_ids[part],
+            self.indices[part],
+            self.data_sources[part],
+            self.ground_truths[part],
+            self.extra_infos[part],
+        )
+
+
+class PromptDataset:
+    """Tokenized prompts of one or more files, in file order."""
+
+    def __init__(self, records: Sequence[PromptRecord], skipped: Sequence[RowProblem] = ()) -> None:
+        self.records = list(records)
+        self.skipped = list(skipped)
+        """Rows dropped (bad or over-long) with the reason of each."""
+
+    @classmethod
+    def from_files(cls, files: Sequence[str], tokenizer: Tokenizer, cfg: DataConfig) -> PromptDataset:
+        records: list[PromptRecord] = []
+        skipped: list[RowProblem] = []
+        for file in files:
+            for row, raw in read_rows(file):
+                try:
+                    records.append(_record(raw, file, row, tokenizer, cfg))
+                except BadRowError as bad:
+                    overlong = bad.error.reason.startswith("prompt has")
+                    if not (cfg.filter_overlong_prompts if overlong else cfg.skip_bad_rows):
+                        hint = "data.filter_overlong_prompts" if overlong else "data.skip_bad_rows"
+                        raise DataError(f"{bad.error} (set {hint}=true to skip such rows)") from None
+                    skipped.append(bad.error)
+        if skipped:
+            log.warning(
+                "skipped %d of %d rows of %s; first: %s",
+                len(skipped),
+                len(skipped) + len(records),
+                ", ".join(files),
+                skipped[0],
+            )
+        if not records:
+            raise DataError(f"{', '.join(files) or 'no files'}: no usable prompts")
+        return cls(records, skipped)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def batch(self, indices: Sequence[int]) -> PromptBatch:
+        picked = [self.records[i] for i in indices]
+        return PromptBatch(
+            prompt_ids=[list(r.prompt_ids) for r in picked],
+            indices=torch.tensor(list(indices), dtype=torch.long),
+            data_sources=[r.data_source for r in picked],
+            ground_truths=[r.ground_truth for r in picked],
+            extra_infos=[r.extra_info for r in picked],
+        )
+
+    def batches(self, batch_size: int | None = None) -> list[PromptBatch]:
+        """The whole set in order (validation), ``batch_size`` prompts at a time (None: one batch)."""
+        size = batch_size or len(self)
+        return [self.batch(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
+
+    def fingerprint(self) -> str:
+        """A hash of every prompt's tokens and ground truth: a resumed run refuses a changed dataset."""
+        digest = hashlib.sha256()
+        for r in self.records:
+            digest.update(json.dumps([r.prompt_ids, r.data_source, r.ground_truth], default=str).encode())
+        return digest.hexdigest()[:16]
+
+
+def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat_template: bool) -> list[int]:
+    """Plain text as it is; messages through the chat template (or joined contents when it is off)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if chat_template:
+        return tokenizer.encode(tokenizer.chat_text(prompt, add_generation_prompt=True))
+    return tokenizer.encode("".join(m["content"] for m in prompt))
+
+
+def _record(raw: Any, file: str, row: int, tokenizer: Tokenizer, cfg: DataConfig) -> PromptRecord:
+    where = (file, row)
+    prompt = prompt_messages(column(raw, cfg.prompt_key, where), cfg.prompt_key, where)
+    data_source = column(raw, cfg.reward_fn_key, where)
+    ground_truth = column(raw, "reward_model.ground_truth", where)
+    extra_info = raw.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise BadRowError(RowProblem(file, row, "extra_info", f"expected a mapping, got {extra_info!r:.60}"))
+    ids = encode_prompt(prompt, tokenizer, cfg.apply_chat_template)
+    if len(ids) > cfg.max_prompt_length:
+        reason = f"prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length}"
+        raise BadRowError(RowProblem(file, row, cfg.prompt_key, reason))
+    return PromptRecord(tuple(ids), str(data_source), ground_truth, dict(extra_info), file, row)
+
+
+class PromptLoader:
+    """Training batches of a :class:`PromptDataset`, reshuffled each epoch; see :class:`EpochSampler` for
+    the saved position."""
+
+    def __init__(self, dataset: PromptDataset, cfg: DataConfig) -> None:
+        self.dataset = dataset
+        self.sampler = EpochSampler(
+            len(dataset), cfg.train_batch_size, cfg.shuffle, cfg.seed, cfg.drop_last, dataset.fingerprint()
+        )
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def next_batch(self) -> PromptBatch:
+        return self.dataset.batch(self.sampler.next_indices())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,120 @@
+"""Reading verl-format rows from jsonl and parquet files, and pulling the columns a run needs out of them.
+
+A verl row (``examples/data_preprocess/gsm8k.py``)::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],        # or a plain string
+     "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0, ...}}
+
+Every problem with a row is a :class:`DataError` naming file, row (0-based, as pandas/pyarrow count) and
+column; the caller decides between stopping and a counted skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+class DataError(ValueError):
+    """A dataset file or row we cannot use; the message names the file, the row and the column."""
+
+
+@dataclass(frozen=True)
+class RowProblem:
+    """Where a row went wrong (kept for counted skips)."""
+
+    file: str
+    row: int
+    column: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: row {self.row}: column {self.column!r}: {self.reason}"
+
+
+def read_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """``(row number, row)`` pairs of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such data file")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: not a readable parquet file ({err})") from None
+        yield from enumerate(table.to_pylist())
+    elif path.endswith((".jsonl", ".json")):
+        with open(path) as f:
+            for row, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    yield row, json.loads(line)
+                except json.JSONDecodeError as err:
+                    yield row, RowProblem(path, row, "<line>", f"not valid JSON ({err.msg})")
+    else:
+        raise DataError(f"{path}: unknown data format; use .parquet or .jsonl")
+
+
+def write_rows(path: str, rows: list[dict[str, Any]]) -> None:
+    """Write rows as ``.parquet`` or ``.jsonl`` (by suffix), through a staging name."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    staging = path + ".tmp"
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), staging)
+    elif path.endswith(".jsonl"):
+        with open(staging, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        raise DataError(f"{path}: unknown data format; use .parquet or .jsonl")
+    os.replace(staging, path)
+
+
+def column(row: Any, dotted: str, where: tuple[str, int]) -> Any:
+    """The value at ``dotted`` (e.g. ``reward_model.ground_truth``); :class:`RowProblem` when absent/null."""
+    if isinstance(row, RowProblem):
+        raise BadRowError(row)
+    value = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            raise BadRowError(RowProblem(where[0], where[1], dotted, "missing"))
+        value = value[part]
+    return value
+
+
+def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[dict[str, str]]:
+    """A prompt column: plain text, or a list of ``{role, content}`` messages."""
+    if isinstance(value, str):
+        if not value:
+            raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt"))
+        return value
+    if isinstance(value, list) and value:
+        messages = []
+        for i, message in enumerate(value):
+            if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+                raise BadRowError(
+                    RowProblem(where[0], where[1], key, f"message {i} needs 'role' and 'content'")
+                )
+            messages.append({"role": str(message["role"]), "content": str(message["content"])})
+        return messages
+    raise BadRowError(
+        RowProblem(where[0], where[1], key, f"expected text or a list of messages, got {value!r:.60}")
+    )
+
+
+class BadRowError(Exception):
+    """A bad row, raised by the column helpers with its :class:`RowProblem`; datasets stop or count it."""
+
+    def __init__(self, error: RowProblem) -> None:
+        super().__init__(str(error))
+        self.error = error

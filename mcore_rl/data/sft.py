@@ -1,0 +1,114 @@
+"""Labelled examples for supervised fine-tuning: a prompt (as in RL data) plus the target response.
+
+Tokens are ``prompt + response + EOS``; the loss mask covers the positions that predict the response and
+EOS only (prompt tokens are never a target).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_rl.config.run import DataConfig, SFTConfig
+from mcore_rl.data.prompts import encode_prompt
+from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
+from mcore_rl.data.sampler import EpochSampler
+from mcore_rl.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SFTRecord:
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    """Target tokens, EOS included."""
+
+
+@dataclass
+class SFTBatch:
+    """Right-padded next-token training rows."""
+
+    tokens: torch.Tensor
+    """[B, S] int64: prompt + response + EOS, then padding."""
+    labels: torch.Tensor
+    """[B, S] int64: ``tokens`` shifted left by one (the token each position predicts)."""
+    loss_mask: torch.Tensor
+    """[B, S] float32: 1 on positions predicting a response token or EOS."""
+
+    @classmethod
+    def from_records(cls, records: Sequence[SFTRecord], pad_token_id: int) -> SFTBatch:
+        width = max(len(r.prompt_ids) + len(r.response_ids) for r in records)
+        tokens = torch.full((len(records), width), pad_token_id, dtype=torch.long)
+        labels = torch.full_like(tokens, pad_token_id)
+        mask = torch.zeros(len(records), width)
+        for i, r in enumerate(records):
+            seq = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+            tokens[i, : len(seq)] = seq
+            labels[i, : len(seq) - 1] = seq[1:]
+            mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1.0
+        return cls(tokens, labels, mask)
+
+
+class SFTDataset:
+    def __init__(self, records: Sequence[SFTRecord], pad_token_id: int) -> None:
+        self.records = list(records)
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def from_files(
+        cls, files: Sequence[str], tokenizer: Tokenizer, data: DataConfig, sft: SFTConfig
+    ) -> SFTDataset:
+        max_length = sft.max_length or data.max_prompt_length + data.max_response_length
+        records, skipped = [], []
+        for file in files:
+            for row, raw in read_rows(file):
+                try:
+                    records.append(_record(raw, (file, row), tokenizer, data, sft.response_key, max_length))
+                except BadRowError as bad:
+                    overlong = bad.error.reason.startswith("example has")
+                    if not (data.filter_overlong_prompts if overlong else data.skip_bad_rows):
+                        hint = "data.filter_overlong_prompts" if overlong else "data.skip_bad_rows"
+                        raise DataError(f"{bad.error} (set {hint}=true to skip such rows)") from None
+                    skipped.append(bad.error)
+        if skipped:
+            log.warning("skipped %d SFT rows; first: %s", len(skipped), skipped[0])
+        if not records:
+            raise DataError(f"{', '.join(files) or 'no files'}: no usable SFT examples")
+        return cls(records, tokenizer.pad_token_id)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def batch(self, indices: Sequence[int]) -> SFTBatch:
+        return SFTBatch.from_records([self.records[i] for i in indices], self.pad_token_id)
+
+    def sampler(self, batch_size: int, seed: int) -> EpochSampler:
+        """Shuffled batches of ``batch_size`` examples (state saved like the prompt loader's)."""
+        return EpochSampler(len(self), batch_size, True, seed, True, f"sft:{len(self)}")
+
+
+def _record(
+    raw: Any,
+    where: tuple[str, int],
+    tokenizer: Tokenizer,
+    data: DataConfig,
+    response_key: str,
+    max_length: int,
+) -> SFTRecord:
+    prompt = prompt_messages(column(raw, data.prompt_key, where), data.prompt_key, where)
+    response = column(raw, response_key, where)
+    if not isinstance(response, str) or not response:
+        raise BadRowError(RowProblem(*where, response_key, f"expected non-empty text, got {response!r:.60}"))
+    prompt_ids = encode_prompt(prompt, tokenizer, data.apply_chat_template)
+    response_ids = [*tokenizer.encode(response), tokenizer.eos_token_id]
+    total = len(prompt_ids) + len(response_ids)
+    if total > max_length:
+        raise BadRowError(
+            RowProblem(*where, response_key, f"example has {total} tokens, more than {max_length}")
+        )
+    return SFTRecord(tuple(prompt_ids), tuple(response_ids))
