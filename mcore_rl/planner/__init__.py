@@ -1,0 +1,26 @@
+"""Memory and parallelism planner: per-GPU bytes of each phase of a colocated RL run, before launch.
+
+Pure arithmetic over a :class:`~mcore_rl.engine.arch.ModelArch` and a layout (no process groups); see
+``memory.py`` for the phases and ``activations.py`` for the activation formulas and their sources.
+"""
+
+from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, TrainState, plan_memory, train_state
+from mcore_rl.planner.params import layer_params, model_params, rank_params, stage_params
+from mcore_rl.planner.search import smallest_fitting_layout
+from mcore_rl.planner.spec import GPU_MEMORY_BYTES, PlanError, PlanInput
+
+__all__ = [
+    "GPU_MEMORY_BYTES",
+    "MemoryPlan",
+    "PhaseMemory",
+    "PlanError",
+    "PlanInput",
+    "TrainState",
+    "layer_params",
+    "model_params",
+    "plan_memory",
+    "rank_params",
+    "smallest_fitting_layout",
+    "stage_params",
+    "train_state",
+]

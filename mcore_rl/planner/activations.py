@@ -1,0 +1,82 @@
+"""Training activation memory on one GPU, after Korthikanti et al., "Reducing Activation Recomputation in
+Large Transformer Models" (arXiv 2205.05198, §4 and Table 2), generalised to grouped-query attention and a
+gated (SwiGLU) MLP, and megatron's pipeline accounting (``theoretical_memory_usage.py``).
+
+Stored for backward per layer and micro-batch, in elements (``e`` bytes each: 2 in bf16, 4 in fp32), with
+``s`` tokens, ``b`` sequences, ``q = heads * head_dim``, ``kv = kv_heads * head_dim``, ``f`` the MLP width:
+
+    along the full hidden width (replicated over TP, split by sequence with SP):
+        2 norm inputs (2 s b h), QKV input (s b h), fc1 input (s b h)               = 4 s b h
+    split over TP:
+        Q (s b q), K and V (2 s b kv), attention output = proj input (s b q),
+        fc1 output = SwiGLU input (2 s b f), SwiGLU output = fc2 input (s b f)      = s b (2q + 2kv + 3f)
+    attention scores, split over TP, only without a fused kernel and without selective recompute:
+        softmax output (heads * s^2 * b)
+
+For MHA with a 4h GeLU MLP this is the paper's ``sbh (10 + 24/t + 5as/(ht))`` minus its dropout masks and
+the dropout output: our models train without dropout. Full recompute keeps only each layer's input (s b h,
+split by SP), plus one layer's full set while that layer is recomputed.
+
+Pipelining: the first stage holds its ``L / pp`` layers for every micro-batch in flight: ``min(pp, m)``
+with 1F1B, and ``pp * (1 + (pp - 1) / (pp * vpp))`` with the interleaved schedule (megatron's penalty).
+The last stage also holds one micro-batch's logits: the output layer's ``s b V_pad / t`` in the compute
+dtype, and in bf16 one fp32 copy for the loss (an upper bound for our fused log-prob op, which keeps its fp32
+temporaries to a chunk of rows).
+"""
+
+from __future__ import annotations
+
+from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
+from mcore_rl.parallel.layout import padded_vocab_size
+from mcore_rl.planner.spec import PlanInput
+
+TOKEN_ID_BYTES = 16
+"""Per token on the first stage: int64 token ids and int64 position ids."""
+
+
+def layer_activation_bytes(plan: PlanInput, recompute: str | None = None) -> float:
+    """Bytes one layer stores for one micro-batch on one GPU (see the module docstring)."""
+    arch = plan.arch
+    recompute = recompute or plan.recompute
+    e = 2 if plan.bf16 else 4
+    tokens = plan.seq_length * plan.micro_batch_size
+    sequence_split = plan.tp if plan.sp else 1
+    if recompute == "full":
+        return e * tokens * arch.hidden_size / sequence_split
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    hidden_width = 4 * tokens * arch.hidden_size / sequence_split
+    tp_split = tokens * (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) / plan.tp
+    scores = 0.0
+    if recompute == "none" and not plan.flash_attention:
+        scores = arch.num_attention_heads * plan.seq_length * tokens / plan.tp
+    return e * (hidden_width + tp_split + scores)
+
+
+def microbatches_in_flight(plan: PlanInput) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak."""
+    if plan.pp == 1:
+        return 1.0
+    if plan.vpp:
+        return plan.pp * (1 + (plan.pp - 1) / (plan.pp * plan.vpp))
+    return float(min(plan.pp, plan.num_microbatches))
+
+
+def activation_bytes(plan: PlanInput) -> int:
+    """Peak stored activations of the first stage (the most loaded one under 1F1B)."""
+    layers = plan.arch.num_layers // plan.pp
+    in_flight = microbatches_in_flight(plan)
+    tokens = plan.seq_length * plan.micro_batch_size
+    stored = (layers * layer_activation_bytes(plan) + TOKEN_ID_BYTES * tokens) * in_flight
+    if plan.recompute == "full":
+        stored += layer_activation_bytes(plan, recompute="selective")  # the layer being recomputed
+    return int(stored)
+
+
+def logits_bytes(plan: PlanInput) -> int:
+    """One micro-batch's vocab-parallel logits on the last stage: compute dtype plus one fp32 copy."""
+    e = 2 if plan.bf16 else 4
+    vocab_rows = padded_vocab_size(plan.arch.vocab_size, plan.tp, VOCAB_DIVISIBLE_BY) // plan.tp
+    tokens = plan.seq_length * plan.micro_batch_size
+    fp32_copy = 4 if plan.bf16 else 0  # .float() of fp32 logits is the same tensor
+    return tokens * vocab_rows * (e + fp32_copy)

@@ -1,0 +1,215 @@
+"""Per-GPU memory of a colocated RL run in its three phases: train, rollout, and the switch between them.
+
+Weights, gradients and optimizer state per parameter (megatron's ``theoretical_memory_usage``, the table in
+its ``dist_optimizer.md``; ``d`` = DP size), as :class:`~mcore_rl.engine.train_engine.TrainEngine` builds
+them (gradients reduced in fp32)::
+
+    bf16:  2 (weights) + 4 (fp32 grads) + 12 / d (fp32 main params + Adam m, v)   = 6 + 12/d
+    fp32:  4 (weights) + 4 (grads)      +  8 / d (Adam m, v; the weights are the main params)
+
+(without the distributed optimizer ``d`` is 1). The phases follow the hybrid engine's state machine
+(``mcore_rl.parallel.reshard.hybrid``):
+
+    train    actor (and critic) weights + grads + optimizer, reference weights, activations, logits,
+             and the rollout weights when the rollout sleeps at level 1 (level 1 frees only the KV cache)
+    switch   train -> rollout after offloading optimizer / grad buffers: training weights + the rollout
+             weights being filled + the reshard round's in-flight messages
+    rollout  what training leaves on the GPU + the rollout engine's reservation, a fixed fraction of the
+             total (vLLM ``gpu_memory_utilization``): its weights, its activation peak, the KV cache
+
+Each phase must fit ``GPU memory - reserved_bytes``; the run needs ``max`` over the phases, not their sum.
+Each term is taken at its own worst pipeline stage (weights at the most loaded one, activations at the
+first, logits at the last), so with PP > 1 the train total is an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY, rollout_param_shapes
+from mcore_rl.parallel.layout import padded_vocab_size
+from mcore_rl.planner.activations import activation_bytes, logits_bytes
+from mcore_rl.planner.params import model_params, rank_params
+from mcore_rl.planner.spec import PlanInput
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """One trained model's static bytes on one GPU (its most loaded pipeline stage)."""
+
+    params: int
+    """Parameters this rank holds."""
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+
+
+def train_state(plan: PlanInput, value_head: bool = False) -> TrainState:
+    _, params = rank_params(plan.arch, plan.layout, value_head)
+    shards = plan.dp if plan.use_distributed_optimizer else 1
+    weight_size = 2 if plan.bf16 else 4
+    optimizer_per_param = 12 if plan.bf16 else 8  # fp32 main params (bf16 only) + Adam's two moments
+    return TrainState(
+        params=params,
+        weights_bytes=weight_size * params,
+        grads_bytes=4 * params,
+        optimizer_bytes=math.ceil(optimizer_per_param * params / shards),
+    )
+
+
+def rollout_weight_bytes(plan: PlanInput) -> int:
+    """One rollout TP rank's weights in the rollout layout (training dtype: the reshard keeps it)."""
+    numel = sum(math.prod(shape) for shape in rollout_param_shapes(plan.arch, plan.rollout_tp).values())
+    return numel * (2 if plan.bf16 else 4)
+
+
+def kv_bytes_per_token(plan: PlanInput) -> int:
+    """K and V of every layer for one token on one rollout TP rank: ``2 L (kv_heads / tp) head_dim e``."""
+    arch = plan.arch
+    return (
+        2
+        * arch.num_layers
+        * arch.num_query_groups
+        // plan.rollout_tp
+        * arch.head_dim
+        * (2 if plan.bf16 else 4)
+    )
+
+
+def rollout_activation_bytes(plan: PlanInput) -> int:
+    """Peak of one rollout forward over ``rollout_max_batched_tokens`` tokens (an estimate of what vLLM's
+    profiling run measures): the residual stream, the norm output, the MLP's gate/up output and its
+    activation, ``2h + 3f / tp`` per token, plus the sampler's fp32 logits gathered to the full vocab for
+    ``rollout_max_num_seqs`` sequences."""
+    arch, rtp = plan.arch, plan.rollout_tp
+    e = 2 if plan.bf16 else 4
+    per_token = 2 * arch.hidden_size + 3 * arch.ffn_hidden_size // rtp
+    vocab = padded_vocab_size(arch.vocab_size, rtp, VOCAB_DIVISIBLE_BY)
+    return e * plan.rollout_max_batched_tokens * per_token + 4 * plan.rollout_max_num_seqs * vocab
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """The bytes one GPU needs in one phase, by term."""
+
+    name: str
+    terms: dict[str, int]
+    """Term name -> bytes, in report order."""
+    capacity_bytes: int
+    """GPU memory minus the reserve."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity_bytes
+
+    @property
+    def largest(self) -> str:
+        return max(self.terms, key=lambda name: self.terms[name])
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's answer for one :class:`PlanInput`."""
+
+    plan: PlanInput
+    model_params: int
+    """Whole-model parameter count (real vocab)."""
+    actor: TrainState
+    train: PhaseMemory
+    switch: PhaseMemory
+    rollout: PhaseMemory
+    kv_bytes_per_token: int
+    kv_cache_tokens: int
+    """Tokens the rollout KV cache holds on one rollout TP rank (0 when its reservation is too small)."""
+    problems: list[str] = field(default_factory=list)
+    """Why the run does not fit, one line each; empty when it does."""
+
+    @property
+    def phases(self) -> tuple[PhaseMemory, ...]:
+        return (self.train, self.switch, self.rollout)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(phase.total_bytes for phase in self.phases)
+
+
+def plan_memory(plan: PlanInput) -> MemoryPlan:
+    """Validate ``plan`` (see :meth:`PlanInput.validate`) and size every phase."""
+    plan.validate()
+    capacity = plan.gpu_bytes - plan.reserved_bytes
+    actor = train_state(plan)
+    critic = train_state(plan, value_head=True) if plan.critic else None
+    rollout_weights = rollout_weight_bytes(plan)
+
+    resident: dict[str, int] = {"weights": actor.weights_bytes}
+    if critic:
+        resident["critic weights"] = critic.weights_bytes
+    if plan.reference:
+        resident["reference weights"] = actor.weights_bytes
+    kept = dict(resident)  # what stays on the GPU once training state is offloaded
+    grads = {"gradients": actor.grads_bytes, "optimizer": actor.optimizer_bytes}
+    if critic:
+        grads.update({"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes})
+    for name, size in grads.items():
+        offloaded = plan.offload_optimizer if "optimizer" in name else plan.offload_grad_buffers
+        if not offloaded:
+            kept[name] = size
+
+    train_terms = {**resident, **grads}
+    train_terms["activations"] = activation_bytes(plan)
+    train_terms["logits"] = logits_bytes(plan)
+    if plan.sleep_level == 1:
+        train_terms["rollout weights (asleep)"] = rollout_weights
+    train = PhaseMemory("train", train_terms, capacity)
+
+    switch_terms = {
+        **kept,
+        "rollout weights": rollout_weights,
+        "reshard buffers": plan.reshard_inflight_bytes,
+    }
+    switch = PhaseMemory("switch", switch_terms, capacity)
+
+    pool = int(plan.rollout_memory_fraction * plan.gpu_bytes)
+    rollout_act = rollout_activation_bytes(plan)
+    kv = max(0, pool - rollout_weights - rollout_act)
+    rollout_terms = {**kept, "rollout weights": rollout_weights, "rollout activations": rollout_act}
+    rollout_terms["kv cache"] = kv
+    rollout = PhaseMemory("rollout", rollout_terms, capacity)
+
+    per_token = kv_bytes_per_token(plan)
+    tokens = kv // per_token
+    problems = [
+        f"{phase.name} phase needs {gib(phase.total_bytes)} > {gib(capacity)} usable on {plan.gpu} "
+        f"(largest term: {phase.largest})"
+        for phase in (train, switch, rollout)
+        if not phase.fits
+    ]
+    if tokens < plan.seq_length:
+        problems.append(
+            f"rollout KV cache holds {tokens} tokens < seq_length={plan.seq_length}: raise "
+            f"rollout_memory_fraction={plan.rollout_memory_fraction} or rollout_tp={plan.rollout_tp}"
+        )
+    return MemoryPlan(
+        plan=plan,
+        model_params=model_params(plan.arch),
+        actor=actor,
+        train=train,
+        switch=switch,
+        rollout=rollout,
+        kv_bytes_per_token=per_token,
+        kv_cache_tokens=tokens,
+        problems=problems,
+    )
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB"

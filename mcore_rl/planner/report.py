@@ -1,0 +1,53 @@
+"""The planner's answer as text: one block per phase, terms largest first, and the verdict."""
+
+from __future__ import annotations
+
+from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, gib
+
+
+def _phase_lines(phase: PhaseMemory) -> list[str]:
+    verdict = "fits" if phase.fits else "DOES NOT FIT"
+    lines = [
+        f"{phase.name}: {gib(phase.total_bytes)} of {gib(phase.capacity_bytes)} usable -> {verdict} "
+        f"(largest: {phase.largest})"
+    ]
+    for name, size in sorted(phase.terms.items(), key=lambda item: -item[1]):
+        lines.append(f"    {name:<26} {gib(size):>12}")
+    return lines
+
+
+def describe_layout(result: MemoryPlan) -> str:
+    p = result.plan
+    vpp = f" vpp={p.vpp}" if p.vpp else ""
+    return (
+        f"{p.world_size} x {p.gpu}: tp={p.tp} pp={p.pp}{vpp} dp={p.dp} sp={p.sp} recompute={p.recompute}, "
+        f"rollout_tp={p.rollout_tp} rollout_memory_fraction={p.rollout_memory_fraction}"
+    )
+
+
+def format_plan(result: MemoryPlan, proposal: MemoryPlan | None = None, searched: bool = False) -> str:
+    p = result.plan
+    lines = [
+        f"model: {result.model_params:,} parameters; this rank holds {result.actor.params:,}",
+        f"layout: {describe_layout(result)}",
+        f"batch: {p.global_batch_size} sequences x {p.seq_length} tokens per step, micro-batch "
+        f"{p.micro_batch_size}, {p.num_microbatches} micro-batches per DP rank",
+    ]
+    for phase in result.phases:
+        lines += _phase_lines(phase)
+    lines.append(
+        f"rollout KV cache: {result.kv_cache_tokens:,} tokens per rollout rank "
+        f"({result.kv_bytes_per_token:,} B/token, {result.kv_cache_tokens // p.seq_length} full sequences)"
+    )
+    lines.append(f"peak: {gib(result.peak_bytes)} per GPU")
+    if result.fits:
+        lines.append("verdict: fits")
+        return "\n".join(lines)
+    lines += ["verdict: DOES NOT FIT", *(f"  - {problem}" for problem in result.problems)]
+    if proposal is not None:
+        lines.append(
+            f"smallest layout that fits: {describe_layout(proposal)} (peak {gib(proposal.peak_bytes)})"
+        )
+    elif searched:
+        lines.append("no layout up to the search limit fits; shorten seq_length or the micro-batch")
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""What the planner is asked: a model, a training layout, a batch, a rollout setup and a GPU.
+
+Everything here is checked before any memory is computed, so a run that cannot start (a head count the
+tensor-parallel size does not divide, a batch that does not split over DP ranks and micro-batches) fails
+with one line naming the field instead of a stack trace on the cluster an hour later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rollout.layout import RolloutLayoutError, check_rollout_tp
+from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+GPU_MEMORY_BYTES = {
+    "A100-40": 40960 * MIB,
+    "A100-80": 81920 * MIB,
+    "H100-80": 81559 * MIB,
+    "H200-141": 143771 * MIB,
+}
+"""Device memory as ``nvidia-smi`` reports it (MiB), per GPU model the planner knows."""
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+
+
+class PlanError(ValueError):
+    """An input the run cannot start with; the message names the field."""
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One run to size: every field the memory formulas read."""
+
+    arch: ModelArch
+    """Model shapes (from the HF ``config.json``)."""
+    gpu: str
+    """GPU model, a key of :data:`GPU_MEMORY_BYTES` (e.g. 'A100-80')."""
+    world_size: int
+    """GPUs in the job; training and rollout are colocated on all of them."""
+    tp: int = 1
+    """Training tensor-parallel size."""
+    pp: int = 1
+    """Training pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline chunks per stage (interleaved 1F1B); None = no interleaving."""
+    sp: bool = False
+    """Sequence parallelism over the TP group (needs tp >= 2)."""
+    seq_length: int = 2048
+    """Longest training sequence (prompt + response) in tokens."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on one DP rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all DP ranks (prompts x samples per prompt in RL)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: 'none', 'selective' (attention scores) or 'full' (each layer's input only)."""
+    flash_attention: bool = True
+    """Fused attention that never stores the s x s scores (TE on GPU); False = megatron's local spec (CPU)."""
+    bf16: bool = True
+    """bf16 weights with fp32 main params in the optimizer; False = fp32 throughout."""
+    use_distributed_optimizer: bool = True
+    """Shard fp32 main params and Adam moments over the DP ranks (ZeRO-1), as TrainEngine does by default."""
+    critic: bool = False
+    """A critic of the same shape (value head) colocated and trained on the same GPUs (PPO)."""
+    reference: bool = False
+    """A frozen reference policy colocated in the training dtype (KL penalty)."""
+    rollout_tp: int = 1
+    """Rollout tensor-parallel size (the rollout engine's own layout)."""
+    rollout_memory_fraction: float = 0.5
+    """Share of total GPU memory the rollout engine reserves for its weights, activations and KV cache
+    (vLLM's ``gpu_memory_utilization``, a fraction of the total)."""
+    rollout_max_batched_tokens: int = 8192
+    """Tokens in one rollout forward pass (vLLM ``max_num_batched_tokens``); sizes its activation peak."""
+    rollout_max_num_seqs: int = 256
+    """Sequences decoded at once (vLLM ``max_num_seqs``); sizes the sampler's full-vocab logits."""
+    offload_optimizer: bool = True
+    """Optimizer state leaves the GPU during rollout (HybridConfig.offload_optimizer)."""
+    offload_grad_buffers: bool = True
+    """Gradient buffers are freed during rollout (HybridConfig.offload_grad_buffers)."""
+    sleep_level: int = 1
+    """Rollout sleep while training: 1 keeps the rollout weights on the GPU, 2 drops them."""
+    reshard_inflight_bytes: int = 512 * MIB
+    """Most bytes one rank sends plus receives per reshard round (HybridConfig: 2 x bucket_bytes)."""
+    reserved_bytes: int = 3 * GIB
+    """Held back from every GPU for the CUDA context, NCCL buffers and allocator fragmentation."""
+    gpus_per_node: int = 8
+    """GPUs per node; tensor parallelism is kept inside one node."""
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPU_MEMORY_BYTES:
+            raise PlanError(f"gpu={self.gpu!r} is not known; use one of {sorted(GPU_MEMORY_BYTES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise PlanError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
+        for name in ("seq_length", "micro_batch_size", "global_batch_size", "rollout_tp", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rollout_max_batched_tokens", "rollout_max_num_seqs", "reshard_inflight_bytes"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 < self.rollout_memory_fraction < 1:
+            raise PlanError(f"rollout_memory_fraction must be in (0, 1), got {self.rollout_memory_fraction}")
+        if self.sleep_level not in (1, 2):
+            raise PlanError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
+        if self.reserved_bytes < 0:
+            raise PlanError(f"reserved_bytes must be >= 0, got {self.reserved_bytes}")
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The training layout (raises :class:`PlanError` naming the field when it is impossible)."""
+        try:
+            return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, sp=self.sp)
+        except LayoutError as err:
+            raise PlanError(str(err)) from None
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per DP rank per optimizer step (valid after :meth:`validate`)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return GPU_MEMORY_BYTES[self.gpu]
+
+    def with_layout(self, **changes: object) -> PlanInput:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def validate(self) -> None:
+        """Every divisibility rule a launch needs; raises :class:`PlanError` naming the field."""
+        layout = self.layout
+        try:
+            layout.check_model(
+                num_attention_heads=self.arch.num_attention_heads,
+                num_query_groups=self.arch.num_query_groups,
+                num_layers=self.arch.num_layers,
+                vocab_size=self.arch.vocab_size,
+                seq_length=self.seq_length,
+            )
+            check_rollout_tp(self.arch, self.rollout_tp)
+        except (LayoutError, RolloutLayoutError) as err:
+            raise PlanError(str(err)) from None
+        if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+            raise PlanError(
+                f"tensor_parallel_size={self.tp} must divide gpus_per_node={self.gpus_per_node} "
+                "(a TP group must stay inside one node's NVLink domain)"
+            )
+        if self.world_size % self.rollout_tp:
+            raise PlanError(f"world_size={self.world_size} is not divisible by rollout_tp={self.rollout_tp}")
+        if self.rollout_tp > self.gpus_per_node or self.gpus_per_node % self.rollout_tp:
+            raise PlanError(f"rollout_tp={self.rollout_tp} must divide gpus_per_node={self.gpus_per_node}")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise PlanError(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp={self.micro_batch_size}*{self.dp}"
+            )
+        if self.vpp is not None and self.num_microbatches % self.pp:
+            raise PlanError(
+                f"micro-batches per step={self.num_microbatches} (global_batch_size/(micro_batch_size*dp)) "
+                f"must be a multiple of pipeline_parallel_size={self.pp} with interleaving (megatron's rule)"
+            )
+        if self.seq_length > self.arch.max_position_embeddings:
+            raise PlanError(
+                f"seq_length={self.seq_length} exceeds the model's "
+                f"max_position_embeddings={self.arch.max_position_embeddings}"
+            )
