@@ -1,0 +1,130 @@
+"""Which scorer answers which row: verl's ``default_compute_score`` table by ``data_source``, the recipe's
+``reward.sources`` entries on top, or one ``reward.custom_function`` for everything.
+
+A scorer has verl's signature ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``
+(a dict carries ``score`` plus extra metrics). User scorers are named ``module:function`` (importable) or
+``path/to/file.py:function`` (loaded from the file).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from mcore_rl.config.run import RewardConfig
+from mcore_rl.scoring import rules
+
+ScoreFn = Callable[[str, str, Any, dict[str, Any]], "float | dict[str, Any]"]
+
+DEMO_DATA_SOURCE = "mcore_rl/arithmetic"
+"""The arithmetic demo task's rows (:mod:`mcore_rl.data.demo_task`); exact match."""
+MATH_SOURCES = (
+    "lighteval/MATH",
+    "DigitalLearningGmbH/MATH-lighteval",
+    "HuggingFaceH4/MATH-500",
+    "math",
+    "math_dapo",
+)
+BUILTIN_NAMES = ("gsm8k", "math", "exact_match", "format")
+
+
+class ScorerError(ValueError):
+    """A scorer spec or data source we cannot resolve; the message names the spec or source."""
+
+
+def builtin_scorer(name: str, cfg: RewardConfig) -> ScoreFn:
+    """One of :data:`BUILTIN_NAMES`, with the recipe's GSM8K method and format score bound."""
+
+    def gsm8k(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
+        return rules.gsm8k_score(solution, str(truth), cfg.gsm8k_method, cfg.format_score)
+
+    def math(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
+        return rules.math_score(solution, str(truth), cfg.format_score)
+
+    def exact_match(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
+        return rules.exact_match_score(solution, str(truth))
+
+    def format_check(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
+        pattern = extra.get("format_pattern")
+        if not isinstance(pattern, str):
+            raise ScorerError("the format scorer needs extra_info.format_pattern (a regular expression)")
+        return rules.format_score(solution, pattern)
+
+    table: dict[str, ScoreFn] = {
+        "gsm8k": gsm8k,
+        "math": math,
+        "exact_match": exact_match,
+        "format": format_check,
+    }
+    if name not in table:
+        raise ScorerError(f"unknown built-in scorer {name!r}; built-ins: {', '.join(BUILTIN_NAMES)}")
+    return table[name]
+
+
+def default_scorer_name(data_source: str) -> str | None:
+    """verl's dispatch for the rule-based sources, plus the demo task; None when unknown."""
+    if data_source == "openai/gsm8k":
+        return "gsm8k"
+    if data_source in MATH_SOURCES or data_source.startswith("aime"):
+        return "math"
+    if data_source == DEMO_DATA_SOURCE:
+        return "exact_match"
+    return None
+
+
+def load_user_scorer(spec: str) -> ScoreFn:
+    """``module:function`` or ``path/to/file.py:function``."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ScorerError(f"scorer {spec!r} must be 'module:function' or 'path/to/file.py:function'")
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise ScorerError(f"scorer {spec!r}: file {target} does not exist")
+        module_name = f"_mcore_rl_user_scorer_{abs(hash(os.path.abspath(target)))}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, target)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ScorerError(f"scorer {spec!r}: cannot import {target} ({err})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ScorerError(f"scorer {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def resolve_scorer(spec: str, cfg: RewardConfig) -> ScoreFn:
+    return builtin_scorer(spec, cfg) if spec in BUILTIN_NAMES else load_user_scorer(spec)
+
+
+class ScoreDispatch:
+    """``reward.custom_function`` for every row, else ``reward.sources`` then the built-in table."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.cfg = cfg
+        self._custom = load_user_scorer(cfg.custom_function) if cfg.custom_function else None
+        self._by_source = {source: resolve_scorer(spec, cfg) for source, spec in cfg.sources.items()}
+
+    def scorer_for(self, data_source: str) -> ScoreFn:
+        if self._custom is not None:
+            return self._custom
+        if data_source not in self._by_source:
+            name = default_scorer_name(data_source)
+            if name is None:
+                raise ScorerError(
+                    f"no scorer for data_source {data_source!r}: add reward.sources.{data_source}=<scorer> "
+                    f"(a built-in of {', '.join(BUILTIN_NAMES)} or module:function) or reward.custom_function"
+                )
+            self._by_source[data_source] = builtin_scorer(name, self.cfg)
+        return self._by_source[data_source]
+
+    def __call__(self, data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> Any:
+        return self.scorer_for(data_source)(data_source, solution, truth, extra)
