@@ -212,4 +212,7 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
 
 
 def gib(num_bytes: float) -> str:
+    """Bytes as GiB, or MiB below one GiB (tiny models would all read 0.00 GiB)."""
+    if num_bytes < 1 << 30:
+        return f"{num_bytes / (1 << 20):.1f} MiB"
     return f"{num_bytes / (1 << 30):.2f} GiB"

@@ -1,0 +1,113 @@
+"""``mcore-rl plan``: per-GPU memory of a run, phase by phase, and whether it fits, before anything launches.
+
+    mcore-rl plan RECIPE [key=value ...] [--gpu A100-80] [--recompute none|selective|full]
+                  [--model-config config.json]
+    mcore-rl plan --model-config config.json --gpu A100-80 --nodes 1 --gpus-per-node 8 --tp 2 [--pp 1]
+                  [--vpp V] [--sp] [--seq-length 4096] [--micro-batch-size 1] [--global-batch-size 256]
+                  [--rollout-tp 2] [--rollout-memory-fraction 0.5] [--critic] [--reference] [--fp32]
+
+With a recipe the layout, batch and rollout settings come from the run config (``key=value`` overrides as
+everywhere); ``--model-config`` stands in for ``model.path``'s ``config.json`` when the model folder is not
+on this machine. Exit status: 0 fits, 1 does not fit (a smaller fitting layout is proposed), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from mcore_rl.engine.arch import ConfigError as ArchError
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.planner.memory import plan_memory
+from mcore_rl.planner.report import format_plan
+from mcore_rl.planner.search import smallest_fitting_layout
+from mcore_rl.planner.spec import GPU_MEMORY_BYTES, RECOMPUTE_MODES, PlanError, PlanInput
+
+_LAYOUT_FLAGS = {
+    "nodes": 1,
+    "gpus_per_node": 8,
+    "tp": 1,
+    "pp": 1,
+    "vpp": None,
+    "sp": False,
+    "seq_length": 4096,
+    "micro_batch_size": 1,
+    "global_batch_size": 256,
+    "rollout_tp": 1,
+    "rollout_memory_fraction": 0.5,
+    "critic": False,
+    "reference": False,
+    "fp32": False,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", help="run recipe (YAML); omit to give the layout as flags")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
+    parser.add_argument("--gpu", default="A100-80", choices=sorted(GPU_MEMORY_BYTES), help="GPU model")
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recompute")
+    parser.add_argument("--model-config", help="HF config.json (instead of the recipe's model.path)")
+    parser.add_argument("--no-flash-attention", action="store_true", help="attention stores s x s scores")
+    parser.add_argument("--no-propose", action="store_true", help="skip the search for a fitting layout")
+    flags = parser.add_argument_group("layout without a recipe")
+    for name, default in _LAYOUT_FLAGS.items():
+        option = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            flags.add_argument(option, action="store_true", default=None)
+        else:
+            kind = float if isinstance(default, float) else int
+            flags.add_argument(option, type=kind, default=None, help=f"default {default}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = _plan_from_recipe(args) if args.recipe else _plan_from_flags(args)
+        result = plan_memory(plan)
+    except (PlanError, ArchError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    proposal = None if result.fits or args.no_propose else smallest_fitting_layout(plan)
+    print(format_plan(result, proposal, searched=not args.no_propose))
+    return 0 if result.fits else 1
+
+
+def _common(args: argparse.Namespace) -> dict[str, Any]:
+    return {"gpu": args.gpu, "recompute": args.recompute, "flash_attention": not args.no_flash_attention}
+
+
+def _plan_from_flags(args: argparse.Namespace) -> PlanInput:
+    if not args.model_config:
+        raise PlanError("--model-config is required without a recipe")
+    if args.overrides:
+        raise PlanError(f"key=value overrides {args.overrides} need a recipe")
+    given = {name: getattr(args, name) for name in _LAYOUT_FLAGS}
+    values: dict[str, Any] = {
+        name: default if given[name] is None else given[name] for name, default in _LAYOUT_FLAGS.items()
+    }
+    return PlanInput(
+        arch=ModelArch.from_hf_config(args.model_config),
+        world_size=values.pop("nodes") * values["gpus_per_node"],
+        bf16=not values.pop("fp32"),
+        **values,
+        **_common(args),
+    )
+
+
+def _plan_from_recipe(args: argparse.Namespace) -> PlanInput:
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.planner.from_config import plan_input_from_config
+
+    recipe, overrides = args.recipe, list(args.overrides)
+    if "=" in recipe:
+        raise PlanError(f"{recipe!r} looks like an override; give the recipe first")
+    layout_flags = [name for name in _LAYOUT_FLAGS if getattr(args, name) is not None]
+    if layout_flags:
+        flags = ", ".join("--" + name.replace("_", "-") for name in layout_flags)
+        raise PlanError(f"{flags} cannot be combined with a recipe; override its keys with key=value")
+    try:
+        cfg = load_config(recipe, overrides)
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
+    arch = ModelArch.from_hf_config(args.model_config) if args.model_config else None
+    return plan_input_from_config(cfg, arch=arch, **_common(args))

@@ -1,0 +1,56 @@
+"""A run config (:class:`~mcore_rl.config.RunConfig`) as the planner's :class:`PlanInput`.
+
+Which key feeds which planner field (the run config stays the one schema; the planner only reads it):
+
+    trainer.nnodes * trainer.n_gpus_per_node    world_size (training and rollout colocated on all GPUs)
+    trainer.n_gpus_per_node                     gpus_per_node
+    parallel.*                                  tp, pp, vpp, sp
+    data.max_prompt_length + max_response_length  seq_length (the longest training sequence)
+    algorithm.ppo_micro_batch_size_per_gpu      micro_batch_size
+    algorithm.ppo_mini_batch_size * rollout.n   global_batch_size (sequences per optimizer step)
+    model.dtype                                 bf16 (anything but float32 stores 2-byte weights)
+    optim.use_distributed_optimizer             use_distributed_optimizer
+    algorithm.use_kl_loss / use_kl_in_reward    reference (a frozen reference policy is colocated)
+    rollout.tensor_model_parallel_size          rollout_tp
+    rollout.gpu_memory_utilization              rollout_memory_fraction
+    rollout.hybrid.*                            offload_optimizer, offload_grad_buffers, sleep_level,
+                                                reshard_inflight_bytes (max_inflight_bytes or 2 x bucket)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.planner.spec import PlanInput
+
+if TYPE_CHECKING:
+    from mcore_rl.config import RunConfig
+
+
+def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **planner: Any) -> PlanInput:
+    """``planner`` sets what the run config does not say (gpu, recompute, flash_attention, critic, ...);
+    ``arch`` replaces ``cfg.model.arch()`` when the model folder is not on this machine."""
+    par, algo, rollout, hybrid = cfg.parallel, cfg.algorithm, cfg.rollout, cfg.rollout.hybrid
+    return PlanInput(
+        arch=arch or cfg.model.arch(),
+        world_size=cfg.world_size,
+        gpus_per_node=cfg.trainer.n_gpus_per_node,
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        vpp=par.virtual_pipeline_model_parallel_size,
+        sp=par.sequence_parallel,
+        seq_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
+        global_batch_size=algo.ppo_mini_batch_size * rollout.n,
+        bf16=cfg.model.dtype != "float32",
+        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        reference=algo.use_kl_loss or algo.use_kl_in_reward,
+        rollout_tp=rollout.tensor_model_parallel_size,
+        rollout_memory_fraction=rollout.gpu_memory_utilization,
+        offload_optimizer=hybrid.offload_optimizer,
+        offload_grad_buffers=hybrid.offload_grad_buffers,
+        sleep_level=hybrid.sleep_level,
+        reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
+        **planner,
+    )
