@@ -1,0 +1,144 @@
+"""The driver's typed handle on the hybrid workers: whole batches in, whole batches out.
+
+Each method splits its batch by the layout it runs in (rollout replicas for ``generate``, training DP
+ranks for ``log_probs`` and ``update``), sends each shard once, and joins the owners' results in shard order
+(``controller/dispatch.py``). Two backends run the same worker code: :class:`RayBackend` (a worker group of
+Ray actors, any layout) and :class:`InProcessBackend` (one rank inside the driver process: the baseline the
+Ray overhead is measured against, and fast tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mcore_rl.controller.dispatch import (
+    RankInfo,
+    concat_records,
+    data_owners,
+    num_dp_shards,
+    num_rollout_shards,
+    rollout_owners,
+    split_record,
+)
+from mcore_rl.controller.worker_group import WorkerGroup
+from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.trainer.losses import PolicyLossSettings
+from mcore_rl.trainer.worker import HybridWorker
+from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+
+
+class Backend(Protocol):
+    """Runs one HybridWorker method on every rank and returns every rank's result."""
+
+    infos: list[RankInfo]
+
+    def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
+        """Start ``method(shard, *args)`` (or ``method(*args)`` when ``shards`` is None) on every rank;
+        the returned callable waits for the per-rank results."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class RayBackend:
+    """A :class:`WorkerGroup` of :class:`HybridWorker` actors."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+        self.infos = group.infos
+
+    def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
+        pending = (
+            self.group.call(method, *args)
+            if shards is None
+            else self.group.call_sharded(method, shards, by, *args)
+        )
+        return lambda: self.group.get(pending)
+
+    def shutdown(self) -> None:
+        self.group.shutdown(graceful=True)
+
+
+class InProcessBackend:
+    """One rank (world size 1) in the driver's own process: no Ray, no copies."""
+
+    def __init__(self, worker: HybridWorker) -> None:
+        self.worker = worker
+        self.infos = [worker.rank_info()]
+
+    def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
+        fn = getattr(self.worker, method)
+        result = [fn(*args) if shards is None else fn(shards[0], *args)]
+        return lambda: result
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How one step's batch becomes optimizer steps."""
+
+    num_mini_batches: int
+    """Optimizer steps per epoch (train batch / PPO mini-batch, in prompts)."""
+    ppo_epochs: int
+    micro_batch_size: int
+    """Sequences per forward/backward on one data-parallel rank."""
+    on_nonfinite: str = "stop"
+    """stop (raise, naming the step) or skip the update of a NaN/inf loss."""
+
+
+class ActorGroup:
+    """Actor + reference + rollout engines over a backend; see the module docstring."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        infos = backend.infos
+        self.num_rollout_shards = num_rollout_shards(infos)
+        self.num_dp_shards = num_dp_shards(infos)
+        self._rollout_owners = rollout_owners(infos)
+        self._data_owners = data_owners(infos)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Actor weights -> rollout engines (the hybrid engine's reshard); rank 0's timings."""
+        return dict(self.backend.submit("sync_weights", None, "")()[0])
+
+    def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch:
+        """Prompts split over rollout replicas; samples back in prompt order."""
+        shards = split_record(request, self.num_rollout_shards)
+        results = self.backend.submit("generate", list(shards), "rollout", params)()
+        return concat_records([results[i] for i in self._rollout_owners])
+
+    def submit_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int
+    ) -> Callable[[], LogProbBatch]:
+        """Start the actor/reference log-prob pass (the driver scores meanwhile); call the result to wait."""
+        wait = self.backend.submit(
+            "log_probs", list(split_record(batch, self.num_dp_shards)), "dp", temperature, micro_batch_size
+        )
+
+        def collect() -> LogProbBatch:
+            results = wait()
+            return concat_records([results[i] for i in self._data_owners])
+
+        return collect
+
+    def update(self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan) -> UpdateStats:
+        """One step's actor update; the stats of data-parallel rank 0's owner (already DP-reduced)."""
+        shards = list(split_record(batch, self.num_dp_shards))
+        args = (settings, plan.num_mini_batches, plan.ppo_epochs, plan.micro_batch_size, plan.on_nonfinite)
+        results = self.backend.submit("update", shards, "dp", *args)()
+        stats: UpdateStats = results[self._data_owners[0]]
+        return stats
+
+    def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:
+        self.backend.submit("save_checkpoint", None, "", directory, step, extra)()
+
+    def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
+        step, extra = self.backend.submit("load_checkpoint", None, "", directory)()[0]
+        return int(step), dict(extra)
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()

@@ -1,0 +1,61 @@
+"""Building the actor group a run config describes: a Ray worker group (the default) or one in-process
+rank (the overhead baseline and quick tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.config import RunConfig
+from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
+from mcore_rl.parallel.context import free_local_port
+from mcore_rl.trainer.actor_group import ActorGroup, Backend, InProcessBackend, RayBackend
+from mcore_rl.trainer.worker import HybridWorker, WorkerSpec
+
+
+def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
+    """What every rank builds, from the run config."""
+    return WorkerSpec(
+        arch=cfg.model.arch(),
+        optim=cfg.optim,
+        total_optimizer_steps=total_optimizer_steps,
+        dtype=cfg.model.dtype,
+        rollout_tp=cfg.rollout.tensor_model_parallel_size,
+        hybrid=cfg.rollout.hybrid.to_hybrid_config(),
+        with_reference=cfg.algorithm.use_kl_loss,
+        load_dir=load_dir,
+    )
+
+
+def _use_gpus(cfg: RunConfig) -> bool:
+    if cfg.trainer.device == "auto":
+        return torch.cuda.is_available()
+    return cfg.trainer.device == "cuda"
+
+
+def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) -> ActorGroup:
+    """Start the workers, build their engines, and sync the initial weights into the rollout engines."""
+    parallel = cfg.parallel.to_parallel_config(cfg.trainer.seed)
+    backend: Backend
+    if use_ray:
+        init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
+        pool = ResourcePool.for_world(cfg.world_size, use_gpus=_use_gpus(cfg))
+        group = WorkerGroup.spawn(HybridWorker, cfg.world_size, parallel, pool=pool)
+        group.owns_pool = True
+        try:
+            group.infos = group.run("build", spec)  # now with the rollout coordinates
+        except BaseException:
+            group.shutdown()
+            raise
+        backend = RayBackend(group)
+    else:
+        if cfg.world_size != 1:
+            raise ValueError(
+                f"in-process runs have one rank; trainer.n_gpus_per_node * nnodes = {cfg.world_size}"
+            )
+        worker = HybridWorker(0, 1, num_threads=cfg.trainer.num_cpus or available_cpus())
+        worker.init_parallel("127.0.0.1", free_local_port(), parallel)
+        worker.build(spec)
+        backend = InProcessBackend(worker)
+    actors = ActorGroup(backend)
+    actors.sync_weights()
+    return actors

@@ -1,0 +1,197 @@
+"""The RL step on one screen (GRPO and its critic-free kin), driven from a single controller.
+
+    prompts ──► actors.generate ──► rollout ──┬─► score (rules, on the driver) ─────────┐
+      (DP ranks sample                         └─► actors.log_probs (actor, reference) ──┴─► advantages
+       different prompts)                            (runs on the workers meanwhile)          (pure)
+                                                                                                │
+    next step ◄── actors.sync_weights (hybrid engine reshard) ◄── actors.update (PPO epochs) ◄──┘
+
+Every arrow carries a typed record (``mcore_rl/types.py``); each worker call moves whole shards. The
+standing health check is NeMo-RL's ``token_mult_prob_error`` between the rollout engine's log-probs and
+the trainer's (1.000000 with our engines); above ``logging.token_mult_prob_error_threshold`` it warns with
+the worst samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mcore_rl.config import RunConfig
+from mcore_rl.data.prompts import PromptBatch
+from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.scoring import RewardScorer, ScoreRequest
+from mcore_rl.trainer.actor_group import ActorGroup, UpdatePlan
+from mcore_rl.trainer.batch import ProbAgreement, compute_advantages, prob_agreement
+from mcore_rl.trainer.losses import PolicyLossSettings
+from mcore_rl.types import RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+
+log = logging.getLogger(__name__)
+
+
+class StageTimer:
+    """Wall seconds per named stage of one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+class RLStep:
+    """The step of the algorithm over an :class:`ActorGroup`, a tokenizer and a reward scorer."""
+
+    def __init__(
+        self, cfg: RunConfig, actors: ActorGroup, tokenizer: Tokenizer, scorer: RewardScorer
+    ) -> None:
+        self.cfg = cfg
+        self.actors = actors
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.loss = loss_settings(cfg)
+        self.plan = update_plan(cfg)
+
+    def run(self, prompts: PromptBatch, step: int) -> dict[str, float]:
+        """One RL step on ``prompts``; returns its metrics (the weights are synced for the next step)."""
+        cfg, timer = self.cfg, StageTimer()
+        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
+        with timer("generate"):
+            rollout = self.actors.generate(request, self.sampling(step))
+        with timer("score_and_log_probs"):
+            wait_log_probs = self.actors.submit_log_probs(
+                rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
+            )
+            with timer("score"):
+                scores = self.score(rollout, prompts)
+            log_probs = wait_log_probs()
+        agreement = prob_agreement(
+            rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
+        )
+        self.check_agreement(agreement, rollout, step)
+        advantages = compute_advantages(
+            cfg.algorithm.adv_estimator,
+            scores,
+            rollout.response_mask,
+            rollout.prompt_index,
+            norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
+            gamma=cfg.algorithm.gamma,
+        )
+        batch = TrainBatch(
+            rollout.tokens,
+            rollout.response_mask,
+            log_probs.actor_log_probs,
+            advantages,
+            log_probs.ref_log_probs,
+        )
+        with timer("update"):
+            stats = self.actors.update(batch, self.loss, self.plan)
+        with timer("sync"):
+            self.actors.sync_weights()
+        return step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n)
+
+    def sampling(self, step: int, validation: bool = False) -> SamplingParams:
+        seed = self.cfg.trainer.seed * 1_000_003 + step
+        tok = self.tokenizer
+        return self.cfg.rollout.sampling_params(tok.eos_token_id, tok.pad_token_id, seed, validation)
+
+    def score(self, rollout: RolloutBatch, prompts: PromptBatch) -> torch.Tensor:
+        """[N] rewards of the decoded responses; the ground truths never leave the driver."""
+        index = rollout.prompt_index.tolist()
+        texts = [self.tokenizer.decode(r) for r in rollout.responses()]
+        requests = [
+            ScoreRequest(prompts.data_sources[i], text, prompts.ground_truths[i], prompts.extra_infos[i])
+            for i, text in zip(index, texts, strict=True)
+        ]
+        return self.scorer.score(requests).scores.float()
+
+    def evaluate(self, prompts: PromptBatch) -> float:
+        """Mean validation reward (accuracy for 0/1 rules) with ``rollout.val_kwargs`` sampling."""
+        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
+        self.actors.sync_weights()
+        rollout = self.actors.generate(request, self.sampling(0, validation=True))
+        return float(self.score(rollout, prompts).mean())
+
+    def check_agreement(self, agreement: ProbAgreement, rollout: RolloutBatch, step: int) -> None:
+        threshold = self.cfg.logging.token_mult_prob_error_threshold
+        if agreement.token_mult_prob_error <= threshold:
+            return
+        worst = ", ".join(
+            f"row {row} (prompt {int(rollout.prompt_index[row])}, {value:.4f})"
+            for row, value in agreement.worst(3)
+        )
+        log.warning(
+            "step %d: token_mult_prob_error %.6f > %.3f: rollout and trainer log-probs disagree; worst: %s",
+            step,
+            agreement.token_mult_prob_error,
+            threshold,
+            worst,
+        )
+
+
+def loss_settings(cfg: RunConfig) -> PolicyLossSettings:
+    """The actor loss from ``algorithm`` (Dr.GRPO takes its seq-mean-token-sum-norm aggregation)."""
+    algo = cfg.algorithm
+    dr_grpo = algo.adv_estimator == "dr_grpo"
+    return PolicyLossSettings(
+        vocab_size=cfg.model.arch().vocab_size,
+        temperature=cfg.rollout.temperature,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        clip_ratio_c=algo.clip_ratio_c,
+        loss_agg_mode="seq-mean-token-sum-norm" if dr_grpo else algo.loss_agg_mode,
+        norm_constant=float(cfg.rollout.response_length),
+        use_kl_loss=algo.use_kl_loss,
+        kl_loss_coef=algo.kl_loss_coef,
+        kl_loss_type=algo.kl_loss_type,
+        entropy_coeff=algo.entropy_coeff,
+    )
+
+
+def update_plan(cfg: RunConfig) -> UpdatePlan:
+    algo = cfg.algorithm
+    if cfg.data.train_batch_size % algo.ppo_mini_batch_size:
+        raise ValueError(
+            f"algorithm.ppo_mini_batch_size={algo.ppo_mini_batch_size} must divide "
+            f"data.train_batch_size={cfg.data.train_batch_size}"
+        )
+    return UpdatePlan(
+        num_mini_batches=cfg.data.train_batch_size // algo.ppo_mini_batch_size,
+        ppo_epochs=algo.ppo_epochs,
+        micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
+        on_nonfinite=cfg.trainer.on_nonfinite_loss,
+    )
+
+
+def step_metrics(
+    rollout: RolloutBatch,
+    scores: torch.Tensor,
+    agreement: ProbAgreement,
+    stats: UpdateStats,
+    seconds: dict[str, float],
+    n: int,
+) -> dict[str, Any]:
+    """The step's metrics: rewards, lengths, agreement, update stats, timings, throughput."""
+    groups = scores.view(-1, n)
+    mixed = (groups != groups[:, :1]).any(dim=1).float().mean()
+    tokens = int(rollout.response_lengths.sum())
+    step_s = sum(v for k, v in seconds.items() if k != "score")
+    return {
+        "reward": float(scores.mean()),
+        "mixed_groups": float(mixed),
+        "response_len": float(rollout.response_lengths.float().mean()),
+        "token_mult_prob_error": agreement.token_mult_prob_error,
+        **vars(stats),
+        **{f"time/{k}_s": v for k, v in seconds.items()},
+        "time/step_s": step_s,
+        "tokens_per_s": tokens / max(seconds.get("generate", 0.0), 1e-9),
+    }

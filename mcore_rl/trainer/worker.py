@@ -1,0 +1,305 @@
+"""The hybrid worker: one rank holding the actor (megatron TrainEngine), its frozen reference policy and the
+embedded rollout engine, switched by the 3D-HybridEngine in the same process (HybridFlow's colocated mode).
+
+Phases per rank (``parallel/reshard/hybrid.py``)::
+
+    TRAIN --sync_weights()--> ROLLOUT --generate()*--> (log_probs / update switch back) --> TRAIN
+
+Every method is collective: all ranks of the group call it with the same arguments (their own shard), and
+only the owners return data (last pipeline stage with TP rank 0 for training results, rollout TP rank 0
+for samples); the others return None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config.model import OptimConfig
+from mcore_rl.controller.dispatch import RankInfo
+from mcore_rl.controller.worker import Worker
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
+from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
+from mcore_rl.trainer.losses import PolicyLossSettings, PolicyMicroBatch, log_prob_loss, policy_loss
+from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss went NaN/inf; the optimizer step was not taken, so no NaN reached the weights."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank of a hybrid worker group builds."""
+
+    arch: ModelArch
+    """The policy architecture."""
+    optim: OptimConfig
+    """Optimizer and learning-rate schedule of the actor."""
+    total_optimizer_steps: int
+    """Optimizer steps of the whole run: the end of the learning-rate decay unless ``optim`` says."""
+    dtype: str = "float32"
+    """Actor parameter dtype (float32 or bfloat16)."""
+    rollout_tp: int = 1
+    """Rollout tensor-parallel size (any divisor of the world the plan supports)."""
+    hybrid: HybridConfig = dataclasses.field(default_factory=HybridConfig)
+    """Memory handling of the train <-> rollout switch."""
+    with_reference: bool = False
+    """Keep a frozen copy of the initial actor as the reference policy (KL loss)."""
+    load_dir: str | None = None
+    """A megatron model checkpoint (``TrainEngine.save_model`` / HF conversion) to start from; None keeps the
+    seeded random initialisation (identical on every run with the same seed)."""
+    pad_token_id: int = 0
+
+
+class HybridWorker(Worker):
+    """One rank of the actor/reference/rollout group; see the module docstring."""
+
+    def build(self, spec: WorkerSpec) -> RankInfo:
+        """Collective: engines, hybrid switch, reference copy and LR schedule; returns the rank's coordinates."""
+        ctx = self.ctx
+        self.spec = spec
+        options = ModelOptions(dtype=getattr(torch, spec.dtype))
+        self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
+        if spec.load_dir is not None:
+            self.engine.load_model(spec.load_dir)
+        self.reference = _frozen_copy(self.engine, options) if spec.with_reference else None
+        self.scheduler = _lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
+        self.hybrid, self.rollout = build_local_hybrid(self.engine, spec.rollout_tp, spec.hybrid)
+        return self.rank_info()
+
+    def rank_info(self) -> RankInfo:
+        info = super().rank_info()
+        if not hasattr(self, "hybrid"):
+            return info
+        tp_g, replica = self.hybrid.plan.rollout_coords[self.ctx.rank]
+        return dataclasses.replace(info, rollout_replica=replica, rollout_tp_rank=tp_g)
+
+    # --- phases ---------------------------------------------------------------------------------------------
+    def sync_weights(self) -> dict[str, float]:
+        """Reshard the actor's weights into the rollout engine (TRAIN -> ROLLOUT); returns timings."""
+        if self.hybrid.phase is Phase.ROLLOUT:
+            return {}
+        transition = self.hybrid.to_rollout()
+        return {"sync_s": transition.seconds, **{f"sync_{k}_s": v for k, v in transition.steps_s.items()}}
+
+    def _to_train(self) -> None:
+        if self.hybrid.phase is Phase.ROLLOUT:
+            self.hybrid.to_train()
+
+    # --- generation -----------------------------------------------------------------------------------------
+    def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch | None:
+        """Sample this replica's prompts on the synced weights; the replica's TP rank 0 returns the batch."""
+        if self.hybrid.phase is not Phase.ROLLOUT:
+            raise RuntimeError("generate() before sync_weights(): the rollout engine holds stale weights")
+        info = self.rank_info()
+        if params.seed is not None:  # each replica samples its own stream
+            params = dataclasses.replace(params, seed=params.seed + 1_000_003 * info.rollout_replica)
+        out = self.rollout.generate(request.prompt_ids, params)
+        if info.rollout_tp_rank != 0:
+            return None
+        return rollout_batch(request.prompt_ids, request.prompt_index, out, self.spec.pad_token_id)
+
+    # --- training -------------------------------------------------------------------------------------------
+    def log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int
+    ) -> LogProbBatch | None:
+        """Actor (and reference) log-probs and actor entropy of ``batch``'s next tokens."""
+        self._to_train()
+        tokens = _pad_width(
+            batch.tokens, self.ctx.tp_size if self.ctx.layout.sp else 1, self.spec.pad_token_id
+        )
+        micro = [_micro(t) for t in _row_chunks(tokens, micro_batch_size)]
+        loss = log_prob_loss(self.ctx, self.spec.arch.vocab_size, temperature)
+        actor = self.engine.forward_backward(micro, loss, forward_only=True)
+        ref = self.reference.forward_backward(micro, loss, forward_only=True) if self.reference else []
+        if not self._owns_training_result():
+            return None
+        width = batch.tokens.shape[1]
+        log_probs = torch.cat([m["log_probs"] for m in actor])[:, :width]
+        return LogProbBatch(
+            actor_log_probs=log_probs,
+            entropy=torch.cat([m["entropy"] for m in actor])[:, :width],
+            ref_log_probs=torch.cat([m["log_probs"] for m in ref])[:, :width]
+            if ref
+            else torch.zeros_like(log_probs),
+        )
+
+    def update(
+        self,
+        batch: TrainBatch,
+        settings: PolicyLossSettings,
+        num_mini_batches: int,
+        ppo_epochs: int,
+        micro_batch_size: int,
+        on_nonfinite: str = "stop",
+    ) -> UpdateStats | None:
+        """PPO epochs over mini-batches (one optimizer step each) of this rank's shard; the step's stats,
+        reduced over data-parallel ranks, on the owner."""
+        self._to_train()
+        pad = self.ctx.tp_size if self.ctx.layout.sp else 1
+        batch = _pad_record(batch, pad, self.spec.pad_token_id)
+        sums = torch.zeros(6)  # pg_loss, kl_loss, entropy, clip_frac, approx_kl, grad_norm
+        steps = skipped = 0
+        for _ in range(ppo_epochs):
+            for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
+                mini = _slice_rows(batch, rows)
+                metrics = self._optimizer_step(mini, settings, micro_batch_size, on_nonfinite)
+                if metrics is None:
+                    skipped += 1
+                    continue
+                sums += metrics
+                steps += 1
+        if not self._owns_training_result():
+            return None
+        pg, kl, entropy, clip, approx_kl, grad_norm = (sums / max(steps, 1)).tolist()
+        return UpdateStats(
+            pg_loss=pg,
+            kl_loss=kl,
+            entropy=entropy,
+            clip_frac=clip,
+            approx_kl=approx_kl,
+            grad_norm=grad_norm,
+            lr=float(self.engine.optimizers[0].param_groups[0]["lr"]),
+            num_optimizer_steps=steps,
+            num_skipped=skipped,
+        )
+
+    def _optimizer_step(
+        self, mini: TrainBatch, settings: PolicyLossSettings, micro_batch_size: int, on_nonfinite: str
+    ) -> torch.Tensor | None:
+        """One optimizer step on a mini-batch: [6] metrics (global), or None when skipped as non-finite."""
+        ctx = self.ctx
+        mask = mini.response_mask
+        counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float()])
+        dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
+        micro: list[MicroBatch] = [
+            PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part)
+            for part in _record_chunks(mini, micro_batch_size)
+        ]
+        self.engine.zero_grad()
+        loss_fn = policy_loss(settings, ctx, counts[0].clamp(min=1), counts[1].clamp(min=1))
+        out = self.engine.forward_backward(micro, loss_fn)
+        keys = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
+        local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(5)
+        bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take (or skip) the step together
+        if bad.item():
+            self.engine.zero_grad()
+            if on_nonfinite == "skip":
+                return None
+            raise NonFiniteLossError(
+                f"rank {ctx.rank}: NaN/inf loss {local.tolist()}; the update was not applied"
+            )
+        self.scheduler.step(1)  # the k-th update runs at the schedule's k-th learning rate
+        result = self.engine.step()
+        if out:
+            dist.all_reduce(local, group=ctx.dp_group)
+        return torch.cat([local, torch.tensor([result.grad_norm])])
+
+    def _owns_training_result(self) -> bool:
+        return self.ctx.is_last_stage and self.ctx.tp_rank == 0
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:
+        """Collective: actor weights + optimizer + LR schedule + ``extra`` (driver state), atomically."""
+        from mcore_rl.engine.trainer_checkpoint import save_training_checkpoint
+
+        self._to_train()
+        state = {**extra, "lr_scheduler": self.scheduler.state_dict()}
+        save_training_checkpoint(self.engine, directory, step, state)
+
+    def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
+        """Collective: restore what :meth:`save_checkpoint` wrote; returns (step, extra)."""
+        from mcore_rl.engine.trainer_checkpoint import load_training_checkpoint
+
+        self._to_train()
+        step, extra = load_training_checkpoint(self.engine, directory)
+        self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
+        return step, extra
+
+
+def _frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
+    """A forward-only engine over a copy of the actor's current weights (the reference policy)."""
+    chunks = build_model_chunks(engine.arch, engine.ctx, options)
+    for copy, source in zip(chunks, engine.models, strict=True):
+        for (name, p), (other, q) in zip(copy.named_parameters(), source.named_parameters(), strict=True):
+            assert name == other, (name, other)
+            p.data.copy_(q.data)
+            p.requires_grad_(False)
+    config = chunks[0].config
+    config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
+    return TrainEngine(engine.ctx, engine.arch, chunks, None, config)
+
+
+def _lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> Any:
+    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = max(optim.lr_decay_steps or total_steps, optim.lr_warmup_steps + 1)
+    for optimizer in engine.optimizers:  # the groups carry their own bounds (TrainEngine set min = max)
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = optim.lr, optim.min_lr
+    return OptimizerParamScheduler(
+        engine.optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1]).expand_as(tokens)
+
+
+def _micro(tokens: torch.Tensor) -> MicroBatch:
+    return MicroBatch(tokens, _positions(tokens))
+
+
+def _row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    if size < 1 or tensor.shape[0] % size:
+        raise ValueError(
+            f"algorithm.ppo_micro_batch_size_per_gpu: {tensor.shape[0]} rows per rank do not split into "
+            f"micro-batches of {size} (pipeline schedules need equal micro-batches)"
+        )
+    return list(tensor.split(size))
+
+
+def _slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
+    return TrainBatch(*(getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)))
+
+
+def _record_chunks(batch: TrainBatch, size: int) -> list[TrainBatch]:
+    _row_chunks(batch.tokens, size)  # validates
+    num = batch.tokens.shape[0] // size
+    return [_slice_rows(batch, slice(i * size, (i + 1) * size)) for i in range(num)]
+
+
+def _pad_width(tensor: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
+    """Right-pad columns to a multiple of ``multiple`` (sequence parallelism splits positions over TP)."""
+    extra = -tensor.shape[1] % multiple
+    return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra else tensor
+
+
+def _pad_record(batch: TrainBatch, multiple: int, pad_id: int) -> TrainBatch:
+    if multiple == 1:
+        return batch
+    padded = {f.name: _pad_width(getattr(batch, f.name), multiple, 0.0) for f in dataclasses.fields(batch)}
+    padded["tokens"] = _pad_width(batch.tokens, multiple, pad_id)
+    return TrainBatch(**padded)

@@ -1,0 +1,46 @@
+"""A tiny run config over the demo's addition task (data written into a temp folder), for driver tests."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from mcore_rl.config import RunConfig, check_config
+from mcore_rl.data.demo_task import write_demo_dataset
+from tests.models import tiny_hf_config
+
+
+def tiny_run_config(folder: str, overrides: list[str] | None = None) -> RunConfig:
+    """8 prompts x 4 samples per step on a 4-layer h64 Llama with the 14-symbol tokenizer."""
+    paths = {s: os.path.join(folder, f"{s}.jsonl") for s in ("train", "val", "test", "sft")}
+    if not os.path.exists(paths["train"]):
+        sizes = {"train": 64, "val": 16, "test": 16, "sft": 64}
+        write_demo_dataset({**paths, "tokenizer": os.path.join(folder, "tokenizer")}, seed=1, sizes=sizes)
+    hf: dict[str, Any] = tiny_hf_config("llama", vocab_size=14, max_position_embeddings=32)
+    base = [
+        f"data.train_files=[{paths['train']}]",
+        f"data.val_files=[{paths['val']}]",
+        f"model.tokenizer_path={os.path.join(folder, 'tokenizer')}",
+        "data.train_batch_size=8",
+        "data.max_prompt_length=16",
+        "data.max_response_length=6",
+        "rollout.n=4",
+        "algorithm.ppo_micro_batch_size_per_gpu=8",
+        "optim.lr=1e-3",
+        "optim.weight_decay=0.0",
+        f"trainer.default_local_dir={os.path.join(folder, 'run')}",
+        "trainer.num_cpus=2",
+    ]
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
+    node = OmegaConf.merge(node, OmegaConf.from_dotlist(base + list(overrides or [])))
+    return check_config(node)
+
+
+def small_first_digit(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    """A reward a random model earns about half the time, so GRPO groups have mixed rewards."""
+    return float(solution_str[:1] in "01234")
+
+
+MIXED_REWARD = f"reward.custom_function={os.path.abspath(__file__)}:small_first_digit"
