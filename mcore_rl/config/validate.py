@@ -135,7 +135,8 @@ def validate(cfg: RunConfig, check_paths: bool = False) -> None:
     the model folder and the tokenizer to exist (the driver checks them once data generation has run)."""
     problems = _field_problems(cfg)
     if not problems:  # cross-field rules assume each field is in range
-        problems += _layout_problems(cfg) + _batch_problems(cfg) + _run_problems(cfg)
+        layout = _layout_problems(cfg)
+        problems += layout + ([] if layout else _batch_problems(cfg)) + _run_problems(cfg)
         if check_paths:
             problems += _path_problems(cfg)
     if problems:
