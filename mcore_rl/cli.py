@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     with raise_on_signals():
         try:
             return int(module.run(args) or 0)
-        except (Exception, KeyboardInterrupt, Interrupted) as err:
+        except SystemExit:
+            raise
+        except BaseException as err:  # torch's CheckpointException is a BaseException too
             return _report(f"mcore-rl {argv[0]}", err, debug)
 
 

@@ -212,6 +212,7 @@ class DistCheckpointReader:
     def read(self, regions: list[Region]) -> list[torch.Tensor]:
         """The requested regions, each in its stored dtype."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         dtypes = {r.fqn: self.tensors[r.fqn].properties.dtype for r in regions}
         planner = _RegionLoadPlanner(regions, dtypes)
@@ -219,9 +220,12 @@ class DistCheckpointReader:
             with warnings.catch_warnings():  # a single-process read is the intent, not a fallback
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
-        except Exception as err:  # a truncated or damaged data file: DCP wraps the cause in its own error
+        except (Exception, CheckpointException) as err:  # a damaged data file: DCP wraps the cause
             names = ", ".join(r.fqn for r in regions)
-            cause = " ".join(str(err).split())[-300:]
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            cause = (
+                lines[-1].split(". ")[0] if lines else type(err).__name__
+            )  # the root cause's first sentence
             raise ConvertError(
                 f"{self.directory}: cannot read {names} from the data files ({cause})"
             ) from None

@@ -35,7 +35,7 @@ from mcore_rl.convert.mapping import (
     to_full,
 )
 from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import conversion_output, copy_side_files
+from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.convert.safetensors_io import SafetensorsReader
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
@@ -122,6 +122,8 @@ def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, to
     )
     reader = SafetensorsReader(options.hf_dir)
     dtype = check_hf_weights(arch, reader, options.dtype)
+    for name in HF_SIDE_FILES:  # copied at the end: a link out of the folder is refused now, not then
+        input_file(options.hf_dir, name, required=False)
     output = conversion_output(options.out, [options.hf_dir], options.overwrite, kind="mcore-checkpoint")
     return arch, reader, dtype, output
 

@@ -32,7 +32,7 @@ from mcore_rl.convert.mapping import (
     to_hf,
 )
 from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import conversion_output, copy_side_files
+from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.convert.safetensors_io import OutputTensor, StreamingShardWriter
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
@@ -168,6 +168,8 @@ def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
         for m in maps
         for name, shape in zip(m.hf_names, hf_shapes(arch, m), strict=True)
     ]
+    for name in HF_SIDE_FILES:  # copied at the end: a link out of the folder is refused now, not then
+        input_file(source.side_files_from, name, required=False)
     tmp = output.begin()
     try:
         writer = StreamingShardWriter(tmp, outputs, options.max_shard_bytes)
