@@ -1,0 +1,203 @@
+"""Prompt datasets: verl rows from jsonl and parquet, chat templates, over-long prompts, bad rows (one
+table, each error naming file, row and column), and the resumable shuffled position."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mcore_rl.config import DataConfig, SFTConfig
+from mcore_rl.data.prompts import PromptDataset, PromptLoader
+from mcore_rl.data.rows import DataError, write_rows
+from mcore_rl.data.sampler import EpochSampler
+from mcore_rl.data.sft import SFTDataset
+from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def row(i: int, prompt: Any = None, **changes: Any) -> dict[str, Any]:
+    base = {
+        "data_source": "openai/gsm8k",
+        "prompt": prompt if prompt is not None else [{"role": "user", "content": f"the cat sat {i}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(i)},
+        "extra_info": {"split": "train", "index": i},
+    }
+    base.update(changes)
+    return base
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tokenizer_dirs: dict[str, Path]) -> Tokenizer:
+    return load_tokenizer(tokenizer_dirs["hf"])
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_rows_load_with_verl_columns(suffix: str, tmp_path: Path, hf_tok: Tokenizer) -> None:
+    path, text_path = str(tmp_path / f"d.{suffix}"), str(tmp_path / f"text.{suffix}")
+    write_rows(path, [row(0)])  # a parquet column holds one kind: messages here, text in the next file
+    write_rows(text_path, [row(1, prompt="plain text prompt")])
+    ds = PromptDataset.from_files([path, text_path], hf_tok, DataConfig(max_prompt_length=64))
+    first, second = ds.records
+    assert list(first.prompt_ids) == hf_tok.encode("<|user|>the cat sat 0</s><|assistant|>")
+    assert list(second.prompt_ids) == hf_tok.encode("plain text prompt")  # text prompts: no template
+    assert (first.data_source, first.ground_truth, first.extra_info) == (
+        "openai/gsm8k",
+        "0",
+        row(0)["extra_info"],
+    )
+    no_template = PromptDataset.from_files(
+        [path], hf_tok, DataConfig(max_prompt_length=64, apply_chat_template=False)
+    )
+    assert list(no_template.records[0].prompt_ids) == hf_tok.encode("the cat sat 0")
+    batch = ds.batch([1, 0])
+    tokens, lengths = batch.padded(hf_tok.pad_token_id)
+    assert tokens.shape == (2, int(lengths.max())) and batch.indices.tolist() == [1, 0]
+    assert tokens[0, lengths[0] :].eq(hf_tok.pad_token_id).all()
+    assert batch.shard(1, 2).ground_truths == ["0"]
+
+
+def test_overlong_prompts_are_refused_or_counted(
+    tmp_path: Path, hf_tok: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "d.jsonl")
+    write_rows(path, [row(0), row(1, prompt="the cat " * 40), row(2)])
+    with pytest.raises(
+        DataError,
+        match=rf"{path}: row 1: column 'prompt': prompt has \d+ tokens, more than data.max_prompt_length=20",
+    ):
+        PromptDataset.from_files([path], hf_tok, DataConfig(max_prompt_length=20))
+    with caplog.at_level(logging.WARNING):
+        ds = PromptDataset.from_files(
+            [path], hf_tok, DataConfig(max_prompt_length=20, filter_overlong_prompts=True)
+        )
+    assert [r.row for r in ds.records] == [0, 2] and len(ds.skipped) == 1
+    assert "skipped 1 of 3 rows" in caplog.text
+
+
+def _bad(**changes: Any) -> dict[str, Any]:
+    return row(5, **changes)
+
+
+def _without(key: str) -> dict[str, Any]:
+    out = row(5)
+    del out[key]
+    return out
+
+
+# (row placed at index 1 of a jsonl file, column the error must name, reason text)
+BAD_ROWS = [
+    (_without("prompt"), "prompt", "missing"),
+    (_without("data_source"), "data_source", "missing"),
+    (_without("reward_model"), "reward_model.ground_truth", "missing"),
+    (_bad(reward_model={"style": "rule"}), "reward_model.ground_truth", "missing"),
+    (_bad(reward_model={"ground_truth": None}), "reward_model.ground_truth", "missing"),
+    (_bad(prompt=""), "prompt", "empty prompt"),
+    (_bad(prompt=42), "prompt", "expected text or a list of messages"),
+    (_bad(prompt=[]), "prompt", "expected text or a list of messages"),
+    (_bad(prompt=[{"content": "hi"}]), "prompt", "message 0 needs 'role' and 'content'"),
+    (_bad(prompt=["hi"]), "prompt", "message 0 needs 'role' and 'content'"),
+    (_bad(extra_info=[1, 2]), "extra_info", "expected a mapping"),
+    ("{not json", "<line>", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("bad", "col", "reason"), BAD_ROWS, ids=[f"{c}:{r}" for _, c, r in BAD_ROWS])
+def test_bad_rows_name_file_row_and_column(
+    bad: Any, col: str, reason: str, tmp_path: Path, hf_tok: Tokenizer
+) -> None:
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(row(0)), bad if isinstance(bad, str) else json.dumps(bad), json.dumps(row(2))]
+    path.write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(max_prompt_length=64)
+    with pytest.raises(DataError) as info:
+        PromptDataset.from_files([str(path)], hf_tok, cfg)
+    assert f"{path}: row 1: column {col!r}: {reason}" in str(info.value)
+    skipping = PromptDataset.from_files(
+        [str(path)], hf_tok, DataConfig(max_prompt_length=64, skip_bad_rows=True)
+    )
+    assert [r.row for r in skipping.records] == [0, 2] and skipping.skipped[0].column == col
+
+
+def test_bad_files_are_named(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    cfg = DataConfig(max_prompt_length=64)
+    with pytest.raises(DataError, match=r"absent\.parquet: no such data file"):
+        PromptDataset.from_files([str(tmp_path / "absent.parquet")], hf_tok, cfg)
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"d.csv: unknown data format; use .parquet or .jsonl"):
+        PromptDataset.from_files([str(tmp_path / "d.csv")], hf_tok, cfg)
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"broken\.parquet: not a readable parquet file"):
+        PromptDataset.from_files([str(tmp_path / "broken.parquet")], hf_tok, cfg)
+    write_rows(str(tmp_path / "e.jsonl"), [_without("prompt")])
+    with pytest.raises(DataError, match="no usable prompts"):
+        PromptDataset.from_files([str(tmp_path / "e.jsonl")], hf_tok, DataConfig(skip_bad_rows=True))
+
+
+def test_sft_examples_mask_the_prompt_and_name_bad_rows(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    path = str(tmp_path / "sft.parquet")
+    write_rows(path, [row(0, response="seven"), row(1)])
+    data = DataConfig(max_prompt_length=64, max_response_length=8)
+    with pytest.raises(DataError, match=rf"{path}: row 1: column 'response': missing"):
+        SFTDataset.from_files([path], hf_tok, data, SFTConfig())
+    write_rows(path, [row(0, response="seven")])
+    ds = SFTDataset.from_files([path], hf_tok, data, SFTConfig())
+    batch = ds.batch([0])
+    prompt = hf_tok.encode("<|user|>the cat sat 0</s><|assistant|>")
+    target = [*hf_tok.encode("seven"), hf_tok.eos_token_id]
+    assert batch.tokens[0].tolist() == prompt + target
+    masked = batch.labels[0][batch.loss_mask[0].bool()].tolist()
+    assert masked == target  # exactly the response and EOS are predicted
+
+
+def _loader(num: int, batch: int, tmp_path: Path, tok: Tokenizer) -> PromptLoader:
+    path = str(tmp_path / "many.jsonl")
+    write_rows(path, [row(i, prompt=f"the cat {i}") for i in range(num)])
+    cfg = DataConfig(max_prompt_length=64, train_batch_size=batch, seed=7)
+    return PromptLoader(PromptDataset.from_files([path], tok, cfg), cfg)
+
+
+def test_saved_position_gives_the_identical_next_batch(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    straight = _loader(10, 3, tmp_path, hf_tok)  # 3 batches per epoch, one row dropped
+    for steps in (2, 3, 4, 7):  # mid-epoch, at the epoch's end, across epochs
+        first = _loader(10, 3, tmp_path, hf_tok)
+        for _ in range(steps):
+            first.next_batch()
+        resumed = _loader(10, 3, tmp_path, hf_tok)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # survives JSON
+        for _ in range(3):
+            a, b = first.next_batch(), resumed.next_batch()
+            assert a.indices.tolist() == b.indices.tolist() and a.prompt_ids == b.prompt_ids
+    epochs = [[i for _ in range(3) for i in straight.next_batch().indices.tolist()] for _ in range(2)]
+    assert all(len(set(e)) == 9 for e in epochs)  # each epoch: distinct prompts, drop_last drops one
+
+
+def test_epochs_reshuffle_deterministically() -> None:
+    a = EpochSampler(50, 50, True, seed=3, drop_last=True, fingerprint="x")
+    b = EpochSampler(50, 50, True, seed=3, drop_last=True, fingerprint="x")
+    orders = [a.next_indices() for _ in range(3)]
+    assert orders == [b.next_indices() for _ in range(3)]
+    assert orders[0] != orders[1] and sorted(orders[0]) == list(range(50))
+    plain = EpochSampler(5, 2, False, seed=3, drop_last=False, fingerprint="x")
+    assert [plain.next_indices() for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
+
+
+def test_resume_against_other_data_is_refused(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    state = _loader(10, 3, tmp_path, hf_tok).state_dict()
+    other = _loader(11, 3, tmp_path, hf_tok)
+    with pytest.raises(ValueError, match=r"the saved fingerprint is .*\(the dataset or its order changed\)"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="cannot fill one batch of 8"):
+        EpochSampler(5, 8, True, 0, True, "x")
+
+
+def test_padded_batch_is_right_padded() -> None:
+    from mcore_rl.data.prompts import PromptBatch
+
+    batch = PromptBatch([[5, 6, 7], [8]], torch.tensor([0, 1]), ["s", "s"], ["1", "2"], [{}, {}])
+    tokens, lengths = batch.padded(0)
+    assert tokens.tolist() == [[5, 6, 7], [8, 0, 0]] and lengths.tolist() == [3, 1]
