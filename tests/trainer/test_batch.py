@@ -1,0 +1,83 @@
+"""Pure batch arithmetic of the RL step, against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mcore_rl.algo import compute_grpo_advantages, compute_rloo_advantages
+from mcore_rl.engine.rollout import GenerationOutput
+from mcore_rl.trainer.batch import (
+    ADV_ESTIMATORS,
+    compute_advantages,
+    mini_batch_slices,
+    outcome_rewards,
+    prob_agreement,
+    rollout_batch,
+)
+
+
+def _two_prompts() -> tuple[list[list[int]], GenerationOutput]:
+    out = GenerationOutput(
+        prompt_index=torch.tensor([0, 0, 1]),
+        token_ids=torch.tensor([[20, 21, 22], [23, 9, 9], [30, 31, 9]]),
+        log_probs=torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 5.0, 5.0], [-0.5, -0.6, 5.0]]),
+        lengths=torch.tensor([3, 1, 2]),
+        finish_reasons=["length", "stop", "stop"],
+    )
+    return [[5, 6, 7], [8, 9]], out
+
+
+def test_rollout_batch_puts_each_response_quantity_on_the_position_that_predicts_it() -> None:
+    prompts, out = _two_prompts()
+    batch = rollout_batch(prompts, torch.tensor([10, 11]), out, pad_id=0)
+    assert batch.tokens.tolist() == [[5, 6, 7, 20, 21, 22], [5, 6, 7, 23, 0, 0], [8, 9, 30, 31, 0, 0]]
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0], [0, 1, 1, 0, 0, 0]]
+    assert torch.allclose(batch.rollout_log_probs[0, 2:5], torch.tensor([-0.1, -0.2, -0.3]))
+    assert batch.rollout_log_probs[1].tolist() == pytest.approx(
+        [0, 0, -0.4, 0, 0, 0]
+    )  # padding's 5.0 dropped
+    assert batch.prompt_index.tolist() == [10, 10, 11]
+    assert batch.responses() == [[20, 21, 22], [23], [30, 31]]
+
+
+def test_outcome_rewards_sit_on_the_last_response_position() -> None:
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)
+    rewards = outcome_rewards(torch.tensor([2.0, 5.0, -1.0]), mask)
+    assert rewards.tolist() == [[0, 0, 2, 0], [0, 0, 0, 0], [-1, 0, 0, 0]]
+
+
+def test_advantage_dispatch_matches_the_algorithms_and_rejects_unknown_names() -> None:
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    scores, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    rewards = outcome_rewards(scores, mask)
+    grpo = compute_advantages("grpo", scores, mask, groups)
+    assert torch.equal(grpo, compute_grpo_advantages(rewards, mask, [0, 0, 1, 1]).advantages)
+    dr = compute_advantages("dr_grpo", scores, mask, groups)
+    assert dr[0, 1].item() == pytest.approx(0.5) and dr[1, 1].item() == pytest.approx(-0.5)
+    rloo = compute_advantages("rloo", scores, mask, groups)
+    assert torch.equal(rloo, compute_rloo_advantages(rewards, mask, [0, 0, 1, 1]).advantages)
+    for name in ADV_ESTIMATORS:
+        adv = compute_advantages(name, scores, mask, groups)
+        assert adv.shape == mask.shape and bool((adv[mask == 0] == 0).all())
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator: unknown 'ppo'"):
+        compute_advantages("ppo", scores, mask, groups)
+
+
+def test_token_mult_prob_error_is_nemo_rl_s_token_mean_of_exp_abs_difference() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    rollout = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, 0.0, 0.0]])
+    trainer = torch.tensor([[-1.0, -2.5, 0.0], [-0.3, 0.0, 0.0]])
+    agreement = prob_agreement(rollout, trainer, mask)
+    expected = (1 + math.exp(0.5) + math.exp(0.2)) / 3  # the masked 9.0 is ignored
+    assert agreement.token_mult_prob_error == pytest.approx(expected)
+    assert agreement.worst(1)[0][0] == 0 and agreement.per_sequence[1].item() == pytest.approx(math.exp(0.2))
+    assert prob_agreement(rollout, rollout, mask).token_mult_prob_error == 1.0
+
+
+def test_mini_batch_slices_split_rows_evenly_or_name_the_field() -> None:
+    assert mini_batch_slices(8, 2) == [slice(0, 4), slice(4, 8)]
+    with pytest.raises(ValueError, match="ppo_mini_batch_size: 6 rows per data-parallel rank"):
+        mini_batch_slices(6, 4)
