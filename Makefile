@@ -21,6 +21,8 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
 	else $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q ninja
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	# tests/launch lints the launch scripts with shellcheck (Debian packages it; best effort without root).
+	command -v shellcheck >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq shellcheck) || true
 	touch $(STAMP)
 
 demo: $(STAMP)
