@@ -15,10 +15,8 @@ import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.parallel.sharding import global_param_name, shard_kind, tp_merge, tp_shard
-
-_EMBEDDING = "embedding.word_embeddings.weight"
-_OUTPUT = "output_layer.weight"
+from mcore_rl.parallel.reshard.naming import canonical_key
+from mcore_rl.parallel.sharding import shard_kind, tp_merge, tp_shard
 
 
 def unwrap(module: Any) -> Any:
@@ -35,17 +33,17 @@ def _chunk_layer_offsets(arch: ModelArch, ctx: ParallelContext) -> list[int]:
 def local_parameters(
     chunks: list[Any], arch: ModelArch, ctx: ParallelContext
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(global name, local tensor)`` for every parameter of this rank's chunks."""
+    """``(canonical key, local tensor)`` for every parameter of this rank's chunks (see
+    :mod:`mcore_rl.parallel.reshard.naming`: the last stage's tied output layer comes out as the embedding)."""
+    tied = arch.tie_word_embeddings and not _has_value_head(chunks)
+    seen: set[str] = set()
     for chunk, offset in zip(chunks, _chunk_layer_offsets(arch, ctx), strict=True):
         for name, param in unwrap(chunk).named_parameters():
-            yield global_param_name(name, offset), param
-
-
-def _source_name(name: str, arch: ModelArch, value_head: bool) -> str:
-    # With tied embeddings the last stage keeps its own copy of the embedding as the output layer.
-    if name == _OUTPUT and arch.tie_word_embeddings and not value_head:
-        return _EMBEDDING
-    return name
+            key = canonical_key(name, offset, tied=tied)
+            if key in seen:  # two local tensors under one key would silently shadow each other
+                raise ValueError(f"rank {ctx.rank}: parameters {name!r} and an earlier one share key {key!r}")
+            seen.add(key)
+            yield key, param
 
 
 @torch.no_grad()
@@ -55,16 +53,13 @@ def load_full_state(
     """Copy this rank's slices of ``full`` into ``chunks``; every local parameter must be covered."""
     value_head = _has_value_head(chunks)
     for name, param in local_parameters(chunks, arch, ctx):
-        source = _source_name(name, arch, value_head)
-        if source not in full:
-            raise KeyError(f"state has no tensor for parameter {source!r}")
+        if name not in full:
+            raise KeyError(f"state has no tensor for parameter {name!r}")
         kind = shard_kind(name, value_head)
-        shard = tp_shard(
-            full[source], kind, ctx.tp_rank, ctx.tp_size, padded_rows=param.shape[0] * ctx.tp_size
-        )
+        shard = tp_shard(full[name], kind, ctx.tp_rank, ctx.tp_size, padded_rows=param.shape[0] * ctx.tp_size)
         if shard.shape != param.shape:
             raise ValueError(
-                f"{source}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
+                f"{name}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
             )
         param.copy_(shard)
 
@@ -85,10 +80,8 @@ def gather_full_state(chunks: list[Any], arch: ModelArch, ctx: ParallelContext) 
     stages: list[dict[str, torch.Tensor] | None] = [None] * ctx.pp_size
     dist.all_gather_object(stages, local, group=ctx.pp_group)
     full: dict[str, torch.Tensor] = {}
-    for stage in stages:
+    for stage in stages:  # a tied embedding arrives from two stages: synchronised copies, one key
         full.update(stage or {})
-    if arch.tie_word_embeddings and not value_head:
-        full.pop(_OUTPUT, None)
     return full
 
 

@@ -185,13 +185,22 @@ def execution_schedule(
     return plan.cached(("execution", rank, bucket_bytes, cap, bpe), build)
 
 
-def _sources(plan: ReshardPlan, rank: int, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``local`` checked against the plan's shard shapes, contiguous (the kernels index raw memory)."""
+def _sources(
+    plan: ReshardPlan, rank: int, local: dict[str, torch.Tensor], schedule: ExecutionSchedule
+) -> dict[str, torch.Tensor]:
+    """``local`` checked against the plan: every key known to it, every key this rank sends or keeps present,
+    shard shapes as planned; made contiguous (the kernels index raw memory)."""
+    unknown = sorted(set(local) - set(plan.specs))
+    if unknown:  # a naming mismatch: the plan and the engine disagree on canonical keys
+        raise KeyError(f"rank {rank}: local parameters {unknown} are not in the reshard plan")
+    read = {n for n, _ in schedule.local_copies}
+    read.update(n for messages in schedule.rounds for m in messages if m.send for n in m.names)
+    missing = sorted(read - set(local))
+    if missing:
+        raise KeyError(f"rank {rank}: the plan reads {missing} from this rank, which holds no such parameter")
     out = {}
     for name, tensor in local.items():
-        spec = plan.specs.get(name)
-        if spec is None:  # parameters the plan does not move (none today) are not read
-            continue
+        spec = plan.specs[name]
         size, _ = _tp(spec, plan.train.tp, plan.train.coords(rank).tp)
         expected = shard_shape(spec, size, plan.train_vocab_divisible_by)
         if tuple(tensor.shape) != expected:
@@ -218,15 +227,15 @@ def execute_plan(
 ) -> tuple[dict[str, torch.Tensor], ReshardStats]:
     """This rank's rollout shards (megatron layout, ``tp_g``) built from its training shards ``local``.
 
-    ``local`` maps full-state names to this rank's training shards (``engine.weights.local_parameters``);
-    parameters of other pipeline stages are simply absent. Messages hold at most ``bucket_bytes`` (unless one
+    ``local`` maps canonical keys (:mod:`~mcore_rl.parallel.reshard.naming`) to this rank's training shards
+    (``engine.weights.local_parameters``); parameters of other pipeline stages are absent. A key the plan does
+    not know, or one it reads from this rank that ``local`` lacks, is an error naming the key and the rank. Messages hold at most ``bucket_bytes`` (unless one
     unit is larger) and this rank holds at most ``max_inflight_bytes`` (default ``2 * bucket_bytes``) of them
     at once, unless a single message is larger.
     """
     start = time.perf_counter()
     rank = dist.get_rank()
-    sources = _sources(plan, rank, local)
-    any_local = next(iter(sources.values()))
+    any_local = next(iter(local.values()))
     dtype, device = dtype or any_local.dtype, device or any_local.device
     element_size = dtype.itemsize
     schedule = execution_schedule(
@@ -236,6 +245,7 @@ def execute_plan(
         max_inflight_bytes=max_inflight_bytes,
         bytes_per_element=element_size,
     )
+    sources = _sources(plan, rank, local, schedule)
     out = {
         name: torch.zeros(
             shard_shape(spec, plan.tp_g, plan.rollout_vocab_divisible_by), dtype=dtype, device=device

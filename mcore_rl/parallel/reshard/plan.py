@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from mcore_rl.parallel.layout import ParallelLayout, padded_vocab_size
+from mcore_rl.parallel.reshard.naming import EMBEDDING_KEY, OUTPUT_KEY
 from mcore_rl.parallel.sharding import ShardKind
 
 Interval = tuple[int, int, int]  # (segment, start unit, stop unit)
@@ -74,7 +75,7 @@ def model_param_specs(
 ) -> list[ParamSpec]:
     """Every parameter of a Llama-family GPT in megatron's full-state naming."""
     qkv_unit = (num_attention_heads // num_query_groups + 2) * head_dim
-    specs = [ParamSpec("embedding.word_embeddings.weight", (vocab_size, hidden_size), ShardKind.VOCAB, None)]
+    specs = [ParamSpec(EMBEDDING_KEY, (vocab_size, hidden_size), ShardKind.VOCAB, None)]
     for i in range(num_layers):
         p = f"decoder.layers.{i}."
         specs += [
@@ -117,7 +118,7 @@ def model_param_specs(
             )
     specs.append(ParamSpec("decoder.final_layernorm.weight", (hidden_size,), ShardKind.REPLICATED, None))
     if not tie_word_embeddings:
-        specs.append(ParamSpec("output_layer.weight", (vocab_size, hidden_size), ShardKind.VOCAB, None))
+        specs.append(ParamSpec(OUTPUT_KEY, (vocab_size, hidden_size), ShardKind.VOCAB, None))
     return specs
 
 

@@ -9,6 +9,7 @@ import itertools
 from collections import defaultdict
 
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+from mcore_rl.parallel.reshard.naming import holder_stages
 from mcore_rl.parallel.reshard.plan import Interval, ParamSpec, ReshardPlan, Transfer, shard_intervals
 from mcore_rl.parallel.sharding import ShardKind
 
@@ -51,6 +52,15 @@ def rollout_coordinates(
     return coords
 
 
+def follows_rank_order(coords: dict[int, tuple[int, int]]) -> bool:
+    """Whether each rollout group's TP coordinates increase with its ranks. An engine that takes its coordinate
+    from a torch process group (ours, vLLM) gets exactly that order, since torch sorts a group's ranks."""
+    groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for rank, (tp_coord, dp_coord) in coords.items():
+        groups[dp_coord].append((rank, tp_coord))
+    return all([c for _, c in sorted(g)] == sorted(c for _, c in g) for g in groups.values())
+
+
 def _subtract(needed: list[Interval], owned: list[Interval]) -> list[Interval]:
     out = []
     for seg, lo, hi in needed:
@@ -73,13 +83,8 @@ def _intersect(a: Interval, b: Interval) -> Interval | None:
 
 
 def owner_stages(spec: ParamSpec, train: ParallelLayout, num_layers: int, tied: bool) -> set[int]:
-    if spec.layer is not None:
-        stages = train.stage_layers(num_layers)
-        return {p for p, chunks in enumerate(stages) if any(spec.layer in r for r in chunks)}
-    if spec.name.startswith("embedding"):
-        # With tied embeddings the last stage keeps a synchronised copy as its output layer: a second source.
-        return {0, train.pp - 1} if tied else {0}
-    return {train.pp - 1}
+    """Stages whose ranks hold ``spec``: the plan's sources (see :func:`naming.holder_stages`)."""
+    return holder_stages(spec.name, spec.layer, train, num_layers, tied)
 
 
 def _pieces(missing: Interval, shards: list[list[Interval]]) -> list[Interval]:
@@ -120,15 +125,23 @@ def build_plan(
     bytes_per_element: int = 4,
     vocab_divisible_by: int = 128,
     rollout_vocab_divisible_by: int | None = None,
-    consecutive_rollout_ranks: bool = False,
+    consecutive_rollout_ranks: bool | None = None,
 ) -> ReshardPlan:
     """The zero-redundancy plan; each piece comes from the owner that has sent the fewest bytes so far.
 
     ``vocab_divisible_by`` is the training side's megatron vocab padding (per TP rank multiple); the rollout
     side may pad differently (vLLM pads the whole vocab to 64, i.e. ``64 // tp_g`` in these units).
+
+    ``consecutive_rollout_ranks``: True or False forces the assignment of :func:`rollout_coordinates`; None
+    (default) nests where the nested coordinates follow each rollout group's rank order (see
+    :func:`follows_rank_order`), which is every case except ``tp_g > tp > 1``, and takes consecutive ranks
+    there: the rollout engines read their coordinate from a torch group, so nesting cannot be served then.
+    The plan stays exact and minimal for the assignment it takes (every byte received is kept).
     """
     rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
     _check_divisible(specs, {"training tensor_parallel_size": train.tp, "rollout tensor_parallel_size": tp_g})
+    if consecutive_rollout_ranks is None:
+        consecutive_rollout_ranks = not follows_rank_order(rollout_coordinates(train, tp_g))
     coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
