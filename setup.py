@@ -72,6 +72,7 @@ setup(
         "safetensors",
         "pyyaml",
         "tqdm",
+        "tensorboard",  # run logs (torch.utils.tensorboard writes the event files)
         "numpy",
         "omegaconf>=2.3",  # run configs: structured YAML recipes + key=value overrides
         "pyarrow",  # parquet prompt datasets (verl format)
