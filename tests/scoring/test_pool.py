@@ -1,0 +1,57 @@
+"""Scoring a batch: error and NaN policy, dict metrics, and worker processes with a per-answer timeout
+(a hung answer is killed and replaced within the limit; a dead worker is replaced)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from mcore_rl.config import RewardConfig
+from mcore_rl.scoring import RewardError, RewardScorer, ScoreRequest
+
+USER = "tests.scoring.user_scorers:with_metrics"
+
+
+def requests(*answers: str) -> list[ScoreRequest]:
+    return [ScoreRequest("user", a, "ok", {}, where=f"t.parquet row {i}") for i, a in enumerate(answers)]
+
+
+def test_failures_score_zero_and_are_counted(caplog: pytest.LogCaptureFixture) -> None:
+    with RewardScorer(RewardConfig(custom_function=USER)) as scorer:
+        out = scorer.score(requests("ok", "raise", "nan", "bad", "no-score"))
+    assert out.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert (out.num_errors, out.num_nonfinite, out.num_timeouts) == (2, 1, 0)
+    assert out.extra["length"][0] == 2 and out.extra["length"][3] == 3 and math.isnan(out.extra["length"][1])
+    assert "note" not in out.extra  # only numbers are metrics
+    assert "RuntimeError: scorer bug" in caplog.text and "t.parquet row 1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("answer", "cause"), [("raise", "RuntimeError: scorer bug"), ("nan", "returned nan")]
+)
+def test_raise_policy_names_the_row(answer: str, cause: str) -> None:
+    scorer = RewardScorer(RewardConfig(custom_function=USER, on_error="raise"))
+    with pytest.raises(RewardError, match=rf"row 1 \(t\.parquet row 1\): {cause}"):
+        scorer.score(requests("ok", answer))
+
+
+def test_workers_time_out_a_hung_answer_and_keep_going() -> None:
+    cfg = RewardConfig(num_workers=2, timeout_s=2.0, sources={"user": USER})
+    with RewardScorer(cfg) as scorer:
+        scorer.score(requests("ok"))  # workers started and warm
+        start = time.perf_counter()
+        batch = [
+            *requests("ok", "hang", "die", "raise"),
+            ScoreRequest("lighteval/MATH", "\\boxed{0.5}", "\\frac12"),
+        ]
+        out = scorer.score(batch)
+        elapsed = time.perf_counter() - start
+        assert out.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]  # math-verify runs inside a worker too
+        assert (out.num_timeouts, out.num_errors) == (1, 2)  # the dead worker and the raising scorer
+        assert elapsed < 2.0 + 5.0, "the hung answer must cost its timeout, not a stalled step"
+        pids = [w.process.pid for w in scorer._workers]
+        assert all(w.process.is_alive() for w in scorer._workers) and len(pids) == 2
+        assert scorer.score(requests("ok", "ok", "ok")).scores.tolist() == [1.0, 1.0, 1.0]
+    assert scorer._workers == []

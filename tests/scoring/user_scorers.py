@@ -1,0 +1,22 @@
+"""User scorers for the tests, loaded as ``tests.scoring.user_scorers:NAME`` (also inside spawned workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def with_metrics(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any]) -> Any:
+    """A dict score with extra metrics; misbehaves on request, to exercise the error paths."""
+    if solution_str == "hang":
+        time.sleep(600)
+    if solution_str == "raise":
+        raise RuntimeError("scorer bug")
+    if solution_str == "nan":
+        return float("nan")
+    if solution_str == "die":
+        os._exit(3)
+    if solution_str == "no-score":
+        return {"accuracy": 1.0}
+    return {"score": float(solution_str == ground_truth), "length": len(solution_str), "note": "text"}
