@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mcore_rl.config.model import OptimConfig
 from mcore_rl.controller.dispatch import (
     RankInfo,
     concat_records,
@@ -23,6 +24,7 @@ from mcore_rl.controller.dispatch import (
     split_record,
 )
 from mcore_rl.controller.worker_group import WorkerGroup
+from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.trainer.losses import PolicyLossSettings
 from mcore_rl.trainer.worker import HybridWorker
@@ -115,9 +117,9 @@ class ActorGroup:
         self, batch: RolloutBatch, temperature: float, micro_batch_size: int
     ) -> Callable[[], LogProbBatch]:
         """Start the actor/reference log-prob pass (the driver scores meanwhile); call the result to wait."""
-        wait = self.backend.submit(
-            "log_probs", list(split_record(batch, self.num_dp_shards)), "dp", temperature, micro_batch_size
-        )
+        shards = list(split_record(batch, self.num_dp_shards))
+        micro = min(micro_batch_size, shards[0].num_sequences)
+        wait = self.backend.submit("log_probs", shards, "dp", temperature, micro)
 
         def collect() -> LogProbBatch:
             results = wait()
@@ -128,10 +130,23 @@ class ActorGroup:
     def update(self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan) -> UpdateStats:
         """One step's actor update; the stats of data-parallel rank 0's owner (already DP-reduced)."""
         shards = list(split_record(batch, self.num_dp_shards))
-        args = (settings, plan.num_mini_batches, plan.ppo_epochs, plan.micro_batch_size, plan.on_nonfinite)
+        rows_per_mini_batch = shards[0].tokens.shape[0] // plan.num_mini_batches
+        micro = min(plan.micro_batch_size, max(rows_per_mini_batch, 1))
+        args = (settings, plan.num_mini_batches, plan.ppo_epochs, micro, plan.on_nonfinite)
         results = self.backend.submit("update", shards, "dp", *args)()
         stats: UpdateStats = results[self._data_owners[0]]
         return stats
+
+    def set_optim(self, optim: OptimConfig, total_optimizer_steps: int) -> None:
+        """New optimizer hyper-parameters and LR schedule, same optimizer state (SFT -> RL)."""
+        self.backend.submit("set_optim", None, "", optim, total_optimizer_steps)()
+
+    def sft_update(self, batch: SFTBatch, micro_batch_size: int) -> dict[str, float]:
+        """One supervised step on ``batch`` split over data-parallel ranks; DP-global loss and grad norm."""
+        shards = list(split_record(batch, self.num_dp_shards))
+        micro = min(micro_batch_size, shards[0].tokens.shape[0])
+        results = self.backend.submit("sft_update", shards, "dp", micro)()
+        return dict(results[self._data_owners[0]])
 
     def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:
         self.backend.submit("save_checkpoint", None, "", directory, step, extra)()

@@ -116,10 +116,15 @@ class RLStep:
 
     def evaluate(self, prompts: PromptBatch) -> float:
         """Mean validation reward (accuracy for 0/1 rules) with ``rollout.val_kwargs`` sampling."""
-        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
+        # Repeat the last prompt so that every rollout replica gets as many; the extras are not scored.
+        extra = -len(prompts) % self.actors.num_rollout_shards
+        ids = prompts.prompt_ids + [prompts.prompt_ids[-1]] * extra
+        request = RolloutRequest(ids, torch.arange(len(ids)))
         self.actors.sync_weights()
         rollout = self.actors.generate(request, self.sampling(0, validation=True))
-        return float(self.score(rollout, prompts).mean())
+        keep = rollout.prompt_index < len(prompts)
+        scores = self.score(_rows(rollout, keep), prompts)
+        return float(scores.mean())
 
     def check_agreement(self, agreement: ProbAgreement, rollout: RolloutBatch, step: int) -> None:
         threshold = self.cfg.logging.token_mult_prob_error_threshold
@@ -136,6 +141,11 @@ class RLStep:
             threshold,
             worst,
         )
+
+
+def _rows(rollout: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
+    """The rows of ``rollout`` where ``keep`` [N] is True."""
+    return RolloutBatch(*(getattr(rollout, f)[keep] for f in RolloutBatch.__dataclass_fields__))
 
 
 def loss_settings(cfg: RunConfig) -> PolicyLossSettings:

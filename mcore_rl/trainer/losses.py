@@ -26,6 +26,13 @@ class PolicyMicroBatch(MicroBatch):
     train: TrainBatch | None = None
 
 
+@dataclass
+class SFTMicroBatch(MicroBatch):
+    """A supervised micro-batch: the model inputs plus the mask of positions that predict target tokens."""
+
+    loss_mask: torch.Tensor | None = None  # [b, s] float32
+
+
 @dataclass(frozen=True)
 class PolicyLossSettings:
     """The PPO-style actor loss (filled from ``AlgorithmConfig`` and the rollout temperature)."""
@@ -120,5 +127,17 @@ def policy_loss(
         if settings.entropy_coeff:
             loss = loss - settings.entropy_coeff * agg.aggregate(entropy, mask)
         return loss, metrics
+
+    return loss_fn
+
+
+def sft_loss(ctx: ParallelContext, vocab_size: int, global_tokens: torch.Tensor) -> LossFn:
+    """Token-mean negative log-likelihood of the target tokens (prompt positions masked out)."""
+
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert isinstance(mb, SFTMicroBatch) and mb.loss_mask is not None
+        log_probs, _ = token_log_probs(output, mb.tokens, ctx, vocab_size, 1.0)
+        loss = -(log_probs * mb.loss_mask).sum() / global_tokens
+        return loss, {"loss": loss.detach().clone()}
 
     return loss_fn

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mcore_rl.config.model import OptimConfig
 from mcore_rl.controller.dispatch import RankInfo
 from mcore_rl.controller.worker import Worker
+from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
@@ -29,7 +30,14 @@ from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
-from mcore_rl.trainer.losses import PolicyLossSettings, PolicyMicroBatch, log_prob_loss, policy_loss
+from mcore_rl.trainer.losses import (
+    PolicyLossSettings,
+    PolicyMicroBatch,
+    SFTMicroBatch,
+    log_prob_loss,
+    policy_loss,
+    sft_loss,
+)
 from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 
@@ -205,6 +213,40 @@ class HybridWorker(Worker):
         if out:
             dist.all_reduce(local, group=ctx.dp_group)
         return torch.cat([local, torch.tensor([result.grad_norm])])
+
+    def set_optim(self, optim: OptimConfig, total_optimizer_steps: int) -> None:
+        """Continue with the same optimizer state under new hyper-parameters and a fresh LR schedule
+        (SFT warm start -> RL)."""
+        for optimizer in self.engine.optimizers:
+            optimizer.config.clip_grad = optim.clip_grad
+            for group in optimizer.param_groups:
+                group["betas"], group["eps"] = (optim.adam_beta1, optim.adam_beta2), optim.adam_eps
+        self.scheduler = _lr_scheduler(self.engine, optim, total_optimizer_steps)
+
+    def sft_update(self, batch: SFTBatch, micro_batch_size: int) -> dict[str, float] | None:
+        """One supervised optimizer step on this rank's shard; the DP-global loss and grad norm on the owner."""
+        self._to_train()
+        ctx, multiple = self.ctx, self.ctx.tp_size if self.ctx.layout.sp else 1
+        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        mask = _pad_width(batch.loss_mask, multiple, 0.0)
+        count = mask.sum().reshape(1)
+        dist.all_reduce(count, group=ctx.dp_group)
+        micro: list[MicroBatch] = [
+            SFTMicroBatch(t, _positions(t), loss_mask=m)
+            for t, m in zip(_row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
+        ]
+        self.engine.zero_grad()
+        out = self.engine.forward_backward(
+            micro, sft_loss(ctx, self.spec.arch.vocab_size, count.clamp(min=1))
+        )
+        self.scheduler.step(1)
+        result = self.engine.step()
+        loss = torch.tensor([sum(float(m["loss"]) for m in out)])
+        if out:
+            dist.all_reduce(loss, group=ctx.dp_group)
+        if not self._owns_training_result():
+            return None
+        return {"loss": float(loss), "grad_norm": result.grad_norm}
 
     def _owns_training_result(self) -> bool:
         return self.ctx.is_last_stage and self.ctx.tp_rank == 0

@@ -1,0 +1,213 @@
+"""The run around the RL step: data, the SFT warm start, validation, run checkpoints and resume, logs.
+
+    Trainer.from_config("recipes/demo_cpu.yaml", ["trainer.total_training_steps=50"]).fit()
+
+``fit()``: held-out test -> SFT warm start (``sft.enable``) -> held-out test -> RL steps (validation every
+``trainer.test_freq``, a run checkpoint every ``trainer.save_freq``) -> held-out test -> reward plot.
+
+A run checkpoint ``<default_local_dir>/checkpoints/global_step_<N>`` holds the actor's weights and
+optimizer (the resumable TrainEngine checkpoint, written to a staging name and renamed when complete), the
+LR schedule, the driver state (step, data position) and the resolved ``config.yaml``; ``latest`` is
+updated last. Sampling seeds derive from ``(trainer.seed, step)``, so a resumed run draws what the
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.config import RunConfig, load_config, save_config
+from mcore_rl.data.demo_task import prepare_data
+from mcore_rl.data.prompts import PromptBatch, PromptDataset, PromptLoader
+from mcore_rl.data.sft import SFTDataset
+from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.scoring import RewardScorer
+from mcore_rl.trainer.actor_group import ActorGroup
+from mcore_rl.trainer.build import build_actor_group, worker_spec
+from mcore_rl.trainer.grpo import RLStep, update_plan
+from mcore_rl.trainer.run_log import RunLog
+
+LATEST = "latest"
+
+
+@dataclass
+class RunData:
+    """Everything the driver reads: prompts (the answers stay here, with the scorer)."""
+
+    tokenizer: Tokenizer
+    loader: PromptLoader
+    val: PromptBatch | None
+    test: PromptBatch | None
+    sft: SFTDataset | None
+
+
+def load_run_data(cfg: RunConfig) -> RunData:
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
+    train = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
+
+    def whole(files: list[str]) -> PromptBatch | None:
+        if not files:
+            return None
+        dataset = PromptDataset.from_files(files, tokenizer, cfg.data)
+        return dataset.batch(range(len(dataset)))
+
+    sft = SFTDataset.from_files(cfg.sft.train_files, tokenizer, cfg.data, cfg.sft) if cfg.sft.enable else None
+    return RunData(
+        tokenizer, PromptLoader(train, cfg.data), whole(cfg.data.val_files), whole(cfg.data.test_files), sft
+    )
+
+
+class Trainer:
+    """Drives one run; build with :meth:`from_config`, run with :meth:`fit`, read ``records`` after."""
+
+    def __init__(
+        self, cfg: RunConfig, actors: ActorGroup, step: RLStep, data: RunData, total_steps: int
+    ) -> None:
+        self.cfg = cfg
+        self.actors = actors
+        self.step = step
+        self.data = data
+        self.total_steps = total_steps
+        self.global_step = 0
+        self.records: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), use_ray: bool = True
+    ) -> Trainer:
+        """A trainer for a recipe path (+ ``key=value`` overrides) or a checked :class:`RunConfig`."""
+        cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+        prepare_data(cfg)
+        save_config(cfg, cfg.trainer.default_local_dir)
+        data = load_run_data(cfg)
+        total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
+        plan = update_plan(cfg)
+        spec = worker_spec(cfg, total * plan.num_mini_batches * plan.ppo_epochs)
+        actors = build_actor_group(cfg, spec, use_ray)
+        return cls(cfg, actors, RLStep(cfg, actors, data.tokenizer, RewardScorer(cfg.reward)), data, total)
+
+    def fit(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption)."""
+        cfg, summary = self.cfg, dict[str, Any]()
+        resumed = self.resume()
+        log = RunLog(cfg.logging, self.total_steps, resume=resumed)
+        try:
+            if not resumed:
+                summary["test_before"] = self.test(log, "before")
+                if cfg.sft.enable:
+                    summary["sft_steps"] = self.sft(log)
+                    summary["test_after_sft"] = self.test(log, "after_sft")
+                    plan = update_plan(cfg)
+                    self.actors.set_optim(
+                        cfg.optim, self.total_steps * plan.num_mini_batches * plan.ppo_epochs
+                    )
+            while self.global_step < self.total_steps and self.global_step != stop_after:
+                self.global_step += 1
+                metrics = self.step.run(self.data.loader.next_batch(), self.global_step)
+                last = self.global_step == self.total_steps
+                if self.data.val is not None and _every(cfg.trainer.test_freq, self.global_step, last):
+                    metrics["val_accuracy"] = self.step.evaluate(self.data.val)
+                log.write("rl", self.global_step, metrics)
+                if _every(cfg.trainer.save_freq, self.global_step, last):
+                    self.save()
+            if self.global_step == self.total_steps:
+                summary["test_after_rl"] = self.test(log, "after_rl")
+        finally:
+            summary["plot"] = log.close()
+            self.records = log.records
+        return summary
+
+    def test(self, log: RunLog, when: str) -> float | None:
+        """Held-out accuracy (``data.test_files``) with validation sampling; logged as stage ``test``."""
+        if self.data.test is None:
+            return None
+        accuracy = self.step.evaluate(self.data.test)
+        log.write("test", self.global_step, {"when": when, "accuracy": accuracy})
+        return accuracy
+
+    def sft(self, log: RunLog) -> int:
+        """Supervised warm start until ``sft.target_val_accuracy`` (checked every ``sft.test_freq``)."""
+        sft, dataset = self.cfg.sft, self.data.sft
+        assert dataset is not None
+        sampler = dataset.sampler(sft.train_batch_size, self.cfg.trainer.seed)
+        self.actors.set_optim(sft.optim, sft.total_steps)
+        step = 0
+        for step in range(1, sft.total_steps + 1):
+            metrics: dict[str, Any] = self.actors.sft_update(
+                dataset.batch(sampler.next_indices()), sft.micro_batch_size_per_gpu
+            )
+            if self.data.val is not None and sft.test_freq > 0 and step % sft.test_freq == 0:
+                metrics["val_accuracy"] = self.step.evaluate(self.data.val)
+            log.write("sft", step, metrics)
+            target = sft.target_val_accuracy
+            if target is not None and metrics.get("val_accuracy", -1.0) >= target:
+                break
+        return step
+
+    # --- run checkpoints ------------------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> str:
+        return os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")
+
+    def save(self) -> str:
+        """Actor weights + optimizer + schedule + driver state + config; ``latest`` last; keep the last K."""
+        path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+        state = {"loader": self.data.loader.state_dict(), "model": self.cfg.model.hf_config_dict()}
+        self.actors.save_checkpoint(path, self.global_step, state)
+        save_config(self.cfg, path)
+        _write_atomically(os.path.join(self.checkpoint_root, LATEST), f"global_step_{self.global_step}\n")
+        keep = self.cfg.trainer.max_ckpt_to_keep
+        if keep:
+            for old in _checkpoints(self.checkpoint_root)[:-keep]:
+                shutil.rmtree(os.path.join(self.checkpoint_root, old))
+        return path
+
+    def resume(self) -> bool:
+        """Restore the checkpoint ``trainer.resume_mode`` names; refuses a changed model or dataset."""
+        mode, path = self.cfg.trainer.resume_mode, None
+        if mode == "resume_path":
+            path = self.cfg.trainer.resume_from_path
+        elif mode == "auto" and os.path.isfile(os.path.join(self.checkpoint_root, LATEST)):
+            with open(os.path.join(self.checkpoint_root, LATEST)) as f:
+                path = os.path.join(self.checkpoint_root, f.read().strip())
+        if path is None:
+            return False
+        step, state = self.actors.load_checkpoint(path)
+        if state["model"] != self.cfg.model.hf_config_dict():
+            raise ValueError(
+                f"{path}: saved for another model (model.hf_config / config.json differ); not resuming"
+            )
+        self.data.loader.load_state_dict(state["loader"])  # refuses a different dataset, naming why
+        self.global_step = step
+        self.actors.sync_weights()
+        return True
+
+    def close(self) -> None:
+        self.step.scorer.close()
+        self.actors.shutdown()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _every(freq: int, step: int, last: bool) -> bool:
+    return freq > 0 and (step % freq == 0 or last)
+
+
+def _checkpoints(root: str) -> list[str]:
+    names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
+    return sorted(names, key=lambda n: int(n[12:]))
+
+
+def _write_atomically(path: str, text: str) -> None:
+    staging = f"{path}.tmp"
+    with open(staging, "w") as f:
+        f.write(text)
+    os.replace(staging, path)
