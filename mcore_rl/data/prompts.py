@@ -55,6 +55,8 @@ class PromptBatch:
     """[B]"""
     extra_infos: list[dict[str, Any]] = field(default_factory=list)
     """[B]"""
+    origins: list[str] = field(default_factory=list)
+    """[B] ``file row N`` of each prompt, for messages (e.g. ``ScoreRequest.where``)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -80,6 +82,7 @@ class PromptBatch:
             self.data_sources[part],
             self.ground_truths[part],
             self.extra_infos[part],
+            self.origins[part],
         )
 
 
@@ -128,6 +131,7 @@ class PromptDataset:
             data_sources=[r.data_source for r in picked],
             ground_truths=[r.ground_truth for r in picked],
             extra_infos=[r.extra_info for r in picked],
+            origins=[f"{r.file} row {r.row}" for r in picked],
         )
 
     def batches(self, batch_size: int | None = None) -> list[PromptBatch]:

@@ -20,6 +20,9 @@ class EpochSampler:
     def __init__(
         self, num_items: int, batch_size: int, shuffle: bool, seed: int, drop_last: bool, fingerprint: str
     ) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            # e.g. DataConfig built in Python and never resolved: its seed is still "${trainer.seed}"
+            raise TypeError(f"seed must be an int, got {seed!r} (resolve configs with check_config)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if num_items < (batch_size if drop_last else 1):

@@ -162,7 +162,11 @@ class RewardScorer:
             try:
                 message = worker.conn.recv()
             except (EOFError, OSError):
-                self._replace(worker, results, f"worker process died (exit code {worker.process.exitcode})")
+                worker.process.join(timeout=5)
+                died = f"worker process died (exit code {worker.process.exitcode})"
+                if not worker.ready:  # it never took work: replacing it would loop forever
+                    raise RewardError(f"a scorer worker failed to start: {died}") from None
+                self._replace(worker, results, died)
                 continue
             if message == "ready":
                 worker.ready = True

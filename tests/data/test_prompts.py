@@ -59,6 +59,7 @@ def test_rows_load_with_verl_columns(suffix: str, tmp_path: Path, hf_tok: Tokeni
     assert tokens.shape == (2, int(lengths.max())) and batch.indices.tolist() == [1, 0]
     assert tokens[0, lengths[0] :].eq(hf_tok.pad_token_id).all()
     assert batch.shard(1, 2).ground_truths == ["0"]
+    assert batch.origins == [f"{text_path} row 0", f"{path} row 0"]
 
 
 def test_overlong_prompts_are_refused_or_counted(
@@ -193,6 +194,8 @@ def test_resume_against_other_data_is_refused(tmp_path: Path, hf_tok: Tokenizer)
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="cannot fill one batch of 8"):
         EpochSampler(5, 8, True, 0, True, "x")
+    with pytest.raises(TypeError, match="resolve configs with check_config"):
+        PromptLoader(other.dataset, DataConfig(train_batch_size=3))  # seed is still '${trainer.seed}'
 
 
 def test_padded_batch_is_right_padded() -> None:
