@@ -218,7 +218,7 @@ def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
     arch, reader, dtype, output = prepare(options)
     source = _ChunkSource(arch, reader, dtype, options.allow_nonfinite)
     with ParallelContext.initialize(ParallelConfig()) as ctx:  # world from torchrun, or a world of one
-        staging = begin_collective(output, ctx.rank)
+        _, staging = begin_collective(lambda: output, ctx.rank)
         try:
             write_checkpoint(staging, arch, source, dtype, options.tp, options.pp)
         except BaseException:

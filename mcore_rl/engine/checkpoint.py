@@ -174,12 +174,12 @@ def save_model(
     :class:`~mcore_rl.io.output.OutputFolder`)."""
     from megatron.core import dist_checkpointing
 
-    output = None
-    if ctx.rank == 0:
-        output = OutputFolder.plan(
+    output, staging = begin_collective(
+        lambda: OutputFolder.plan(
             directory, flag="checkpoint folder", replace_ours=True, kind="model-checkpoint"
-        )
-    staging = begin_collective(output, ctx.rank)
+        ),
+        ctx.rank,
+    )
     try:
         dist_checkpointing.save(sharded_state_dict(chunks), staging, sharded_strategy=save_strategy())
     except BaseException:

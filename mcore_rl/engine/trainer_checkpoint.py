@@ -64,12 +64,12 @@ def save_training_checkpoint(
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     state = {"step": step, "layout": _layout(engine), "extra": extra or {}}
     encoded = json.dumps(state, indent=2, sort_keys=True)  # a non-JSON extra fails here, before writing
-    output = None
-    if engine.ctx.rank == 0:
-        output = OutputFolder.plan(
+    output, staging = begin_collective(
+        lambda: OutputFolder.plan(
             directory, flag="checkpoint folder", replace_ours=True, kind="training-checkpoint"
-        )
-    staging = begin_collective(output, engine.ctx.rank)
+        ),
+        engine.ctx.rank,
+    )
     try:
         _materialise_optimizer_state(engine)  # a run may checkpoint before its first step
         dist_checkpointing.save(_state(engine, is_loading=False), staging, sharded_strategy=save_strategy())

@@ -116,9 +116,19 @@ def check_common_pt(folder: str) -> None:
     except OSError as err:
         raise InputError(f"{path}: cannot read ({err.strerror})") from None
     except pickle.UnpicklingError as err:
-        raise UnsafeInputError(f"{path}: refused by torch.load(weights_only=True) ({err})") from None
+        raise UnsafeInputError(
+            f"{path}: refused by torch.load(weights_only=True) ({_weights_only_reason(err)})"
+        ) from None
     except Exception as err:
         raise InputError(f"{path}: not a readable torch file ({type(err).__name__}: {err})") from None
+
+
+def _weights_only_reason(err: Exception) -> str:
+    """The one informative line of torch's long weights-only refusal (which global it met)."""
+    for line in str(err).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(" was not")[0]
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _safe_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -132,7 +142,8 @@ def _safe_load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as err:
         raise UnsafeInputError(
-            f"checkpoint object {read_item.dest_index.fqn}: refused by torch.load(weights_only=True) ({err})"
+            f"checkpoint object {read_item.dest_index.fqn}: refused by torch.load(weights_only=True) "
+            f"({_weights_only_reason(err)})"
         ) from None
     if self.flatten_state_dict:
         from torch.distributed.checkpoint._traverse import set_element
@@ -151,7 +162,15 @@ def safe_dcp_loading() -> Iterator[None]:
     saved = (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes)
     FileSystemReader.read_metadata = _safe_read_metadata  # type: ignore[method-assign]
     DefaultLoadPlanner.load_bytes = _safe_load_bytes  # type: ignore[method-assign]
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
+    except CheckpointException as err:
+        # DCP gathers every rank's exception into one; a refused input surfaces as itself, on every rank.
+        for failure, _ in err.failures.values():
+            if isinstance(failure, InputError):
+                raise type(failure)(str(failure)) from None
+        raise
     finally:
         FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = saved  # type: ignore[method-assign]

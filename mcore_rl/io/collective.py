@@ -4,7 +4,7 @@ Rank 0 plans, creates the staging folder and commits; every rank writes its shar
 Both steps broadcast rank 0's outcome, so a failure on rank 0 (read-only folder, a concurrent writer) ends
 every rank with the same one-line error instead of leaving the others waiting in a collective::
 
-    staging = begin_collective(output, rank)     # output: the OutputFolder rank 0 planned (None elsewhere)
+    output, staging = begin_collective(lambda: OutputFolder.plan(...), rank)   # output: None off rank 0
     ...every rank writes into staging...
     commit_collective(output, rank, finish)      # rank 0: finish() (side files), then commit
 """
@@ -25,20 +25,22 @@ def _describe(err: BaseException) -> str:
     return str(err) if isinstance(err, InputError) else f"{type(err).__name__}: {err}"
 
 
-def begin_collective(output: OutputFolder | None, rank: int) -> str:
-    """Rank 0 creates the staging folder; every rank gets its path, or rank 0's error."""
+def begin_collective(plan: Callable[[], OutputFolder], rank: int) -> tuple[OutputFolder | None, str]:
+    """Rank 0 plans the output (checks) and creates its staging folder; every rank gets the staging path,
+    or rank 0's error. Returns ``(output on rank 0 else None, staging path)``."""
     shared: list[str | None] = [None, None]
+    output = None
     if rank == 0:
-        assert output is not None
         try:
+            output = plan()
             shared[0] = output.begin()
         except (OSError, InputError) as err:
             shared[1] = _describe(err)
     if dist.is_initialized():
         dist.broadcast_object_list(shared, src=0)
     if shared[1] is not None:
-        raise OutputError(f"cannot start writing: {shared[1]}")
-    return str(shared[0])
+        raise OutputError(shared[1])
+    return output, str(shared[0])
 
 
 def commit_collective(output: OutputFolder | None, rank: int, finish: Callable[[], None]) -> None:

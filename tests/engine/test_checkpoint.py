@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import socket
+import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_rl.engine.arch import ConfigError
 from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.engine.trainer_checkpoint import load_training_checkpoint, save_training_checkpoint
+from mcore_rl.engine.trainer_checkpoint import (
+    TRAINER_STATE_FILE,
+    load_training_checkpoint,
+    read_trainer_state,
+    save_training_checkpoint,
+)
 from mcore_rl.engine.weights import gather_full_state, load_full_state
+from mcore_rl.io.errors import InputError, OutputError, UnsafeInputError
+from mcore_rl.io.output import MARKER_FILE
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
 from tests.models import tiny_arch
 
@@ -80,8 +91,53 @@ def test_info_file(tmp_path):
 
 
 def test_load_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a megatron distributed checkpoint"):
+    with pytest.raises(InputError, match="not a megatron distributed checkpoint"):
         load_model([], None, str(tmp_path))  # type: ignore[arg-type]
+
+
+class _CreatesFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_loaders_refuse_a_crafted_checkpoint_before_anything_runs(tmp_path):
+    """load_model and the training-checkpoint loader read a crafted ``.metadata`` through the restricted
+    unpickler (checked before anything collective, so every rank refuses alike)."""
+    ran = tmp_path / "ran"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_CreatesFile(str(ran))))
+    (ckpt / TRAINER_STATE_FILE).write_text(json.dumps({"step": 1, "layout": LAYOUT, "extra": {}}))
+    with pytest.raises(UnsafeInputError, match=r"\.metadata: refers to io\.open"):
+        load_model([], None, str(ckpt))  # type: ignore[arg-type]
+    with pytest.raises(UnsafeInputError, match=r"\.metadata: refers to io\.open"):
+        load_training_checkpoint(None, str(ckpt))
+    assert not ran.exists()
+
+
+LAYOUT = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"step": "3", "layout": LAYOUT}, "step must be an integer"),
+        ({"step": -1, "layout": LAYOUT}, "step must be an integer >= 0"),
+        ({"step": True, "layout": LAYOUT}, "step must be an integer"),
+        ({"step": 1, "layout": []}, "layout must be an object"),
+        ({"step": 1, "layout": {**LAYOUT, "tensor_parallel_size": 0}}, "layout.tensor_parallel_size"),
+        ({"step": 1, "layout": LAYOUT, "extra": [1]}, "extra must be an object"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_trainer_state_fields_are_checked(tmp_path, state, message):
+    (tmp_path / TRAINER_STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=f"{TRAINER_STATE_FILE}: {message}"):
+        read_trainer_state(str(tmp_path))
 
 
 def _batch(vocab_size: int, seed: int) -> MicroBatch:
@@ -173,7 +229,7 @@ def _resume_at_another_tp(directory: str) -> str:
 
 def test_training_checkpoint_refuses_another_tp(run_distributed, tmp_path):
     run_distributed(_resume_at_another_tp, str(tmp_path / "ckpt"))
-    with pytest.raises(FileNotFoundError, match="not a training checkpoint"):
+    with pytest.raises(InputError, match="not a training checkpoint"):
         load_training_checkpoint(None, str(tmp_path))  # checked before anything collective
 
 
@@ -194,21 +250,64 @@ def test_training_checkpoint_before_the_first_step(run_distributed, tmp_path):
     assert run_distributed(_save_before_the_first_step_changes_nothing, str(tmp_path / "ckpt")) == [0.0, 0.0]
 
 
-def _save_over_a_checkpoint_and_a_crashed_save(directory: str) -> int:
+def _reaped_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _save_next_to_users_folders(directory: str) -> tuple[int, list[str]]:
+    """Saves next to a user's ``<dir>.old`` / ``<dir>.tmp-2`` and over a crashed save of ours; refuses a
+    regular file and a folder that is not ours (on every rank, nothing waits)."""
     arch = tiny_arch("llama")
+    parent = os.path.dirname(directory)
+    failures = []
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         engine = TrainEngine.build(arch, ctx)
         save_training_checkpoint(engine, directory, step=1)
-        if ctx.rank == 0:  # what a save killed halfway leaves behind
-            os.makedirs(f"{directory}.tmp-2")
-            open(f"{directory}.tmp-2/partial", "w").close()
+        if ctx.rank == 0:  # a user's backups next to it, and what a save killed halfway leaves behind
+            for name in (".old", ".tmp-2"):
+                os.makedirs(directory + name)
+                with open(os.path.join(directory + name, "mine.txt"), "w") as f:
+                    f.write("the user's")
+            stale = os.path.join(
+                parent, f".{os.path.basename(directory)}.mcore_rl-staging-{_reaped_pid()}-deadbeef"
+            )
+            os.makedirs(stale)
+            marker = {
+                "tool": "mcore_rl",
+                "target": os.path.realpath(directory),
+                "pid": _reaped_pid(),
+                "host": socket.gethostname(),
+            }
+            with open(os.path.join(stale, MARKER_FILE), "w") as f:
+                json.dump(marker, f)
+            with open(directory + ".file", "w") as f:
+                f.write("a user's file")
         dist.barrier()
         save_training_checkpoint(engine, directory, step=2)
         step, _ = load_training_checkpoint(engine, directory)
-        return step
+        for target in (directory + ".file", directory + ".old"):
+            try:
+                save_training_checkpoint(engine, target, step=3)
+            except OutputError as err:
+                failures.append(str(err))
+        dist.barrier()
+        return step, failures
 
 
-def test_training_checkpoint_replaces_atomically(run_distributed, tmp_path):
+def test_training_checkpoint_never_touches_what_is_not_ours(run_distributed, tmp_path):
     directory = str(tmp_path / "ckpt")
-    assert run_distributed(_save_over_a_checkpoint_and_a_crashed_save, directory) == [2, 2]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging or previous copy left behind
+    for step, failures in run_distributed(_save_next_to_users_folders, directory):
+        assert step == 2
+        assert "ckpt.file exists and is not a folder" in failures[0]
+        assert "ckpt.old exists and was not written by mcore_rl" in failures[1]
+    assert sorted(os.listdir(tmp_path)) == [
+        "ckpt",
+        "ckpt.file",
+        "ckpt.old",
+        "ckpt.tmp-2",
+    ]  # stale staging gone
+    for name in ("ckpt.old", "ckpt.tmp-2"):
+        assert (tmp_path / name / "mine.txt").read_text() == "the user's"
+    assert (tmp_path / "ckpt.file").read_text() == "a user's file"
