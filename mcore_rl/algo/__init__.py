@@ -6,6 +6,7 @@ distributed: global token/sequence counts come in as arguments (`LossAggregation
 
     rewards --(apply_kl_penalty)--> rewards --(compute_*_advantages)--> advantages
     log_probs_from_logits --> ppo_policy_loss / gspo_policy_loss (+ kl_loss, - entropy) --> aggregate_loss
+    sequence_log_probs (policy, reference) --> dpo_loss (sigmoid / cDPO, robust, hinge, ipo)
 """
 
 from mcore_rl.algo.advantages import (
@@ -17,6 +18,7 @@ from mcore_rl.algo.advantages import (
     compute_remax_advantages,
     compute_rloo_advantages,
 )
+from mcore_rl.algo.dpo import DPOLossType, DPOOutput, DPOSettings, dpo_loss, sequence_log_probs
 from mcore_rl.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -44,6 +46,9 @@ from mcore_rl.algo.masked import masked_mean, masked_sum, masked_var, masked_whi
 __all__ = [
     "AdaptiveKLController",
     "AdvantageOutput",
+    "DPOLossType",
+    "DPOOutput",
+    "DPOSettings",
     "FixedKLController",
     "KLEstimator",
     "KLRewardOutput",
@@ -59,6 +64,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "compute_remax_advantages",
     "compute_rloo_advantages",
+    "dpo_loss",
     "entropy_from_logits",
     "gspo_policy_loss",
     "kl_loss",
@@ -72,5 +78,6 @@ __all__ = [
     "num_valid_seqs",
     "parse_kl_estimator",
     "ppo_policy_loss",
+    "sequence_log_probs",
     "value_loss",
 ]
