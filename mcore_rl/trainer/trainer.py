@@ -156,8 +156,12 @@ class Trainer:
     def save(self) -> str:
         """Actor weights + optimizer + schedule + driver state + config; ``latest`` last; keep the last K."""
         path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+        os.makedirs(self.checkpoint_root, exist_ok=True)
         state = {"loader": self.data.loader.state_dict(), "model": self.cfg.model.hf_config_dict()}
-        self.actors.save_checkpoint(path, self.global_step, state)
+        self.actors.save_checkpoint(
+            path, self.global_step, state
+        )  # in the TRAIN phase (optimizer state home)
+        self.actors.sync_weights()  # back to ROLLOUT for the next step
         save_config(self.cfg, path)
         _write_atomically(os.path.join(self.checkpoint_root, LATEST), f"global_step_{self.global_step}\n")
         keep = self.cfg.trainer.max_ckpt_to_keep
