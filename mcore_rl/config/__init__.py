@@ -29,6 +29,9 @@ the meaning is the same::
     logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold
     sft:        enable, train_files, val_files, response_key, total_steps, train_batch_size,
                 micro_batch_size_per_gpu, max_length, optim {as optim}, test_freq, target_val_accuracy
+    dpo:        train_files, val_files, chosen_key, rejected_key, loss_type, beta, label_smoothing,
+                reference_free, precompute_ref_log_probs, sft_loss_weight, max_length, train_batch_size,
+                micro_batch_size_per_gpu, test_freq                     (``mcore-rl dpo``)
 
 Python API::
 
@@ -39,6 +42,7 @@ Python API::
 ``mcore-rl config show RECIPE [k=v ...]`` prints the resolved config.
 """
 
+from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
 from mcore_rl.config.model import (
@@ -65,6 +69,7 @@ __all__ = [
     "CONFIG_FILE",
     "AlgorithmConfig",
     "ConfigError",
+    "DPOConfig",
     "DataConfig",
     "HybridSection",
     "KLControl",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import II
 
+from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.model import (
     AlgorithmConfig,
     ModelConfig,
@@ -189,6 +190,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Preference optimisation (``mcore-rl dpo``); a run is a DPO run when ``dpo.train_files`` is set."""
 
     @property
     def world_size(self) -> int:

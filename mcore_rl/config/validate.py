@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from mcore_rl.config.dpo import DPO_LOSS_TYPES, DPOConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.run import RunConfig
 
@@ -50,6 +51,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.on_nonfinite_loss": ("stop", "skip"),
+    "dpo.loss_type": DPO_LOSS_TYPES,
 }
 
 _POSITIVE = ("> 0", lambda v: v > 0)
@@ -107,6 +109,13 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "sft.max_length": _OPTIONAL_POSITIVE,
     "sft.test_freq": _POSITIVE,
     "sft.target_val_accuracy": ("in (0, 1] or null", lambda v: v is None or 0 < v <= 1),
+    "dpo.beta": _POSITIVE,
+    "dpo.label_smoothing": ("in [0, 0.5)", lambda v: 0 <= v < 0.5),
+    "dpo.sft_loss_weight": _NON_NEGATIVE,
+    "dpo.max_length": _OPTIONAL_POSITIVE,
+    "dpo.train_batch_size": _POSITIVE,
+    "dpo.micro_batch_size_per_gpu": _POSITIVE,
+    "dpo.test_freq": _FREQ,
 }
 for _prefix in ("optim", "sft.optim"):
     RANGES.update(
@@ -245,6 +254,7 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
             f"rollout.n={n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses "
             "within a group and needs rollout.n >= 2"
         )
+    problems += _dpo_batch_problems(cfg.dpo, dp)
     if cfg.sft.enable:
         sft_batch, sft_micro = cfg.sft.train_batch_size, cfg.sft.micro_batch_size_per_gpu
         if sft_batch % dp:
@@ -257,13 +267,32 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _dpo_batch_problems(dpo: DPOConfig, dp: int) -> list[str]:
+    """Preference pairs split evenly over data-parallel ranks and micro-batches (pairs are never split)."""
+    if not dpo.train_files:
+        return []
+    batch, micro = dpo.train_batch_size, dpo.micro_batch_size_per_gpu
+    if batch % dp:
+        return [f"dpo.train_batch_size={batch} pairs are not divisible by data-parallel size {dp}"]
+    if (batch // dp) % micro:
+        return [
+            f"dpo.micro_batch_size_per_gpu={micro} does not divide the {batch // dp} pairs per data-parallel rank"
+        ]
+    return []
+
+
 def _run_problems(cfg: RunConfig) -> list[str]:
     problems = []
     trainer = cfg.trainer
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-    if not cfg.data.train_files:
+    if not cfg.data.train_files and not cfg.dpo.train_files:
         problems.append("data.train_files is empty: give at least one .parquet or .jsonl file")
+    if cfg.dpo.label_smoothing and cfg.dpo.loss_type in ("hinge", "ipo"):
+        problems.append(
+            f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to loss_type sigmoid and robust only, "
+            f"not {cfg.dpo.loss_type}"
+        )
     if trainer.test_freq > 0 and not cfg.data.val_files:
         problems.append(f"trainer.test_freq={trainer.test_freq} needs data.val_files")
     if cfg.sft.enable and not cfg.sft.train_files:
@@ -280,6 +309,8 @@ def _path_problems(cfg: RunConfig) -> list[str]:
         *(("data.val_files", f) for f in cfg.data.val_files),
         *(("data.test_files", f) for f in cfg.data.test_files),
         *(("sft.train_files", f) for f in (cfg.sft.train_files if cfg.sft.enable else [])),
+        *(("dpo.train_files", f) for f in cfg.dpo.train_files),
+        *(("dpo.val_files", f) for f in cfg.dpo.val_files),
     ]
     problems = [f"{key}: {path} does not exist" for key, path in files if not os.path.isfile(path)]
     for key in ("model.path", "model.tokenizer_path"):
