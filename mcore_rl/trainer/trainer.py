@@ -180,12 +180,17 @@ class Trainer:
                 path = os.path.join(self.checkpoint_root, f.read().strip())
         if path is None:
             return False
-        step, state = self.actors.load_checkpoint(path)
-        if state["model"] != self.cfg.model.hf_config_dict():
+        from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+
+        _, _, saved = read_trainer_state(path)
+        model = self.cfg.model.hf_config_dict()
+        changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
+        if changed:
             raise ValueError(
-                f"{path}: saved for another model (model.hf_config / config.json differ); not resuming"
+                f"{path}: saved for another model (config.json differs in {changed}); not resuming"
             )
-        self.data.loader.load_state_dict(state["loader"])  # refuses a different dataset, naming why
+        self.data.loader.load_state_dict(saved["loader"])  # refuses a different dataset, naming why
+        step, _ = self.actors.load_checkpoint(path)
         self.global_step = step
         self.actors.sync_weights()
         return True
