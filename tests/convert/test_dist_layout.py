@@ -68,6 +68,7 @@ def test_converted_checkpoint_has_megatrons_layout(run_distributed, tmp_path):
         for key in megatron:
             assert megatron[key] == converted[key], key
         assert sorted(os.listdir(tmp_path / f"megatron{i}")) == [
+            ".mcore_rl-output.json",  # our marker: save_model's folder is ours to replace later
             ".metadata",
             *[f"__{r}_0.distcp" for r in range(4)],
             "common.pt",

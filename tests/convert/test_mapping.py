@@ -23,6 +23,7 @@ from mcore_rl.convert.mapping import (
     to_hf,
 )
 from mcore_rl.convert.safetensors_io import INDEX_FILE, OutputTensor, SafetensorsReader, StreamingShardWriter
+from mcore_rl.io.errors import UsageError
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.parallel.sharding import ShardKind, shard_kind, tp_shard
 from tests.models import tiny_arch
@@ -114,7 +115,9 @@ def test_writer_refuses_out_of_order_tensors(tmp_path):
 def test_cli_value_parsing():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("100") == 100
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(None) is None
-    with pytest.raises(ConvertError, match="--dtype 'fp16'"):
-        parse_dtype("fp16")
-    with pytest.raises(ConvertError, match="--max-shard-size"):
-        parse_size("lots")
+    assert parse_dtype("FP16") is torch.float16
+    with pytest.raises(UsageError, match="--dtype 'fp8'"):
+        parse_dtype("fp8")
+    for bad in ("lots", "0", "0.1B"):
+        with pytest.raises(UsageError, match="--max-shard-size"):
+            parse_size(bad)
