@@ -1,0 +1,80 @@
+"""The real-model recipes load into the run-config schema and fit their GPUs according to the planner, with
+the layout and the numbers their comments state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcore_rl.config import load_config
+from mcore_rl.planner import plan_memory
+from mcore_rl.planner.from_config import plan_input_from_config
+from tests.planner.hf_configs import LLAMA31_8B, LLAMA31_70B
+
+GIB = 1 << 30
+
+# recipe -> (model config, world, tp, pp, vpp, dp, rollout tp)
+RECIPES = {
+    "recipes/llama3_8b_grpo_a100.yaml": (LLAMA31_8B, 8, 2, 1, None, 4, 2),
+    "recipes/llama3_70b_grpo_a100.yaml": (LLAMA31_70B, 32, 8, 4, 5, 1, 8),
+}
+
+
+@pytest.fixture(params=sorted(RECIPES))
+def recipe(request, tmp_path):
+    """(recipe path, its config with model.path pointing at a folder holding the model's config.json)."""
+    hf_config = RECIPES[request.param][0]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    return request.param, load_config(request.param, [f"model.path={tmp_path}"])
+
+
+def test_recipe_loads_and_fits_an_a100_80(recipe):
+    path, cfg = recipe
+    _, world, tp, pp, vpp, dp, rollout_tp = RECIPES[path]
+    plan = plan_input_from_config(cfg, gpu="A100-80")
+    assert (plan.world_size, plan.tp, plan.pp, plan.vpp, plan.dp, plan.rollout_tp) == (
+        world,
+        tp,
+        pp,
+        vpp,
+        dp,
+        rollout_tp,
+    )
+    assert plan.sp and plan.bf16 and plan.reference  # SP on, bf16 weights, KL loss -> colocated reference
+    result = plan_memory(plan)
+    assert result.fits, result.problems
+    # The comments promise ~13 GiB to spare in the worst phase.
+    assert 12 * GIB < result.train.capacity_bytes - result.peak_bytes < 14 * GIB
+
+
+def test_llama_70b_recipe_numbers_in_its_comments():
+    cfg = load_config("recipes/llama3_70b_grpo_a100.yaml", ["model.path=/nonexistent"])
+    from mcore_rl.engine.arch import ModelArch
+
+    plan = plan_input_from_config(cfg, arch=ModelArch.from_hf_config(LLAMA31_70B), gpu="A100-80")
+    result = plan_memory(plan)
+    state = result.train.terms
+    assert round((state["weights"] + state["gradients"] + state["optimizer"]) / GIB) == 38
+    assert round(state["rollout weights (asleep)"] / GIB, 1) == 16.4
+    assert round(result.kv_cache_tokens, -4) == 390_000
+    # The rejected alternative: PP=2 (DP=2) does not fit the train phase.
+    pp2 = plan_memory(plan.with_layout(pp=2, vpp=None))
+    assert not pp2.train.fits and round(pp2.train.total_bytes / GIB) == 78
+
+
+def test_llama_8b_recipe_numbers_in_its_comments():
+    from mcore_rl.engine.arch import ModelArch
+
+    cfg = load_config("recipes/llama3_8b_grpo_a100.yaml", ["model.path=/nonexistent"])
+    plan = plan_input_from_config(cfg, arch=ModelArch.from_hf_config(LLAMA31_8B), gpu="A100-80")
+    result = plan_memory(plan)
+    state = result.train.terms
+    assert round((state["weights"] + state["gradients"] + state["optimizer"]) / GIB) == 34
+    assert (
+        round(state["reference weights"] / GIB, 1) == round(state["rollout weights (asleep)"] / GIB, 1) == 7.5
+    )
+    assert result.kv_cache_tokens // 1536 == 340
+    tp1 = plan_memory(plan.with_layout(tp=1, sp=False))
+    assert round((tp1.actor.weights_bytes + tp1.actor.grads_bytes + tp1.actor.optimizer_bytes) / GIB) == 56
+    assert not tp1.train.fits
