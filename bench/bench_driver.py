@@ -1,0 +1,190 @@
+"""Ray overhead of the RL step: the same GRPO step through the driver and a Ray worker group vs in-process.
+
+Both paths run the identical step (``RLStep.run``: generate -> score || actor/reference log-probs ->
+advantages -> PPO update -> weight sync) with the same worker code, seeds and weights; only where the
+worker lives differs: inside the driver process (in-process backend) or in a Ray actor (world size 1),
+reached through ``ray.put`` shards and object refs. Workload: Llama hidden 256, 4 layers, 8 heads,
+intermediate 688, vocab 1000, fp32; 8 prompts x 4 samples x 32 new tokens; 2 torch threads per worker.
+
+Steps alternate (in-process, Ray, in-process, ...) so that load from other processes on the machine hits
+both alike; the median step of each is compared. Also printed: the control-call round trip (a no-op method
+on the worker) and the object-store round trip of one rollout batch, i.e. Ray's fixed costs apart.
+
+    python bench/bench_driver.py [--steps 6] [--warmup 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_LEN = 8, 4, 32, 16
+
+
+def even_first_word(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
+    """The bench's rule reward: 1 when the response's first word has an even id (about half the samples)."""
+    words = solution_str.split()
+    return float(bool(words) and int(words[0][1:]) % 2 == 0)
+
+
+def write_tokenizer(folder: str) -> None:
+    """A 1000-word WordLevel tokenizer (``w0`` .. ``w999``; ``w0`` is EOS and padding)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(["w0"])
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    from mcore_rl.data.tokenizer import write_tokenizer_config
+
+    write_tokenizer_config(folder, eos_token="w0", pad_token="w0")
+
+
+def run_config(folder: str, threads: int):  # -> RunConfig
+    from omegaconf import OmegaConf
+
+    from mcore_rl.config import RunConfig, check_config
+
+    overrides = [
+        f"model.tokenizer_path={folder}",
+        f"data.train_files=[{os.path.join(folder, 'train.jsonl')}]",
+        f"data.max_prompt_length={PROMPT_LEN}",
+        "data.apply_chat_template=false",
+        "data.shuffle=false",
+        f"data.train_batch_size={PROMPTS}",
+        f"data.max_response_length={NEW_TOKENS}",
+        f"rollout.n={SAMPLES}",
+        f"algorithm.ppo_micro_batch_size_per_gpu={PROMPTS * SAMPLES}",
+        "algorithm.use_kl_loss=true",  # the reference log-prob pass is part of the step
+        "optim.lr=1e-5",
+        f"reward.custom_function={os.path.abspath(__file__)}:even_first_word",
+        f"trainer.num_cpus={threads}",
+    ]
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": HF_CONFIG}})
+    return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist(overrides)))
+
+
+def write_prompts(folder: str, num: int) -> None:
+    """``num`` prompts of PROMPT_LEN random words, in verl's row format."""
+    from mcore_rl.data.rows import write_rows
+
+    ids = torch.randint(1, 1000, (num, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = [
+        {"prompt": " ".join(f"w{i}" for i in r), "data_source": "bench", "reward_model": {"ground_truth": ""}}
+        for r in ids
+    ]
+    write_rows(os.path.join(folder, "train.jsonl"), rows)
+
+
+def ray_fixed_costs(actors, cfg) -> tuple[float, float]:  # -> (control call s, bulk round trip s)
+    import ray
+
+    group = actors.backend.group
+    group.run("pid")
+    start = time.perf_counter()
+    for _ in range(20):
+        group.run("pid")
+    control = (time.perf_counter() - start) / 20
+    width = PROMPT_LEN + NEW_TOKENS
+    batch = [torch.zeros(PROMPTS * SAMPLES, width) for _ in range(4)]
+    start = time.perf_counter()
+    for _ in range(20):
+        ray.get(ray.put(batch))
+    return control, (time.perf_counter() - start) / 20
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per path")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per path first")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each worker")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    torch.set_num_threads(args.threads)
+
+    from mcore_rl.controller import RayConfig, init_ray
+    from mcore_rl.data.prompts import PromptDataset
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.scoring import RewardScorer
+    from mcore_rl.trainer.build import build_actor_group, worker_spec
+    from mcore_rl.trainer.grpo import RLStep
+
+    folder = tempfile.mkdtemp(prefix="bench_driver_")
+    total = args.warmup + args.steps
+    write_tokenizer(folder)
+    write_prompts(folder, PROMPTS * total)
+    cfg = run_config(folder, args.threads)
+    tokenizer = load_tokenizer(folder)
+    dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
+    init_ray(RayConfig(num_cpus=args.threads))
+    paths = {
+        "in-process": build_actor_group(cfg, worker_spec(cfg, total), use_ray=False),
+        "ray": build_actor_group(cfg, worker_spec(cfg, total), use_ray=True),
+    }
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    rewards: dict[str, list[float]] = {name: [] for name in paths}
+    with RewardScorer(cfg.reward) as scorer:
+        steps = {name: RLStep(cfg, actors, tokenizer, scorer) for name, actors in paths.items()}
+        for step in range(1, total + 1):
+            for name, rl_step in steps.items():  # alternate, so background load hits both alike
+                metrics = rl_step.run(dataset.batch(range((step - 1) * PROMPTS, step * PROMPTS)), step)
+                rewards[name].append(metrics["reward"])
+                if step > args.warmup:
+                    times[name].append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")})
+        control, bulk = ray_fixed_costs(paths["ray"], cfg)
+    for actors in paths.values():
+        actors.shutdown()
+    report(times, rewards, control, bulk, args)
+    return 0
+
+
+def report(times, rewards, control: float, bulk: float, args) -> None:
+    median = {n: statistics.median(t["step"] for t in ts) for n, ts in times.items()}
+    ratio = median["ray"] / median["in-process"]
+    print(
+        f"GRPO step, {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, Llama h256 L4, fp32, "
+        f"{args.threads} threads, median of {args.steps} steps (after {args.warmup} warm-up):"
+    )
+    print(
+        f"  in-process {median['in-process']:.3f} s   ray {median['ray']:.3f} s   ratio {ratio:.3f} "
+        f"({(ratio - 1) * 100:+.1f}%)"
+    )
+    print(f"  same samples on both paths: {rewards['in-process'] == rewards['ray']} (rewards per step)")
+    print("  per stage (median s)     in-process      ray     ray - in-process")
+    for stage in times["ray"][0]:
+        a = statistics.median(t[stage] for t in times["in-process"])
+        b = statistics.median(t[stage] for t in times["ray"])
+        print(f"    {stage:<22} {a:10.4f} {b:10.4f} {b - a:+10.4f}")
+    print(
+        f"  Ray fixed costs: control call round trip {control * 1e3:.2f} ms; object-store put+get of one "
+        f"rollout batch ({PROMPTS * SAMPLES}x{PROMPT_LEN + NEW_TOKENS} x 4 fp32 tensors) {bulk * 1e3:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
