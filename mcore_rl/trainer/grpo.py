@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mcore_rl.config import RunConfig
+from mcore_rl.controller import WorkerError
 from mcore_rl.data.prompts import PromptBatch
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import SamplingParams
@@ -30,6 +31,7 @@ from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.actor_group import ActorGroup, UpdatePlan
 from mcore_rl.trainer.batch import ProbAgreement, compute_advantages, prob_agreement
 from mcore_rl.trainer.losses import PolicyLossSettings
+from mcore_rl.trainer.worker import NonFiniteLossError
 from mcore_rl.types import RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 log = logging.getLogger(__name__)
@@ -94,10 +96,22 @@ class RLStep:
             log_probs.ref_log_probs,
         )
         with timer("update"):
-            stats = self.actors.update(batch, self.loss, self.plan)
+            stats = self.update(batch, step)
         with timer("sync"):
-            self.actors.sync_weights()
-        return step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n)
+            sync = self.actors.sync_weights()
+        return {**step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n), **sync}
+
+    def update(self, batch: TrainBatch, step: int) -> UpdateStats:
+        """The actor update; a NaN/inf loss stops the run naming the step (nothing was applied)."""
+        try:
+            return self.actors.update(batch, self.loss, self.plan)
+        except (NonFiniteLossError, WorkerError) as err:
+            if "NaN/inf loss" not in str(err):
+                raise
+            raise NonFiniteLossError(
+                f"step {step}: NaN/inf loss, the update was not applied (trainer.on_nonfinite_loss=skip "
+                f"skips such updates): {str(err).splitlines()[0][:300]}"
+            ) from err
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step

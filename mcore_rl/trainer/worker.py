@@ -98,7 +98,10 @@ class HybridWorker(Worker):
         if self.hybrid.phase is Phase.ROLLOUT:
             return {}
         transition = self.hybrid.to_rollout()
-        return {"sync_s": transition.seconds, **{f"sync_{k}_s": v for k, v in transition.steps_s.items()}}
+        return {
+            **{f"time/sync_{k}_s": v for k, v in transition.steps_s.items()},  # offload, reshard, load
+            "memory/rollout_phase_bytes": float(transition.memory_bytes),
+        }
 
     def _to_train(self) -> None:
         if self.hybrid.phase is Phase.ROLLOUT:

@@ -1,0 +1,12 @@
+"""The RL driver: the step (``grpo.py``), the run around it (``trainer.py``), the hybrid worker it drives
+(``worker.py``) and the typed handle on the worker group (``actor_group.py``).
+
+    from mcore_rl.trainer import Trainer
+    with Trainer.from_config("recipes/demo_cpu.yaml", ["trainer.total_training_steps=20"]) as trainer:
+        summary = trainer.fit()        # held-out accuracy before / after SFT / after RL, plot path
+        trainer.records                # every logged record (stage, step, metrics)
+"""
+
+from mcore_rl.trainer.trainer import Trainer
+
+__all__ = ["Trainer"]
