@@ -1,0 +1,54 @@
+"""``mcore-rl train RECIPE k=v --in-process``: SFT warm start, RL steps, held-out tests and every log."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mcore_rl.cli import main
+from tests.trainer.common import tiny_run_config
+
+
+def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_path, capsys) -> None:
+    data = str(tmp_path / "data")
+    tiny_run_config(data)  # writes the small demo splits and the tokenizer
+    run = str(tmp_path / "run")
+    overrides = [
+        "data.generate=null",
+        f"data.train_files=[{data}/train.jsonl]",
+        f"data.val_files=[{data}/val.jsonl]",
+        f"data.test_files=[{data}/test.jsonl]",
+        f"sft.train_files=[{data}/sft.jsonl]",
+        f"model.tokenizer_path={data}/tokenizer",
+        "model.hf_config.hidden_size=64",
+        "model.hf_config.intermediate_size=96",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "algorithm.ppo_micro_batch_size_per_gpu=8",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=1",
+        "sft.total_steps=4",
+        "sft.test_freq=2",
+        "sft.train_batch_size=16",
+        "sft.micro_batch_size_per_gpu=8",
+        "logging.tensorboard=true",
+        "logging.progress_bar=false",
+        f"trainer.default_local_dir={run}",
+    ]
+    assert main(["train", "recipes/demo_cpu.yaml", *overrides, "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy:" in out and "after 4 SFT steps" in out and "after 2 RL steps" in out
+    with open(os.path.join(run, "logs", "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    stages = [r["stage"] for r in records]
+    assert stages.count("sft") == 4 and stages.count("rl") == 2 and stages.count("test") == 3
+    assert [r["when"] for r in records if r["stage"] == "test"] == ["before", "after_sft", "after_rl"]
+    sft = [r for r in records if r["stage"] == "sft"]
+    assert sft[-1]["loss"] < sft[0]["loss"] and "val_accuracy" in sft[1]
+    rl = [r for r in records if r["stage"] == "rl"]
+    assert all("val_accuracy" in r and abs(r["token_mult_prob_error"] - 1) < 1e-5 for r in rl)
+    assert os.path.getsize(os.path.join(run, "logs", "reward.png")) > 1000
+    assert any(
+        n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(run, "logs", "tensorboard"))
+    )
+    assert os.path.isfile(os.path.join(run, "config.yaml"))
