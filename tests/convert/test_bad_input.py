@@ -1,254 +1,43 @@
 """Bad input, table-driven: each case ends in one error line naming the item, the documented exit code, and
 every file that existed before byte-identical afterwards (nothing added, nothing removed, nothing changed).
 
-Cases run ``mcore_rl.cli.main`` in-process inside a scratch workspace (``ws``: copies of a tiny HF model
-and of its converted checkpoint, a HOME and a working directory of its own). The classes: output safety,
-untrusted checkpoints, config.json and our metadata files, weights, flags, launcher environment, demo flags.
+Cases run ``mcore_rl.cli.main`` in-process inside a scratch workspace (tests/convert/bad_inputs.py). The
+classes: launcher environment, output safety, untrusted checkpoints, config.json and our metadata files,
+weights, flags, demo flags. Other failure paths (midway failures, --debug, overwrite) are in test_failures.py.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import os
 import pickle
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from unittest import mock
 
 import pytest
-import torch
 
 from mcore_rl.cli import main
-from mcore_rl.convert.dcp_io import DistCheckpointReader
-from mcore_rl.convert.mapping import ConvertError
-from mcore_rl.convert.safetensors_io import SafetensorsReader, StreamingShardWriter
-from tests.convert.hf_models import save_hf_model
-
-
-class Workspace:
-    """A scratch folder with lazily made copies of the HF model and checkpoint; cwd and HOME inside it."""
-
-    def __init__(self, root: str, hf_source: str, ckpt_source: str) -> None:
-        self.root = root
-        self._sources = {"hf": hf_source, "ck": ckpt_source}
-        os.makedirs(self.p("cwd", "home"), exist_ok=True)
-        os.makedirs(self.p("home"), exist_ok=True)
-
-    def p(self, *parts: str) -> str:
-        return os.path.join(self.root, *parts)
-
-    def copy(self, name: str) -> str:
-        path = self.p(name)
-        if not os.path.exists(path):
-            shutil.copytree(self._sources[name], path, symlinks=True)
-        return path
-
-    @property
-    def hf(self) -> str:
-        return self.copy("hf")
-
-    @property
-    def ck(self) -> str:
-        return self.copy("ck")
-
-    def inside(self, relative: str) -> str:
-        """``root/relative``, the copy it lies in made first (``hf/...``, ``ck/...``)."""
-        top = relative.split("/")[0]
-        if top in self._sources:
-            self.copy(top)
-        return self.p(relative)
-
-    def write(self, relative: str, data: bytes | str) -> str:
-        path = self.inside(relative)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        return path
-
-    def edit_json(self, relative: str, **changes: object) -> None:
-        path = self.inside(relative)
-        with open(path) as f:
-            data = json.load(f)
-        data.update(changes)
-        with open(path, "w") as f:
-            json.dump(data, f)
-
-    def secret(self) -> str:
-        return self.write("secret/id_rsa", "PRIVATE KEY")
-
-
-def snapshot(root: str) -> dict[str, str]:
-    """Every entry under ``root``: file -> sha256 of its bytes, link -> its target, folder -> 'dir'."""
-    entries = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            key = os.path.relpath(path, root)
-            if os.path.islink(path):
-                entries[key] = "link:" + os.readlink(path)
-            elif os.path.isdir(path):
-                entries[key] = "dir"
-            else:
-                with open(path, "rb") as f:
-                    entries[key] = hashlib.sha256(f.read()).hexdigest()
-    return entries
-
-
-# --- case builders: each takes the workspace and returns the CLI arguments (after "convert") -----------------
-
-
-def to_mcore(ws: Workspace, *extra: str, out: str | None = None) -> list[str]:
-    return ["convert", "hf-to-mcore", "--hf-dir", ws.hf, "--out", ws.p("out") if out is None else out, *extra]
-
-
-def to_hf(ws: Workspace, *extra: str, out: str | None = None) -> list[str]:
-    return ["convert", "mcore-to-hf", "--ckpt", ws.ck, "--out", ws.p("out") if out is None else out, *extra]
-
-
-def config(**changes: object) -> Callable[[Workspace], list[str]]:
-    def build(ws: Workspace) -> list[str]:
-        ws.edit_json("hf/config.json", **{"architectures": ["LlamaForCausalLM"], **changes})
-        return to_mcore(ws)
-
-    return build
-
-
-def config_without(key: str) -> Callable[[Workspace], list[str]]:
-    def build(ws: Workspace) -> list[str]:
-        data = json.loads(Path(ws.hf, "config.json").read_text())
-        del data[key]
-        ws.write("hf/config.json", json.dumps(data))
-        return to_mcore(ws)
-
-    return build
-
-
-def model_info(**changes: object) -> Callable[[Workspace], list[str]]:
-    def build(ws: Workspace) -> list[str]:
-        ws.edit_json("ck/mcore_rl_model.json", **changes)
-        return to_hf(ws)
-
-    return build
-
-
-def hf_config_field(**changes: object) -> Callable[[Workspace], list[str]]:
-    def build(ws: Workspace) -> list[str]:
-        data = json.loads(Path(ws.ck, "mcore_rl_model.json").read_text())
-        data["hf_config"].update(changes)
-        ws.write("ck/mcore_rl_model.json", json.dumps(data))
-        return to_hf(ws)
-
-    return build
-
-
-class _RunsCode:
-    """A pickle that, when loaded, creates the file ``ran`` (proof that code ran)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def crafted_metadata(ws: Workspace) -> list[str]:
-    ws.write("ck/.metadata", pickle.dumps(_RunsCode(ws.p("ran"))))
-    return to_hf(ws)
-
-
-def crafted_eval(ws: Workspace) -> list[str]:
-    class Eval:
-        def __reduce__(self):
-            return (eval, ("__import__('os').system('touch ran')",))
-
-    ws.write("ck/.metadata", pickle.dumps(Eval()))
-    return to_hf(ws)
-
-
-def metadata_escaping_storage(ws: Workspace) -> list[str]:
-    import dataclasses
-
-    from mcore_rl.io.checkpoint_read import read_dcp_metadata
-
-    metadata = read_dcp_metadata(ws.ck)
-    metadata.storage_data = {
-        k: dataclasses.replace(v, relative_path="../secret/id_rsa") for k, v in metadata.storage_data.items()
-    }
-    ws.secret()
-    ws.write("ck/.metadata", pickle.dumps(metadata))
-    return to_hf(ws)
-
-
-def link(ws: Workspace, relative: str, target: str) -> None:
-    path = ws.inside(relative)
-    if os.path.lexists(path):
-        os.remove(path) if not os.path.isdir(path) or os.path.islink(path) else shutil.rmtree(path)
-    os.symlink(target, path)
-
-
-def side_file_link(ws: Workspace) -> list[str]:
-    os.makedirs(os.path.join(ws.ck, "hf_assets"), exist_ok=True)
-    link(ws, "ck/hf_assets/tokenizer.json", ws.secret())
-    return to_hf(ws)
-
-
-def first_shard(ws: Workspace) -> str:
-    return sorted(f for f in os.listdir(ws.hf) if f.endswith(".safetensors"))[0]
-
-
-def nan_weight(ws: Workspace) -> list[str]:
-    from safetensors.torch import load_file, save_file
-
-    shard = os.path.join(ws.hf, first_shard(ws))
-    tensors = load_file(shard)
-    name = sorted(tensors)[0]
-    tensors[name][0, 0] = float("nan")
-    save_file(tensors, shard, metadata={"format": "pt"})
-    return to_mcore(ws)
-
-
-def float64_weights(ws: Workspace) -> list[str]:
-    from safetensors.torch import load_file, save_file
-
-    for file in os.listdir(ws.hf):
-        if file.endswith(".safetensors"):
-            path = os.path.join(ws.hf, file)
-            save_file({k: v.double() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
-    return to_mcore(ws)
-
-
-def existing(ws: Workspace, marker: bool = False) -> None:
-    ws.write("out/keep.txt", "mine")
-    if marker:
-        ws.write("out/.mcore_rl-output.json", json.dumps({"tool": "mcore_rl", "kind": "hf-model"}))
-
-
-def mocked(target: str, error: OSError) -> Callable[[Workspace], list[str]]:
-    """A system failure (read-only folder, full disk) where the real one needs privileges we lack as root."""
-
-    def build(ws: Workspace) -> list[str]:
-        build.patch = mock.patch(target, side_effect=error)  # type: ignore[attr-defined]
-        return to_hf(ws)
-
-    return build
-
-
-@dataclass
-class Case:
-    name: str
-    build: Callable[[Workspace], list[str]]
-    needles: tuple[str, ...]
-    code: int = 1
-    env: dict[str, str] | None = None
-
-
-def _c(name, build, *needles, code=1, env=None) -> Case:
-    return Case(name, build, needles, code, env)
-
+from tests.convert.bad_inputs import (
+    Case,
+    Workspace,
+    _c,
+    config,
+    config_without,
+    crafted_eval,
+    crafted_metadata,
+    existing,
+    first_shard,
+    float64_weights,
+    hf_config_field,
+    link,
+    metadata_escaping_storage,
+    mocked,
+    model_info,
+    nan_weight,
+    side_file_link,
+    snapshot,
+    to_hf,
+    to_mcore,
+)
 
 CASES = [
     # First: they need a process without a torch.distributed world (later cases may leave one behind).
@@ -337,6 +126,13 @@ CASES = [
             "mcore_rl.convert.safetensors_io.StreamingShardWriter.add", OSError(errno.ENOSPC, "No space left")
         ),
         "No space left",
+    ),
+    _c(
+        "permission-denied",
+        mocked(
+            "builtins.open", PermissionError(errno.EACCES, "Permission denied", "/x/index.json"), to_mcore
+        ),
+        "/x/index.json: Permission denied",
     ),
     # --- untrusted checkpoints -------------------------------------------------------------------------------
     _c("pickle-runs-code", crafted_metadata, ".metadata", "io.open", "refusing"),
@@ -641,111 +437,3 @@ def test_bad_input(case: Case, workspace: Workspace, capsys, monkeypatch):
 
 def test_the_table_is_wide():
     assert len(CASES) >= 60 and len({c.name for c in CASES}) == len(CASES)
-
-
-def test_nonfinite_weights_are_refused_or_converted_with_a_warning(workspace: Workspace, capsys):
-    from mcore_rl.convert.hf_to_mcore import _ChunkSource
-    from mcore_rl.convert.mapping import tensor_maps
-    from mcore_rl.engine.arch import ModelArch
-
-    nan_weight(workspace)
-    arch = ModelArch.from_hf_config(workspace.hf)
-    reader = SafetensorsReader(workspace.hf)
-    for allow in (False, True):
-        source = _ChunkSource(arch, reader, torch.float32, allow_nonfinite=allow)
-        sources = [source.full(m.full_name) for m in tensor_maps(arch)] if allow else None
-        if not allow:
-            with pytest.raises(ConvertError, match="NaN/Inf"):
-                for m in tensor_maps(arch):
-                    source.full(m.full_name)
-    assert sources is not None and any(bool(t.isnan().any()) for t in sources)
-    assert "warning:" in capsys.readouterr().err
-
-
-def test_overwrite_replaces_ours_and_a_users_folder(ckpt, tmp_path, capsys):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
-    assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", str(out), "--overwrite"]) == 0
-    assert "config.json" in os.listdir(out) and "old.txt" not in os.listdir(out)
-    assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", str(out), "--overwrite"]) == 0
-    assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging or previous copy left behind
-    # An empty folder made beforehand is fine without --overwrite.
-    (tmp_path / "empty").mkdir()
-    assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "empty")]) == 0
-
-
-def test_stale_launcher_variables_are_ignored_with_a_note(ckpt, tmp_path, capsys, monkeypatch):
-    """The issue's "exit 0 having written nothing": RANK=3 left in the shell of a single process."""
-    monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("MASTER_PORT", "1")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "out")]) == 0
-    assert os.path.isfile(tmp_path / "out" / "config.json")
-
-
-def test_debug_shows_the_traceback(hf_sharded, tmp_path, capsys):
-    assert main(["--debug", "convert", "hf-to-mcore", "--hf-dir", hf_sharded, "--out", ""]) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" in err and err.strip().splitlines()[-1].startswith(
-        "mcore-rl convert: error: --out is empty"
-    )
-
-
-def test_unexpected_failure_is_one_line_naming_its_type(ckpt, tmp_path, capsys):
-    with mock.patch.object(StreamingShardWriter, "finish", side_effect=RuntimeError("boom")):
-        assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "out")]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert (
-        err[-1] == "mcore-rl convert: internal error: RuntimeError: boom (run with --debug for the traceback)"
-    )
-    assert os.listdir(tmp_path) == []
-
-
-def _failing_after(calls: int, original):
-    count = {"n": 0}
-
-    def wrapper(self, *args, **kwargs):
-        count["n"] += 1
-        if count["n"] > calls:
-            raise ConvertError(f"{getattr(self, 'directory', '?')}: simulated read failure")
-        return original(self, *args, **kwargs)
-
-    return wrapper
-
-
-def test_mcore_to_hf_failure_midway_leaves_nothing(capsys, ckpt, tmp_path):
-    with mock.patch.object(DistCheckpointReader, "read", _failing_after(5, DistCheckpointReader.read)):
-        assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "out")]) == 1
-    assert "simulated read failure" in capsys.readouterr().err
-    assert os.listdir(tmp_path) == []
-
-
-def _hf_to_mcore_failing_midway(hf_dir: str, out: str) -> tuple[int, list[str]]:
-    import torch.distributed as dist
-
-    # Only rank 1 fails, after a few tensors: every rank must still report the error and clean up.
-    calls = 4 if dist.get_rank() == 1 else 10**6
-    with mock.patch.object(SafetensorsReader, "get", _failing_after(calls, SafetensorsReader.get)):
-        code = main(["convert", "hf-to-mcore", "--hf-dir", hf_dir, "--out", out, "--tp", "2"])
-    dist.barrier()
-    return code, sorted(os.listdir(os.path.dirname(out)))
-
-
-def test_hf_to_mcore_failure_midway_leaves_nothing(run_distributed, hf_sharded, tmp_path):
-    (tmp_path / "parent").mkdir()
-    results = run_distributed(_hf_to_mcore_failing_midway, hf_sharded, str(tmp_path / "parent" / "out"))
-    assert results == [(1, []), (1, [])]
-
-
-def test_a_model_made_elsewhere_converts_with_its_config(ckpt, hf_sharded, tmp_path):
-    bare = shutil.copytree(ckpt, tmp_path / "bare")
-    os.remove(bare / "mcore_rl_model.json")
-    other = save_hf_model(str(tmp_path / "wide"), "llama", hidden_size=128)
-    out = str(tmp_path / "out")
-    assert main(["convert", "mcore-to-hf", "--ckpt", str(bare), "--out", out, "--hf-config-from", other]) == 1
-    assert main(["convert", "mcore-to-hf", "--ckpt", str(bare), "--out", out]) == 1
-    assert (
-        main(["convert", "mcore-to-hf", "--ckpt", str(bare), "--out", out, "--hf-config-from", hf_sharded])
-        == 0
-    )
