@@ -5,7 +5,8 @@
 #                      [--master-port P] [--rdzv c10d] SUBCOMMAND [ARGS...]
 #
 #   launch/torchrun.sh convert hf-to-mcore --hf-dir /models/Llama-3.1-8B --out /ckpt/l8b --tp 8 --pp 1
-#   launch/torchrun.sh plan recipes/llama3_8b_grpo_a100.yaml        (one process is enough for the planner)
+#   launch/torchrun.sh plan --self-check recipes/llama3_8b_grpo_a100.yaml model.path=/models/Llama-3.1-8B
+#                                 (builds the engine at the recipe's layout, checks the planner on every rank)
 #   launch/torchrun.sh sft RECIPE                                   (once `mcore-rl sft` exists)
 #
 # Every option falls back to the environment, then to Slurm, then to one local node:

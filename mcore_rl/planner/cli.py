@@ -9,6 +9,10 @@
 With a recipe the layout, batch and rollout settings come from the run config (``key=value`` overrides as
 everywhere); ``--model-config`` stands in for ``model.path``'s ``config.json`` when the model folder is not
 on this machine. Exit status: 0 fits, 1 does not fit (a smaller fitting layout is proposed), 2 bad input.
+
+``--self-check`` (under ``launch/torchrun.sh``) builds the real training engine at the layout, with the
+launcher's world size, and compares every rank's weight, gradient and optimizer bytes with the planner
+(:mod:`mcore_rl.planner.selfcheck`); exit status 0 when all match.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", help="HF config.json (instead of the recipe's model.path)")
     parser.add_argument("--no-flash-attention", action="store_true", help="attention stores s x s scores")
     parser.add_argument("--no-propose", action="store_true", help="skip the search for a fitting layout")
+    parser.add_argument(
+        "--self-check",
+        action="store_true",
+        help="under torchrun: build the training engine at this layout and compare every rank's tensor bytes",
+    )
     flags = parser.add_argument_group("layout without a recipe")
     for name, default in _LAYOUT_FLAGS.items():
         option = "--" + name.replace("_", "-")
@@ -63,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = _plan_from_recipe(args) if args.recipe else _plan_from_flags(args)
+        if args.self_check:
+            from mcore_rl.planner.selfcheck import run_self_check
+
+            return run_self_check(plan)
         result = plan_memory(plan)
     except (PlanError, ArchError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

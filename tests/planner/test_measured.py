@@ -1,81 +1,67 @@
-"""The planner against what a real TrainEngine allocates: parameters per rank, weight bytes, fp32 gradient
-buffers and the distributed optimizer's fp32 main params and Adam moments, in bf16 on gloo ranks."""
+"""The planner against what a real TrainEngine allocates (the self-check, on gloo ranks): parameters per
+rank, weight bytes, fp32 gradient buffers and the distributed optimizer's fp32 main params and moments."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
-import torch
-
-from mcore_rl.engine.model import ModelOptions
-from mcore_rl.engine.train_engine import OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.planner import PlanInput, stage_params, train_state
+from mcore_rl.planner import PlanInput, stage_params
+from mcore_rl.planner.selfcheck import RankBytes, check_rank, self_check_reports
 from tests.models import tiny_arch
 
-# (family, tensor_parallel_size, pipeline_parallel_size) on 2 ranks: TP2, DP2 (TP1) and PP2 (tied embedding).
-LAYOUTS = [("llama", 2, 1), ("llama", 1, 1), ("qwen2", 1, 2)]
+# (family, tp, pp, bf16) on 2 ranks: TP2, DP2 (TP1) in bf16 and fp32, PP2 with tied embeddings.
+LAYOUTS = [("llama", 2, 1, True), ("llama", 1, 1, True), ("llama", 1, 1, False), ("qwen2", 1, 2, True)]
 
 
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _plan(family: str, tp: int, pp: int, bf16: bool) -> PlanInput:
+    return PlanInput(
+        arch=tiny_arch(family), gpu="A100-80", world_size=2, tp=tp, pp=pp, seq_length=16, bf16=bf16
+    )
 
 
-def _measure_one(family: str, tp: int, pp: int) -> dict:
-    arch = tiny_arch(family)
-    config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    with ParallelContext.initialize(config) as ctx:
-        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimizerConfig(lr=1e-3))
-        engine.zero_grad()
-        engine.step()  # Adam creates its moments on the first step
-        params = [p for model in engine.models for p in model.parameters()]
-        buffers = [buffer for chunk in engine.chunks for buffer in chunk.buffers]
-        optimizer = 0
-        for opt in engine.optimizers:
-            for group in opt.optimizer.param_groups:
-                for main_param in group["params"]:  # the fp32 main-param shards
-                    state = opt.optimizer.state.get(main_param, {})
-                    moments = [v for k, v in state.items() if k != "step"]
-                    optimizer += _tensor_bytes([main_param, *moments])
-        return {
-            "stage": ctx.pp_rank,
-            "tp_rank": ctx.tp_rank,
-            "dp": ctx.dp_size,
-            "params": sum(p.numel() for p in params),
-            "param_tensors": len(params),
-            "weights": _tensor_bytes(params),
-            "grads": _tensor_bytes(b.grad_data for b in buffers),
-            "buckets": sum(len(b.buckets) for b in buffers),
-            "optimizer": optimizer,
-        }
+def _self_check_all() -> list:
+    return [self_check_reports(_plan(*layout))[1] for layout in LAYOUTS]
 
 
-def _measure_all() -> list[dict]:
-    return [_measure_one(*layout) for layout in LAYOUTS]
+def test_train_engine_matches_the_planner_at_tp2_dp2_pp2(run_distributed):
+    rank0, rank1 = run_distributed(_self_check_all, world_size=2)
+    assert rank0 == rank1  # every rank gathers every report
+    for layout, reports in zip(LAYOUTS, rank0, strict=True):
+        assert all(not problems for _, problems in reports), (layout, reports)
+    # DP2 in bf16: each rank holds about half of the 12 B/param optimizer state, all of the rest.
+    (a, _), (b, _) = rank0[1]
+    params = stage_params(tiny_arch("llama"), _plan("llama", 1, 1, True).layout, 0)
+    assert a.params == b.params == params
+    assert a.optimizer_bytes + b.optimizer_bytes == 12 * params
+    assert abs(a.optimizer_bytes - b.optimizer_bytes) < 0.05 * 12 * params
+    # fp32: the main params are the weights themselves, only Adam's two moments are extra.
+    (c, _), (d, _) = rank0[2]
+    assert c.weights_bytes == 4 * params and c.optimizer_bytes + d.optimizer_bytes == 8 * params
+    # PP2 with tied embeddings: the last stage keeps its own copy of the embedding as the output layer.
+    stages = {measured.stage: measured.params for measured, _ in rank0[3]}
+    assert stages[1] - stages[0] == 64  # the final norm: both stages hold 256 x 64 vocab rows
 
 
-def test_planner_matches_train_engine_tensor_bytes(run_distributed):
-    ranks = run_distributed(_measure_all, world_size=2)
-    for index, (family, tp, pp) in enumerate(LAYOUTS):
-        arch = tiny_arch(family)
-        plan = PlanInput(
-            arch=arch, gpu="A100-80", world_size=2, tp=tp, pp=pp, seq_length=16, global_batch_size=2
-        )
-        measured = [rank[index] for rank in ranks]
-        for rank in measured:
-            expected_params = stage_params(arch, plan.layout, rank["stage"])
-            assert rank["params"] == expected_params, (family, tp, pp)
-            assert rank["weights"] == 2 * expected_params  # bf16
-            # megatron pads each parameter's start to 64 elements and each bucket's end to lcm(dp, 128).
-            padding = 64 * rank["param_tensors"] + math.lcm(rank["dp"], 128) * rank["buckets"]
-            assert 0 <= rank["grads"] - 4 * expected_params <= 4 * padding
-        # Optimizer: 12 B per parameter split over one DP group (the padding holds no state).
-        for stage, tp_rank in {(rank["stage"], rank["tp_rank"]) for rank in measured}:
-            shards = [rank for rank in measured if (rank["stage"], rank["tp_rank"]) == (stage, tp_rank)]
-            planned = train_state(plan).optimizer_bytes if pp == 1 else None
-            total = sum(rank["optimizer"] for rank in shards)
-            assert total == 12 * stage_params(arch, plan.layout, stage)
-            if planned is not None:
-                # Each DP shard holds its slice of the padded buffer: within the padding of 12 B / dp each.
-                for rank in shards:
-                    assert abs(rank["optimizer"] - planned) <= 12 * padding
+def test_check_rank_names_each_mismatch():
+    plan = _plan("llama", 1, 1, True)
+    params = stage_params(plan.arch, plan.layout, 0)
+    good = RankBytes(
+        stage=0,
+        params=params,
+        param_tensors=20,
+        weights_bytes=2 * params,
+        grads_bytes=4 * params + 4 * 64,
+        grad_buckets=1,
+        optimizer_bytes=6 * params,
+    )
+    assert check_rank(plan, good, 12 * params) == []
+    off_by_one = dataclasses.replace(good, params=params + 1, weights_bytes=2 * params + 2)
+    assert check_rank(plan, off_by_one, 12 * params) == [
+        f"parameters {params + 1:,} != planned {params:,}",
+        f"weight bytes {2 * params + 2:,} != planned {2 * params:,}",
+    ]
+    unpadded_grads = dataclasses.replace(good, grads_bytes=2 * params)  # bf16 grads would fail here
+    assert check_rank(plan, unpadded_grads, 12 * params)[0].startswith("grad bytes")
+    assert check_rank(plan, good, 18 * params) == [
+        f"optimizer bytes over the DP group {18 * params:,} != planned {12 * params:,}"
+    ]

@@ -1,0 +1,135 @@
+"""The planner's self-check: build the real training engine at the planned layout and compare what every
+rank allocates with what the planner says it will (``mcore-rl plan --self-check``, under torchrun).
+
+Per rank, with random weights and one optimizer step (Adam creates its moments on the first one):
+
+    parameters   exactly the planner's count for the rank's pipeline stage
+    weights      parameters x dtype size, exactly
+    gradients    the DDP fp32 grad buffers: the planner's 4 B/param, plus megatron's padding (each parameter's
+                 start rounded to 64 elements, each bucket's end to lcm(dp, 128))
+    optimizer    fp32 main params (bf16 only; in fp32 they are views of the weights) and Adam's moments,
+                 summed over the rank's DP group: exactly the planner's 12 (bf16) or 8 (fp32) B/param
+
+Only tensor bytes are compared (no allocator or activation peak): they are what the formulas claim exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.planner.params import stage_params
+from mcore_rl.planner.spec import PlanInput
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What one rank of a built :class:`~mcore_rl.engine.train_engine.TrainEngine` holds."""
+
+    stage: int
+    params: int
+    param_tensors: int
+    weights_bytes: int
+    grads_bytes: int
+    grad_buckets: int
+    optimizer_bytes: int
+    """fp32 main params that own their memory, plus every Adam state tensor except the step count."""
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_engine(engine: Any) -> RankBytes:
+    """Tensor bytes of ``engine``'s weights, grad buffers and optimizer state on this rank."""
+    params = [p for model in engine.models for p in model.parameters()]
+    buffers = [buffer for chunk in engine.chunks for buffer in chunk.buffers]
+    weight_storages = {b.param_data.untyped_storage().data_ptr() for b in buffers if b.param_data is not None}
+    optimizer = 0
+    for opt in engine.optimizers:
+        for group in opt.optimizer.param_groups:
+            for main_param in group["params"]:
+                if main_param.untyped_storage().data_ptr() not in weight_storages:
+                    optimizer += _tensor_bytes([main_param])
+                state = opt.optimizer.state.get(main_param, {})
+                optimizer += _tensor_bytes(v for k, v in state.items() if k != "step" and torch.is_tensor(v))
+    return RankBytes(
+        stage=engine.ctx.pp_rank,
+        params=sum(p.numel() for p in params),
+        param_tensors=len(params),
+        weights_bytes=_tensor_bytes(params),
+        grads_bytes=_tensor_bytes(b.grad_data for b in buffers),
+        grad_buckets=sum(len(b.buckets) for b in buffers),
+        optimizer_bytes=optimizer,
+    )
+
+
+def check_rank(plan: PlanInput, measured: RankBytes, dp_optimizer_bytes: int) -> list[str]:
+    """Mismatches between ``measured`` (and its DP group's optimizer total) and the planner, one per line."""
+    expected = stage_params(plan.arch, plan.layout, measured.stage)
+    weight_size = 2 if plan.bf16 else 4
+    padding = 64 * measured.param_tensors + math.lcm(plan.dp, 128) * measured.grad_buckets
+    optimizer = (12 if plan.bf16 else 8) * expected
+    problems = []
+    if measured.params != expected:
+        problems.append(f"parameters {measured.params:,} != planned {expected:,}")
+    if measured.weights_bytes != weight_size * expected:
+        problems.append(f"weight bytes {measured.weights_bytes:,} != planned {weight_size * expected:,}")
+    if not 0 <= measured.grads_bytes - 4 * expected <= 4 * padding:
+        problems.append(
+            f"grad bytes {measured.grads_bytes:,} != planned {4 * expected:,} + padding <= {4 * padding:,}"
+        )
+    if dp_optimizer_bytes != optimizer:
+        problems.append(f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {optimizer:,}")
+    return problems
+
+
+def self_check_reports(plan: PlanInput) -> tuple[PlanInput, list[tuple[RankBytes, list[str]]]]:
+    """Collective (every rank of the launcher's world): build, step, measure, compare. Returns the plan at
+    the world's size and every rank's ``(measured, problems)``."""
+    from mcore_rl.engine.model import ModelOptions
+    from mcore_rl.engine.train_engine import OptimizerConfig, TrainEngine
+    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+
+    config = ParallelConfig(
+        tensor_parallel_size=plan.tp,
+        pipeline_parallel_size=plan.pp,
+        virtual_pipeline_parallel_size=plan.vpp,
+        sequence_parallel=plan.sp,
+    )
+    with ParallelContext.initialize(config) as ctx:
+        plan = plan.with_layout(world_size=ctx.world_size)
+        options = ModelOptions(dtype=torch.bfloat16 if plan.bf16 else torch.float32)
+        optim = OptimizerConfig(use_distributed_optimizer=plan.use_distributed_optimizer)
+        engine = TrainEngine.build(plan.arch, ctx, options, optim)
+        engine.zero_grad()
+        engine.step()
+        measured = measure_engine(engine)
+        dp_total = torch.tensor([measured.optimizer_bytes], dtype=torch.int64)
+        dist.all_reduce(dp_total, group=ctx.dp_group)
+        problems = check_rank(plan, measured, int(dp_total.item()))
+        reports: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(reports, (measured, problems))
+    return plan, reports
+
+
+def run_self_check(plan: PlanInput) -> int:
+    """:func:`self_check_reports`, printed by rank 0; 0 when every rank matches the planner, else 1."""
+    plan, reports = self_check_reports(plan)
+    if dist.get_rank() == 0:
+        _print_report(plan, reports)
+    return 0 if all(not problems for _, problems in reports) else 1
+
+
+def _print_report(plan: PlanInput, reports: list[Any]) -> None:
+    print(f"self-check: tp={plan.tp} pp={plan.pp} dp={plan.dp} on {plan.world_size} ranks")
+    for rank, (measured, problems) in enumerate(reports):
+        verdict = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
+        print(
+            f"  rank {rank} stage {measured.stage}: {measured.params:,} params, weights {measured.weights_bytes:,} B, "
+            f"grads {measured.grads_bytes:,} B, optimizer {measured.optimizer_bytes:,} B -> {verdict}"
+        )
