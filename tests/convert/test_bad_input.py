@@ -129,10 +129,8 @@ CASES = [
     ),
     _c(
         "permission-denied",
-        mocked(
-            "builtins.open", PermissionError(errno.EACCES, "Permission denied", "/x/index.json"), to_mcore
-        ),
-        "/x/index.json: Permission denied",
+        mocked("builtins.open", PermissionError(errno.EACCES, "Permission denied"), to_mcore),
+        "config.json: cannot read (Permission denied)",  # the first file opened, named; not "corrupt"
     ),
     # --- untrusted checkpoints -------------------------------------------------------------------------------
     _c("pickle-runs-code", crafted_metadata, ".metadata", "io.open", "refusing"),
