@@ -1,0 +1,272 @@
+"""One rank of a DPO run: the policy (megatron TrainEngine), its frozen reference, and the collective steps.
+
+Every method is collective: all ranks call it with their own data-parallel shard of the pairs. Results that
+the last pipeline stage computes are reduced over data-parallel ranks and then shared along the pipeline, so
+every rank returns the same global values (rank 0 logs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config.model import OptimConfig
+from mcore_rl.data.preference import PreferenceBatch
+from mcore_rl.dpo.loss import METRICS, DPOLossSettings, PairMicroBatch, dpo_pair_loss, sequence_log_prob_loss
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.parallel.context import ParallelContext
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss went NaN/inf; the update was not applied, so no NaN reached the weights."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What every rank builds."""
+
+    arch: ModelArch
+    optim: OptimConfig
+    total_steps: int
+    """Optimizer steps of the run (the end of the learning-rate decay unless ``optim`` says)."""
+    loss: DPOLossSettings
+    micro_batch_pairs: int
+    """Pairs per micro-batch on one data-parallel rank."""
+    with_reference: bool
+    """Keep a frozen copy of the initial policy (False: precomputed or reference-free)."""
+    dtype: str = "float32"
+    pad_token_id: int = 0
+    on_nonfinite: str = "stop"
+    """stop (raise, naming the step) or skip (drop the update)."""
+
+
+class DPOPolicy:
+    """Policy + reference engines of this rank; build with :meth:`build`."""
+
+    def __init__(self, ctx: ParallelContext, spec: PolicySpec, engine: TrainEngine, reference: Any) -> None:
+        self.ctx = ctx
+        self.spec = spec
+        self.engine = engine
+        self.reference: TrainEngine | None = reference
+        self.scheduler = lr_scheduler(engine, spec.optim, spec.total_steps)
+
+    @classmethod
+    def build(
+        cls, ctx: ParallelContext, spec: PolicySpec, full_state: dict[str, torch.Tensor] | None = None
+    ) -> DPOPolicy:
+        """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation) and
+        the reference, a frozen copy of it."""
+        options = ModelOptions(dtype=getattr(torch, spec.dtype))
+        engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
+        if full_state is not None:
+            engine.load_full_state(full_state)
+        return cls(ctx, spec, engine, frozen_copy(engine, options) if spec.with_reference else None)
+
+    # --- batches --------------------------------------------------------------------------------------------
+    @property
+    def width_multiple(self) -> int:
+        return self.ctx.tp_size if self.ctx.layout.sp else 1  # SP splits positions over TP
+
+    def micro_batches(
+        self, batch: PreferenceBatch, weights: torch.Tensor, ref: torch.Tensor | None
+    ) -> list[PairMicroBatch]:
+        """``batch`` ([2B, S]) in micro-batches of whole pairs; ``ref`` [B, 2] (chosen, rejected) or None."""
+        size, pairs = self.spec.micro_batch_pairs, batch.num_pairs
+        if pairs % size:
+            raise ValueError(
+                f"dpo.micro_batch_size_per_gpu={size} does not divide the {pairs} pairs of this rank"
+            )
+        out = []
+        for start in range(0, pairs, size):
+            part = batch.pairs(start, start + size)
+            positions = torch.arange(part.tokens.shape[1]).expand_as(part.tokens)
+            part_ref = (
+                None
+                if ref is None
+                else torch.cat([ref[start : start + size, 0], ref[start : start + size, 1]])
+            )
+            out.append(
+                PairMicroBatch(
+                    part.tokens,
+                    positions,
+                    loss_mask=part.loss_mask,
+                    ref_log_probs=part_ref,
+                    pair_weights=weights[start : start + size],
+                )
+            )
+        return out
+
+    def _with_reference(self, micro: list[PairMicroBatch]) -> None:
+        """Fill ``ref_log_probs`` from the reference model (or zeros: reference-free / precomputed elsewhere)."""
+        if all(mb.ref_log_probs is not None for mb in micro):
+            return
+        if self.reference is None:
+            if not self.spec.loss.dpo.reference_free:
+                raise RuntimeError("no reference model and no precomputed reference log-probs")
+            for mb in micro:
+                mb.ref_log_probs = torch.zeros(mb.tokens.shape[0])
+            return
+        loss = sequence_log_prob_loss(self.ctx, self.spec.arch.vocab_size)
+        ref = self.reference.forward_backward(list[MicroBatch](micro), loss, forward_only=True)
+        for i, mb in enumerate(micro):
+            mb.ref_log_probs = ref[i]["logps"] if ref else torch.zeros(mb.tokens.shape[0])
+
+    # --- steps ----------------------------------------------------------------------------------------------
+    def train_step(self, micro: list[PairMicroBatch], step: int) -> dict[str, float] | None:
+        """One optimizer step on this rank's micro-batches; global metrics (None: skipped as non-finite)."""
+        self._with_reference(micro)
+        global_pairs = self._global_pairs(micro)
+        self.engine.zero_grad()
+        out = self.engine.forward_backward(
+            list[MicroBatch](micro), dpo_pair_loss(self.spec.loss, self.ctx, global_pairs)
+        )
+        local = _stack(out)
+        bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank takes (or skips) the step together
+        if bad.item():
+            self.engine.zero_grad()
+            if self.spec.on_nonfinite == "skip":
+                return None
+            raise NonFiniteLossError(
+                f"step {step}: NaN/inf DPO loss on rank {self.ctx.rank}; the update was not applied"
+            )
+        self.scheduler.step(1)
+        result = self.engine.step()
+        metrics = self._share(local, bool(out))
+        metrics.update(grad_norm=result.grad_norm, lr=float(self.engine.optimizers[0].param_groups[0]["lr"]))
+        return metrics
+
+    def evaluate(self, micro: list[PairMicroBatch]) -> dict[str, float]:
+        """Forward only: the loss and TRL metrics of held-out pairs, prefixed ``eval_``."""
+        self._with_reference(micro)
+        global_pairs = self._global_pairs(micro)
+        out = self.engine.forward_backward(
+            list[MicroBatch](micro), dpo_pair_loss(self.spec.loss, self.ctx, global_pairs), forward_only=True
+        )
+        return {f"eval_{k}": v for k, v in self._share(_stack(out), bool(out)).items()}
+
+    def sequence_log_probs(self, micro: list[PairMicroBatch]) -> torch.Tensor:
+        """[pairs, 2] summed (chosen, rejected) log-probs of this rank's pairs under the *policy*, on every
+        rank of the pipeline (used to precompute reference log-probs before training)."""
+        loss = sequence_log_prob_loss(self.ctx, self.spec.arch.vocab_size)
+        out = self.engine.forward_backward(list[MicroBatch](micro), loss, forward_only=True)
+        pairs = sum(mb.num_pairs for mb in micro)
+        local = torch.zeros(pairs, 2)
+        if out:
+            rows = [m["logps"].view(2, -1).t() for m in out]  # [2m] -> [m, 2]
+            local = torch.cat(rows).float()
+        if self.ctx.pp_size > 1:  # only the last stage computed them; zeros elsewhere make the sum a copy
+            dist.all_reduce(local, group=self.ctx.pp_group)
+        return local
+
+    def _global_pairs(self, micro: Sequence[PairMicroBatch]) -> torch.Tensor:
+        count = (
+            torch.stack([mb.pair_weights.sum() for mb in micro if mb.pair_weights is not None])
+            .sum()
+            .reshape(1)
+        )
+        dist.all_reduce(count, group=self.ctx.dp_group)
+        return count.clamp(min=1)[0]  # a scalar: the metrics divided by it stay scalars
+
+    def _share(self, local: torch.Tensor, holds_result: bool) -> dict[str, float]:
+        """Shares summed over micro-batches -> over DP ranks -> copied along the pipeline."""
+        if holds_result:
+            dist.all_reduce(local, group=self.ctx.dp_group)
+        else:
+            local.zero_()
+        if self.ctx.pp_size > 1:
+            dist.all_reduce(local, group=self.ctx.pp_group)
+        return dict(zip(METRICS, local.tolist(), strict=True))
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:
+        """Collective: policy weights + optimizer + LR schedule + ``extra`` (driver state), atomically."""
+        from mcore_rl.engine.trainer_checkpoint import save_training_checkpoint
+
+        save_training_checkpoint(
+            self.engine, directory, step, {**extra, "lr_scheduler": self.scheduler.state_dict()}
+        )
+
+    def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
+        """Collective: what :meth:`save_checkpoint` wrote; returns (step, extra). The reference stays the
+        initial policy (rebuilt from the same start), as it was when the checkpoint was written."""
+        from mcore_rl.engine.trainer_checkpoint import load_training_checkpoint
+
+        step, extra = load_training_checkpoint(self.engine, directory)
+        self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
+        return step, extra
+
+
+def _stack(out: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    if not out:
+        return torch.zeros(len(METRICS))
+    return torch.stack([torch.stack([m[k].float() for k in METRICS]) for m in out]).sum(0)
+
+
+def frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
+    """A forward-only engine over a copy of ``engine``'s current weights (the reference policy)."""
+    chunks = build_model_chunks(engine.arch, engine.ctx, options)
+    for copy, source in zip(chunks, engine.models, strict=True):
+        for (name, p), (other, q) in zip(copy.named_parameters(), source.named_parameters(), strict=True):
+            if name != other:
+                raise RuntimeError(f"reference parameter {name!r} does not match the policy's {other!r}")
+            p.data.copy_(q.data)
+            p.requires_grad_(False)
+    config = chunks[0].config
+    config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
+    return TrainEngine(engine.ctx, engine.arch, chunks, None, config)
+
+
+def lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> Any:
+    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = max(optim.lr_decay_steps or total_steps, optim.lr_warmup_steps + 1)
+    for optimizer in engine.optimizers:  # megatron's groups carry their own bounds
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = optim.lr, optim.min_lr
+    return OptimizerParamScheduler(
+        engine.optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )
+
+
+def shard_indices(
+    indices: Sequence[int], ctx: ParallelContext, multiple: int
+) -> tuple[list[int], torch.Tensor]:
+    """This data-parallel rank's contiguous share of ``indices``, padded (by repeating the last index, weight
+    0) to a multiple of ``multiple`` per rank; returns (indices, [n] pair weights)."""
+    dp = ctx.dp_size
+    per_rank = -(-len(indices) // dp)
+    per_rank += -per_rank % multiple
+    padded = list(indices) + [indices[-1]] * (per_rank * dp - len(indices))
+    weights = torch.tensor([1.0] * len(indices) + [0.0] * (len(padded) - len(indices)))
+    lo = ctx.dp_rank * per_rank
+    return padded[lo : lo + per_rank], weights[lo : lo + per_rank]
+
+
+def hf_full_state(directory: str, arch: ModelArch) -> dict[str, torch.Tensor]:
+    """The full (TP=1) megatron state of a HF checkpoint folder, for :meth:`TrainEngine.load_full_state`.
+    Small models: it holds every tensor at once (convert large ones with ``mcore-rl convert hf-to-mcore``)."""
+    from mcore_rl.convert.hf_to_mcore import check_hf_weights
+    from mcore_rl.convert.mapping import tensor_maps, to_full
+    from mcore_rl.convert.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(directory)
+    check_hf_weights(arch, reader, None)
+    return {m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]) for m in tensor_maps(arch)}

@@ -1,0 +1,318 @@
+"""The DPO run, SPMD: every rank runs this same driver on its data-parallel shard (launched by torchrun, or
+spawned locally by :func:`mcore_rl.dpo.launch.run_dpo`).
+
+    DPOTrainer.from_config("recipes/dpo_demo_cpu.yaml", ["trainer.total_training_steps=50"]).fit()
+
+Data flow of one step (no rollout: the data is already the preference)::
+
+    sampler --global pair indices--> DP shard --PreferenceBatch [2B, S]--> micro-batches of whole pairs
+        reference log-probs [2m]: frozen reference model (same processes) | precomputed cache | 0 (ref-free)
+        policy forward/backward (fused vocab-parallel log-probs) --> dpo_loss per pair --> optimizer step
+        metrics (TRL names) summed over micro-batches and DP ranks --> rank 0: JSONL / TensorBoard / bar / PNG
+
+``fit()``: evaluate (held-out pairs' reward accuracy, greedy exact match on ``data.test_files``) -> steps
+(evaluation every ``dpo.test_freq``, a resumable checkpoint every ``trainer.save_freq``) -> evaluate -> plot.
+Checkpoints are ``<trainer.default_local_dir>/checkpoints/global_step_<N>`` (the TrainEngine's resumable
+checkpoint + LR schedule + data position + ``config.yaml``; ``latest`` written last), readable by
+``mcore-rl convert mcore-to-hf``. The reference is rebuilt from the same start on resume (precomputed
+reference log-probs come back from their cache, keyed by the data's fingerprint).
+
+Why SPMD rather than Ray: DPO has no rollout/score/train phases to place; one program per rank on
+megatron's schedules is the whole job, and torchrun/Slurm launch it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.algo import DPOSettings
+from mcore_rl.config import ConfigError, RunConfig, load_config, save_config
+from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
+from mcore_rl.data.prompts import PromptBatch, PromptDataset
+from mcore_rl.data.sampler import EpochSampler
+from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.dpo.greedy import GreedyScorer
+from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
+from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
+from mcore_rl.dpo.run_log import EVAL, TRAIN, DPORunLog
+from mcore_rl.parallel.context import ParallelContext
+
+LATEST = "latest"
+
+
+@dataclass
+class DPOData:
+    """What the driver reads: preference pairs, held-out pairs and held-out prompts (with their answers)."""
+
+    tokenizer: Tokenizer
+    train: PreferenceDataset
+    val: PreferenceDataset | None
+    test: PromptBatch | None
+
+
+def load_dpo_data(cfg: RunConfig) -> DPOData:
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
+    keys = (cfg.dpo.chosen_key, cfg.dpo.rejected_key)
+
+    def pairs(files: list[str]) -> PreferenceDataset:
+        return PreferenceDataset.from_files(files, tokenizer, cfg.data, keys, cfg.dpo.max_length)
+
+    test = None
+    if cfg.data.test_files:
+        prompts = PromptDataset.from_files(cfg.data.test_files, tokenizer, cfg.data)
+        test = prompts.batch(range(len(prompts)))
+    val = pairs(cfg.dpo.val_files) if cfg.dpo.val_files else None
+    return DPOData(tokenizer, pairs(cfg.dpo.train_files), val, test)
+
+
+class DPOTrainer:
+    """One rank's driver; build with :meth:`from_config`, run with :meth:`fit`, read ``records`` after."""
+
+    def __init__(
+        self, cfg: RunConfig, ctx: ParallelContext, policy: DPOPolicy, data: DPOData, total_steps: int
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.policy = policy
+        self.data = data
+        self.total_steps = total_steps
+        self.sampler = EpochSampler(
+            len(data.train),
+            cfg.dpo.train_batch_size,
+            cfg.data.shuffle,
+            cfg.data.seed,
+            True,
+            _fingerprint(data.train),
+        )
+        self.greedy = GreedyScorer(cfg, policy.engine, data.tokenizer)
+        self.reference_cache: dict[str, torch.Tensor] = {}
+        self.global_step = 0
+        self.records: list[dict[str, Any]] = []
+        self.owns_world = False
+
+    @classmethod
+    def from_config(
+        cls, config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = ()
+    ) -> DPOTrainer:
+        """Collective: a trainer for a recipe path (+ ``key=value`` overrides) or a checked :class:`RunConfig`."""
+        cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+        if not cfg.dpo.train_files:
+            raise ConfigError("dpo.train_files is empty: a DPO run needs preference pairs (.parquet, .jsonl)")
+        owns_world = not dist.is_initialized()
+        ctx = ParallelContext.initialize(cfg.parallel.to_parallel_config(cfg.trainer.seed))
+        try:
+            if ctx.rank == 0:
+                prepare_preference_data(cfg)
+                save_config(cfg, cfg.trainer.default_local_dir)
+            dist.barrier()
+            data = load_dpo_data(cfg)
+            batches = len(data.train) // cfg.dpo.train_batch_size
+            total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches
+            policy = DPOPolicy.build(
+                ctx, policy_spec(cfg, total, data.tokenizer.pad_token_id), initial_weights(cfg)
+            )
+        except BaseException:
+            ctx.destroy(destroy_process_group=owns_world)
+            raise
+        trainer = cls(cfg, ctx, policy, data, total)
+        trainer.owns_world = owns_world
+        return trainer
+
+    # --- the run --------------------------------------------------------------------------------------------
+    def fit(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Run to ``total_steps`` (or stop after ``stop_after`` steps: a simulated interruption)."""
+        cfg, summary = self.cfg, dict[str, Any]()
+        if cfg.dpo.precompute_ref_log_probs and not cfg.dpo.reference_free:
+            self.precompute_reference()  # with the initial policy, before a checkpoint can replace it
+        resumed = self.resume()
+        log = DPORunLog(cfg.logging, self.total_steps, self.global_step, enabled=self.ctx.rank == 0)
+        try:
+            if not resumed:
+                summary["before"] = self.evaluate(log)
+            while self.global_step < self.total_steps and self.global_step != stop_after:
+                self.global_step += 1
+                metrics = self.train_step()
+                if metrics is not None:
+                    log.write(TRAIN, self.global_step, metrics)
+                last = self.global_step == self.total_steps
+                if _every(cfg.dpo.test_freq, self.global_step, last) and not last:
+                    self.evaluate(log)
+                if _every(cfg.trainer.save_freq, self.global_step, last):
+                    self.save()
+            if self.global_step == self.total_steps:
+                summary["after"] = self.evaluate(log)
+        finally:
+            summary["plot"] = log.close()
+            self.records = log.records
+        return summary
+
+    def train_step(self) -> dict[str, float] | None:
+        """One optimizer step on the next global batch of pairs (this rank's shard)."""
+        mine, weights = shard_indices(
+            self.sampler.next_indices(), self.ctx, self.cfg.dpo.micro_batch_size_per_gpu
+        )
+        return self.policy.train_step(self._micro(self.data.train, "train", mine, weights), self.global_step)
+
+    def evaluate(self, log: DPORunLog) -> dict[str, float]:
+        """Held-out pairs (``eval_*`` metrics) and greedy exact match on the held-out prompts."""
+        metrics: dict[str, float] = {}
+        if self.data.val is not None:
+            mine, weights = shard_indices(
+                range(len(self.data.val)), self.ctx, self.cfg.dpo.micro_batch_size_per_gpu
+            )
+            metrics.update(self.policy.evaluate(self._micro(self.data.val, "val", mine, weights)))
+        if self.data.test is not None:
+            metrics["exact_match"] = self.greedy.accuracy(self.data.test)
+        log.write(EVAL, self.global_step, metrics)
+        return metrics
+
+    def _micro(
+        self, dataset: PreferenceDataset, split: str, indices: list[int], weights: torch.Tensor
+    ) -> list[PairMicroBatch]:
+        cache = self.reference_cache.get(split)
+        ref = cache[indices] if cache is not None else None
+        return self.policy.micro_batches(dataset.batch(indices, self.policy.width_multiple), weights, ref)
+
+    # --- precomputed reference log-probs --------------------------------------------------------------------
+    def precompute_reference(self) -> None:
+        """Collective: [pairs, 2] reference log-probs of the train and held-out pairs, from the cache file
+        when its fingerprint matches the data, else computed with the (initial) policy and cached."""
+        for split, dataset in (("train", self.data.train), ("val", self.data.val)):
+            if dataset is None:
+                continue
+            path = os.path.join(self.cfg.trainer.default_local_dir, f"ref_log_probs_{split}.pt")
+            fingerprint = dataset.fingerprint()
+            if os.path.isfile(path):
+                saved = torch.load(path, weights_only=True)
+                if saved.get("fingerprint") == fingerprint:
+                    self.reference_cache[split] = saved["log_probs"]
+                    continue
+            if self.global_step or self.resume_path() is not None:
+                raise RuntimeError(
+                    f"{path}: no reference log-probs for this data, and the policy has trained"
+                )
+            self.reference_cache[split] = self._score_with_policy(dataset)
+            if self.ctx.rank == 0:
+                torch.save(
+                    {"fingerprint": fingerprint, "log_probs": self.reference_cache[split]}, path + ".tmp"
+                )
+                os.replace(path + ".tmp", path)
+            dist.barrier()
+
+    def _score_with_policy(self, dataset: PreferenceDataset, chunk_pairs: int = 4096) -> torch.Tensor:
+        parts = []
+        for start in range(0, len(dataset), chunk_pairs):
+            chunk = list(range(start, min(start + chunk_pairs, len(dataset))))
+            mine, weights = shard_indices(chunk, self.ctx, self.cfg.dpo.micro_batch_size_per_gpu)
+            batch = dataset.batch(mine, self.policy.width_multiple)
+            local = self.policy.sequence_log_probs(self.policy.micro_batches(batch, weights, None))
+            shards = [torch.empty_like(local) for _ in range(self.ctx.dp_size)]
+            dist.all_gather(shards, local, group=self.ctx.dp_group)
+            parts.append(torch.cat(shards)[: len(chunk)])  # DP ranks hold consecutive slices; padding last
+        return torch.cat(parts)
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> str:
+        return os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")
+
+    def save(self) -> str:
+        """Collective: policy + optimizer + schedule + data position + config; ``latest`` last; keep the last K."""
+        path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+        extra = {"sampler": self.sampler.state_dict(), "model": self.cfg.model.hf_config_dict()}
+        self.policy.save_checkpoint(path, self.global_step, extra)
+        if self.ctx.rank == 0:
+            save_config(self.cfg, path)
+            _write_atomically(os.path.join(self.checkpoint_root, LATEST), f"global_step_{self.global_step}\n")
+            keep = self.cfg.trainer.max_ckpt_to_keep
+            for old in _checkpoints(self.checkpoint_root)[:-keep] if keep else []:
+                shutil.rmtree(os.path.join(self.checkpoint_root, old))
+        dist.barrier()
+        return path
+
+    def resume_path(self) -> str | None:
+        mode = self.cfg.trainer.resume_mode
+        if mode == "resume_path":
+            return self.cfg.trainer.resume_from_path
+        latest = os.path.join(self.checkpoint_root, LATEST)
+        if mode == "auto" and os.path.isfile(latest):
+            with open(latest) as f:
+                return os.path.join(self.checkpoint_root, f.read().strip())
+        return None
+
+    def resume(self) -> bool:
+        """Collective: restore the checkpoint ``trainer.resume_mode`` names; refuses a changed model or data."""
+        path = self.resume_path()
+        if path is None:
+            return False
+        step, state = self.policy.load_checkpoint(path)
+        if state["model"] != self.cfg.model.hf_config_dict():
+            raise ValueError(
+                f"{path}: saved for another model (model.hf_config / config.json differ); not resuming"
+            )
+        self.sampler.load_state_dict(state["sampler"])  # refuses other data, naming why
+        self.global_step = step
+        return True
+
+    def close(self) -> None:
+        self.greedy.close()
+        self.ctx.destroy(destroy_process_group=self.owns_world)
+
+    def __enter__(self) -> DPOTrainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def policy_spec(cfg: RunConfig, total_steps: int, pad_token_id: int) -> PolicySpec:
+    dpo = cfg.dpo
+    settings = DPOSettings(dpo.beta, dpo.loss_type, dpo.label_smoothing, dpo.reference_free)
+    arch = cfg.model.arch()
+    return PolicySpec(
+        arch=arch,
+        optim=cfg.optim,
+        total_steps=total_steps,
+        loss=DPOLossSettings(settings, arch.vocab_size, dpo.sft_loss_weight),
+        micro_batch_pairs=dpo.micro_batch_size_per_gpu,
+        with_reference=not (dpo.reference_free or dpo.precompute_ref_log_probs),
+        dtype=cfg.model.dtype,
+        pad_token_id=pad_token_id,
+        on_nonfinite=cfg.trainer.on_nonfinite_loss,
+    )
+
+
+def initial_weights(cfg: RunConfig) -> dict[str, torch.Tensor] | None:
+    """The HF weights of ``model.path`` as a full state (None: the seeded random initialisation)."""
+    if cfg.model.path is None or not cfg.model.load_weights:
+        return None
+    from mcore_rl.dpo.policy import hf_full_state
+
+    return hf_full_state(cfg.model.path, cfg.model.arch())
+
+
+def _fingerprint(dataset: PreferenceDataset) -> str:
+    return f"dpo:{len(dataset)}:{dataset.fingerprint()}"
+
+
+def _every(freq: int, step: int, last: bool) -> bool:
+    return freq > 0 and (step % freq == 0 or last)
+
+
+def _checkpoints(root: str) -> list[str]:
+    names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
+    return sorted(names, key=lambda n: int(n[12:]))
+
+
+def _write_atomically(path: str, text: str) -> None:
+    staging = f"{path}.tmp"
+    with open(staging, "w") as f:
+        f.write(text)
+    os.replace(staging, path)
