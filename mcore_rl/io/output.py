@@ -166,7 +166,7 @@ class OutputFolder:
             raise OutputError(f"{flag} is empty (an unset shell variable?); give the folder to create")
         real = _real(given)
         reason = _protected(real) or next(
-            (r for s in inputs if s is not None and (r := _relation_to_input(real, s)) is not None), None
+            (r for s in inputs if s and (r := _relation_to_input(real, s)) is not None), None
         )
         if reason is not None:
             raise OutputError(f"{flag} {given} {reason}; choose another folder")
