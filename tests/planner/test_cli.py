@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from mcore_rl.cli import main
+from mcore_rl.planner import model_params
+from tests.models import tiny_arch, tiny_hf_config
 from tests.planner.hf_configs import LLAMA31_8B
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -41,21 +47,43 @@ def test_bad_layout_is_one_line_naming_the_field(llama8b_config, capsys):
     assert err == "error: num_attention_heads=32 is not divisible by tensor_parallel_size=3"
 
 
-def test_recipe_form_reads_the_run_config(capsys):
-    argv = ["plan", "recipes/demo_cpu.yaml", "algorithm.ppo_micro_batch_size_per_gpu=32", "--gpu", "A100-40"]
-    assert main(argv) == 0
+@pytest.fixture
+def tiny_recipe(tmp_path):
+    """A recipe of its own (the shared demo recipes change under other work): base + a tiny Llama."""
+    recipe = {
+        "defaults": [str(REPO / "recipes" / "base")],
+        "model": {"hf_config": tiny_hf_config("llama")},
+        "rollout": {"n": 4},
+        "algorithm": {"ppo_micro_batch_size_per_gpu": 8},
+        "data": {
+            "train_files": ["prompts.parquet"],
+            "max_prompt_length": 20,
+            "max_response_length": 12,
+            "train_batch_size": 16,
+        },
+        "trainer": {"n_gpus_per_node": 2},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_recipe_form_reads_the_run_config(tiny_recipe, capsys):
+    assert main(["plan", tiny_recipe, "algorithm.ppo_micro_batch_size_per_gpu=4", "--gpu", "A100-40"]) == 0
     out = capsys.readouterr().out
-    # ppo_mini_batch_size follows train_batch_size (16 prompts) x rollout.n (8); 8 + 6 tokens per sequence.
-    assert "batch: 128 sequences x 14 tokens per step, micro-batch 32, 4 micro-batches per DP rank" in out
-    assert "model: 430,208 parameters" in out  # the recipe's inline architecture
+    # ppo_mini_batch_size follows train_batch_size (16 prompts) x rollout.n (4) = 64 sequences over DP2;
+    # 20 + 12 tokens; the override's micro-batch of 4 -> 64 / 2 / 4 = 8 micro-batches.
+    assert "batch: 64 sequences x 32 tokens per step, micro-batch 4, 8 micro-batches per DP rank" in out
+    assert "2 x A100-40: tp=1 pp=1 dp=2" in out
+    assert f"model: {model_params(tiny_arch('llama')):,} parameters" in out  # the recipe's inline model
     assert "verdict: fits" in out
 
 
-def test_recipe_form_reports_config_errors(capsys):
-    assert main(["plan", "recipes/demo_cpu.yaml", "rollout.n=4"]) == 2
-    assert "ppo_micro_batch_size_per_gpu=128 does not divide" in capsys.readouterr().err
+def test_recipe_form_reports_config_errors(tiny_recipe, capsys):
+    assert main(["plan", tiny_recipe, "parallel.tensor_model_parallel_size=3"]) == 2
+    assert "= 3 does not divide the world size 2" in capsys.readouterr().err
 
 
-def test_recipe_form_refuses_layout_flags(capsys):
-    assert main(["plan", "recipes/demo_cpu.yaml", "--tp", "2"]) == 2
+def test_recipe_form_refuses_layout_flags(tiny_recipe, capsys):
+    assert main(["plan", tiny_recipe, "--tp", "2"]) == 2
     assert "--tp cannot be combined with a recipe" in capsys.readouterr().err
