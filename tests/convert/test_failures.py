@@ -129,3 +129,39 @@ def test_a_model_made_elsewhere_converts_with_its_config(ckpt, hf_sharded, tmp_p
         main(["convert", "mcore-to-hf", "--ckpt", str(bare), "--out", out, "--hf-config-from", hf_sharded])
         == 0
     )
+
+
+_SLOW_CONVERSION = """
+import sys, time
+from mcore_rl.cli import main
+from mcore_rl.convert import safetensors_io
+
+add = safetensors_io.StreamingShardWriter.add
+
+def slow_add(self, name, tensor):  # a big model: each tensor takes a while
+    add(self, name, tensor)
+    print("wrote", name, flush=True)
+    time.sleep(60)
+
+safetensors_io.StreamingShardWriter.add = slow_add
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_a_real_conversion_leaves_nothing(ckpt, tmp_path):
+    """The issue's hidden staging folders after SIGTERM: mcore-to-hf killed after its first tensor."""
+    import signal
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "out")
+    command = [sys.executable, "-c", _SLOW_CONVERSION, "convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("wrote ")
+    assert len(os.listdir(tmp_path)) == 1  # the staging folder, with a shard being written
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] == "mcore-rl convert: interrupted by SIGTERM; partial output removed"
+    assert os.listdir(tmp_path) == []
