@@ -142,72 +142,80 @@ class MemoryPlan:
         return max(phase.total_bytes for phase in self.phases)
 
 
+def _training_state_terms(plan: PlanInput) -> tuple[dict[str, int], dict[str, int], TrainState]:
+    """(weights of every colocated model, their grads and optimizer state, the actor's state)."""
+    actor = train_state(plan)
+    critic = train_state(plan, value_head=True) if plan.critic else None
+    weights: dict[str, int] = {"weights": actor.weights_bytes}
+    state = {"gradients": actor.grads_bytes, "optimizer": actor.optimizer_bytes}
+    if critic:
+        weights["critic weights"] = critic.weights_bytes
+        state.update({"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes})
+    if plan.reference:
+        weights["reference weights"] = actor.weights_bytes
+    return weights, state, actor
+
+
+def _problems(plan: PlanInput, phases: tuple[PhaseMemory, ...], kv_tokens: int) -> list[str]:
+    problems = [
+        f"{phase.name} phase needs {gib(phase.total_bytes)} > {gib(phase.capacity_bytes)} usable on {plan.gpu} "
+        f"(largest term: {phase.largest})"
+        for phase in phases
+        if not phase.fits
+    ]
+    if kv_tokens < plan.seq_length:
+        problems.append(
+            f"rollout KV cache holds {kv_tokens} tokens < seq_length={plan.seq_length}: raise "
+            f"rollout_memory_fraction={plan.rollout_memory_fraction} or rollout_tp={plan.rollout_tp}"
+        )
+    return problems
+
+
 def plan_memory(plan: PlanInput) -> MemoryPlan:
     """Validate ``plan`` (see :meth:`PlanInput.validate`) and size every phase."""
     plan.validate()
     capacity = plan.gpu_bytes - plan.reserved_bytes
-    actor = train_state(plan)
-    critic = train_state(plan, value_head=True) if plan.critic else None
+    weights, state, actor = _training_state_terms(plan)
     rollout_weights = rollout_weight_bytes(plan)
-
-    resident: dict[str, int] = {"weights": actor.weights_bytes}
-    if critic:
-        resident["critic weights"] = critic.weights_bytes
-    if plan.reference:
-        resident["reference weights"] = actor.weights_bytes
-    kept = dict(resident)  # what stays on the GPU once training state is offloaded
-    grads = {"gradients": actor.grads_bytes, "optimizer": actor.optimizer_bytes}
-    if critic:
-        grads.update({"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes})
-    for name, size in grads.items():
+    # What stays on the GPU once the hybrid engine has offloaded training state for the rollout.
+    kept = dict(weights)
+    for name, size in state.items():
         offloaded = plan.offload_optimizer if "optimizer" in name else plan.offload_grad_buffers
         if not offloaded:
             kept[name] = size
 
-    train_terms = {**resident, **grads}
-    train_terms["activations"] = activation_bytes(plan)
-    train_terms["logits"] = logits_bytes(plan)
+    train_terms = {**weights, **state, "activations": activation_bytes(plan), "logits": logits_bytes(plan)}
     if plan.sleep_level == 1:
         train_terms["rollout weights (asleep)"] = rollout_weights
-    train = PhaseMemory("train", train_terms, capacity)
-
     switch_terms = {
         **kept,
         "rollout weights": rollout_weights,
         "reshard buffers": plan.reshard_inflight_bytes,
     }
-    switch = PhaseMemory("switch", switch_terms, capacity)
-
-    pool = int(plan.rollout_memory_fraction * plan.gpu_bytes)
     rollout_act = rollout_activation_bytes(plan)
-    kv = max(0, pool - rollout_weights - rollout_act)
-    rollout_terms = {**kept, "rollout weights": rollout_weights, "rollout activations": rollout_act}
-    rollout_terms["kv cache"] = kv
-    rollout = PhaseMemory("rollout", rollout_terms, capacity)
+    kv = max(0, int(plan.rollout_memory_fraction * plan.gpu_bytes) - rollout_weights - rollout_act)
+    rollout_terms = {
+        **kept,
+        "rollout weights": rollout_weights,
+        "rollout activations": rollout_act,
+        "kv cache": kv,
+    }
 
+    phases = tuple(
+        PhaseMemory(name, terms, capacity)
+        for name, terms in (("train", train_terms), ("switch", switch_terms), ("rollout", rollout_terms))
+    )
     per_token = kv_bytes_per_token(plan)
-    tokens = kv // per_token
-    problems = [
-        f"{phase.name} phase needs {gib(phase.total_bytes)} > {gib(capacity)} usable on {plan.gpu} "
-        f"(largest term: {phase.largest})"
-        for phase in (train, switch, rollout)
-        if not phase.fits
-    ]
-    if tokens < plan.seq_length:
-        problems.append(
-            f"rollout KV cache holds {tokens} tokens < seq_length={plan.seq_length}: raise "
-            f"rollout_memory_fraction={plan.rollout_memory_fraction} or rollout_tp={plan.rollout_tp}"
-        )
     return MemoryPlan(
         plan=plan,
         model_params=model_params(plan.arch),
         actor=actor,
-        train=train,
-        switch=switch,
-        rollout=rollout,
+        train=phases[0],
+        switch=phases[1],
+        rollout=phases[2],
         kv_bytes_per_token=per_token,
-        kv_cache_tokens=tokens,
-        problems=problems,
+        kv_cache_tokens=kv // per_token,
+        problems=_problems(plan, phases, kv // per_token),
     )
 
 
