@@ -229,6 +229,8 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
     par, alg, n = cfg.parallel, cfg.algorithm, cfg.rollout.n
     dp = cfg.world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
     rollout_dp = cfg.world_size // cfg.rollout.tensor_model_parallel_size
+    if cfg.dpo.train_files:  # a DPO run has no rollout: the RL batch rules do not apply
+        return _dpo_batch_problems(cfg.dpo, dp)
     batch, mini, micro = cfg.data.train_batch_size, alg.ppo_mini_batch_size, alg.ppo_micro_batch_size_per_gpu
     problems = []
     if batch % rollout_dp:
@@ -254,7 +256,6 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
             f"rollout.n={n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses "
             "within a group and needs rollout.n >= 2"
         )
-    problems += _dpo_batch_problems(cfg.dpo, dp)
     if cfg.sft.enable:
         sft_batch, sft_micro = cfg.sft.train_batch_size, cfg.sft.micro_batch_size_per_gpu
         if sft_batch % dp:
@@ -293,7 +294,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to loss_type sigmoid and robust only, "
             f"not {cfg.dpo.loss_type}"
         )
-    if trainer.test_freq > 0 and not cfg.data.val_files:
+    if trainer.test_freq > 0 and not cfg.data.val_files and not cfg.dpo.train_files:
         problems.append(f"trainer.test_freq={trainer.test_freq} needs data.val_files")
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     summary = run_dpo(args.recipe, args.overrides)
     before, after = summary.get("before") or {}, summary.get("after") or {}
     for key, name in (
-        ("eval_rewards/accuracies", "held-out preference accuracy"),
+        ("eval_logps/accuracies", "held-out preference accuracy (policy prefers chosen)"),
+        ("eval_rewards/accuracies", "held-out reward accuracy (TRL's, vs the reference)"),
         ("exact_match", "greedy exact match"),
     ):
         if key in before or key in after:

@@ -28,8 +28,11 @@ METRICS = (
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "logps/accuracies",
 )
-"""Per-step metrics, TRL's names (evaluation prefixes them with ``eval_``)."""
+"""Per-step metrics, TRL's names (evaluation prefixes them with ``eval_``), plus ``logps/accuracies``: how often
+the policy itself gives the chosen completion the higher log-prob. TRL's ``rewards/accuracies`` compares
+against the reference, so it reads 0 (all ties) before the first step; this one starts where the model is."""
 
 
 @dataclass
@@ -98,6 +101,7 @@ def dpo_pair_loss(settings: DPOLossSettings, ctx: ParallelContext, global_pairs:
             "rewards/margins": out.chosen_rewards - out.rejected_rewards,
             "logps/chosen": chosen,
             "logps/rejected": rejected,
+            "logps/accuracies": (chosen > rejected).to(logps.dtype),
         }
         metrics = {k: (v * weights).sum() / global_pairs for k, v in values.items()}
         return loss, metrics

@@ -94,7 +94,8 @@ class DPORunLog:
         left.set_xlabel("step")
         left.set_title("training batches")
         for key, label in (
-            ("eval_rewards/accuracies", "held-out preference accuracy"),
+            ("eval_rewards/accuracies", "held-out reward accuracy (vs reference)"),
+            ("eval_logps/accuracies", "held-out preference accuracy (policy)"),
             ("exact_match", "greedy exact match"),
         ):
             points = [(r["step"], r[key]) for r in evals if r.get(key) is not None]

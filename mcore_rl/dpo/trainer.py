@@ -227,6 +227,9 @@ class DPOTrainer:
         """Collective: policy + optimizer + schedule + data position + config; ``latest`` last; keep the last K."""
         path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
         extra = {"sampler": self.sampler.state_dict(), "model": self.cfg.model.hf_config_dict()}
+        if self.ctx.rank == 0:
+            os.makedirs(self.checkpoint_root, exist_ok=True)
+        dist.barrier()
         self.policy.save_checkpoint(path, self.global_step, extra)
         if self.ctx.rank == 0:
             save_config(self.cfg, path)
