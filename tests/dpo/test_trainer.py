@@ -164,3 +164,27 @@ def test_bad_dpo_keys_are_named() -> None:
         load_config("recipes/dpo_demo_cpu.yaml", ["dpo.micro_batch_size_per_gpu=24"])
     with pytest.raises(ConfigError, match=r"dpo\.beta=0\.0 must be > 0"):
         load_config("recipes/dpo_demo_cpu.yaml", ["dpo.beta=0"])
+
+
+@pytest.mark.slow  # two fresh processes (~10 s of imports each)
+def test_cli_spawns_the_ranks_of_a_recipe(folder: str, tmp_path: Path, capsys) -> None:
+    """``mcore-rl dpo`` on a 2-rank recipe from a plain process: it spawns both ranks and prints the summary."""
+    from mcore_rl.cli import main
+    from mcore_rl.config import save_config
+
+    run = tmp_path / "cli_run"
+    cfg = tiny_dpo_config(
+        folder, [f"trainer.default_local_dir={run}", "trainer.total_training_steps=2", "trainer.save_freq=-1"]
+    )
+    recipe = save_config(cfg, tmp_path / "recipe")
+    assert main(["dpo", str(recipe), "dpo.test_freq=-1"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out preference accuracy (policy prefers chosen):" in out and "after 2 steps" in out
+    assert "greedy exact match:" in out
+    records = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["step"]) for r in records] == [
+        ("eval", 0),
+        ("train", 1),
+        ("train", 2),
+        ("eval", 2),
+    ]
