@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.config import RunConfig
+from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.parallel.context import free_local_port
 from mcore_rl.trainer.actor_group import ActorGroup, Backend, InProcessBackend, RayBackend
@@ -13,7 +13,14 @@ from mcore_rl.trainer.worker import HybridWorker, WorkerSpec
 
 
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
-    """What every rank builds, from the run config."""
+    """What every rank builds, from the run config; refuses what the driver does not run yet."""
+    unsupported = {
+        "rollout.name": cfg.rollout.name != "local",  # vLLM needs its own hybrid wiring (GPU)
+        "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward,  # the KL loss term is supported
+    }
+    for key, bad in unsupported.items():
+        if bad:
+            raise ConfigError(f"{key}: not supported by the RL driver yet (got {getattr_path(cfg, key)!r})")
     return WorkerSpec(
         arch=cfg.model.arch(),
         optim=cfg.optim,
@@ -23,6 +30,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         hybrid=cfg.rollout.hybrid.to_hybrid_config(),
         with_reference=cfg.algorithm.use_kl_loss,
         load_dir=load_dir,
+        hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights else None,
     )
 
 
@@ -59,3 +67,9 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     actors = ActorGroup(backend)
     actors.sync_weights()
     return actors
+
+
+def getattr_path(obj: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj

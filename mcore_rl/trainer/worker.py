@@ -64,8 +64,10 @@ class WorkerSpec:
     with_reference: bool = False
     """Keep a frozen copy of the initial actor as the reference policy (KL loss)."""
     load_dir: str | None = None
-    """A megatron model checkpoint (``TrainEngine.save_model`` / HF conversion) to start from; None keeps the
-    seeded random initialisation (identical on every run with the same seed)."""
+    """A megatron model checkpoint (``TrainEngine.save_model`` / HF conversion) to start from."""
+    hf_path: str | None = None
+    """An HF model folder (safetensors) to start from, read whole on every rank (small models; convert large
+    ones with ``mcore-rl convert hf-to-mcore`` and use ``load_dir``). Neither: the seeded random init."""
     pad_token_id: int = 0
 
 
@@ -80,6 +82,8 @@ class HybridWorker(Worker):
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
         if spec.load_dir is not None:
             self.engine.load_model(spec.load_dir)
+        elif spec.hf_path is not None:
+            self.engine.load_full_state(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
         self.reference = _frozen_copy(self.engine, options) if spec.with_reference else None
         self.scheduler = _lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
         self.hybrid, self.rollout = build_local_hybrid(self.engine, spec.rollout_tp, spec.hybrid)
@@ -271,6 +275,18 @@ class HybridWorker(Worker):
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
         return step, extra
+
+
+def _hf_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The megatron full (TP=1) state of an HF safetensors folder (fused QKV and gate/up)."""
+    from mcore_rl.convert.mapping import tensor_maps, to_full
+    from mcore_rl.convert.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(path)
+    return {
+        m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]).to(dtype)
+        for m in tensor_maps(arch)
+    }
 
 
 def _frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:

@@ -24,7 +24,7 @@ OVERRIDES = [
     "data.train_batch_size=4",
     "algorithm.ppo_mini_batch_size=2",
 ]
-TIMING = ("time/", "tokens_per_s")
+TIMING = ("time/", "tokens_per_s", "memory/")  # wall-clock and RSS differ between runs
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
