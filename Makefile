@@ -25,8 +25,9 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
 	command -v shellcheck >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq shellcheck) || true
 	touch $(STAMP)
 
+# The main job through the single-controller Ray driver (the old single-process loop: `mcore-rl demo`).
 demo: $(STAMP)
-	$(PY) -m mcore_rl.cli demo
+	$(PY) -m mcore_rl.cli train recipes/demo_cpu.yaml
 
 # Lint and type checks gate the suite: CI runs exactly this target.
 test: lint
