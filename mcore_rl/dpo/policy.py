@@ -102,7 +102,7 @@ class DPOPolicy:
             )
         return out
 
-    def _with_reference(self, micro: list[PairMicroBatch]) -> None:
+    def fill_reference(self, micro: list[PairMicroBatch]) -> None:
         """Fill ``ref_log_probs`` from the reference model (or zeros: reference-free / precomputed elsewhere)."""
         if all(mb.ref_log_probs is not None for mb in micro):
             return
@@ -120,7 +120,7 @@ class DPOPolicy:
     # --- steps ----------------------------------------------------------------------------------------------
     def train_step(self, micro: list[PairMicroBatch], step: int) -> dict[str, float] | None:
         """One optimizer step on this rank's micro-batches; global metrics (None: skipped as non-finite)."""
-        self._with_reference(micro)
+        self.fill_reference(micro)
         global_pairs = self._global_pairs(micro)
         self.engine.zero_grad()
         out = self.engine.forward_backward(
@@ -144,7 +144,7 @@ class DPOPolicy:
 
     def evaluate(self, micro: list[PairMicroBatch]) -> dict[str, float]:
         """Forward only: the loss and TRL metrics of held-out pairs, prefixed ``eval_``."""
-        self._with_reference(micro)
+        self.fill_reference(micro)
         global_pairs = self._global_pairs(micro)
         out = self.engine.forward_backward(
             list[MicroBatch](micro), dpo_pair_loss(self.spec.loss, self.ctx, global_pairs), forward_only=True

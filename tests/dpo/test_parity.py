@@ -135,7 +135,7 @@ def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int) -> dict
         mine, weights = shard_indices(range(NUM_PAIRS), ctx, micro_pairs)
         for name, settings, sft in CASES:
             micro = policy.micro_batches(dataset.batch(mine), weights, None)
-            policy._with_reference(micro)
+            policy.fill_reference(micro)
             loss_fn = dpo_pair_loss(DPOLossSettings(settings, arch.vocab_size, sft), ctx, torch.tensor(4.0))
             policy.engine.zero_grad()
             metrics = policy.engine.forward_backward(list(micro), loss_fn)
