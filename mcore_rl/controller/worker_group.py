@@ -13,6 +13,7 @@ over samples.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class WorkerError(RuntimeError):
     """A worker raised or died; the message names the rank, the method and carries its traceback."""
 
     def __init__(self, rank: int, method: str, detail: str) -> None:
+        detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names for terminals
         super().__init__(f"rank {rank} failed in {method}: {detail}")
         self.rank = rank
         self.method = method
