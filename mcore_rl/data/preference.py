@@ -111,7 +111,9 @@ class PreferenceDataset:
         """Read ``files``; ``keys`` are the chosen and rejected columns, ``max_length`` the longest prompt +
         completion (None: ``data.max_prompt_length + data.max_response_length``)."""
         limit = max_length or data.max_prompt_length + data.max_response_length
-        records, overlong, bad = [], [], []
+        records: list[PreferenceRecord] = []
+        overlong: list[RowProblem] = []
+        bad: list[RowProblem] = []
         for file in files:
             for row, raw in read_rows(file):
                 try:
