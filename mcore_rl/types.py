@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 
@@ -102,8 +101,3 @@ class UpdateStats:
     """Optimizer steps taken (mini-batches x epochs), skipped ones excluded."""
     num_skipped: int
     """Updates skipped because the loss was NaN/inf (``on_nonfinite_loss=skip``)."""
-
-
-def empty_like_rows(reference: Tensor) -> Tensor:
-    """[N, S] float32 zeros shaped like ``reference`` (a placeholder for an unused per-position field)."""
-    return torch.zeros(reference.shape, dtype=torch.float32)
