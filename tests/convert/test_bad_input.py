@@ -12,6 +12,7 @@ import errno
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 
 import pytest
 
@@ -388,19 +389,28 @@ CASES = [
 
 
 @pytest.fixture
-def workspace(tmp_path, hf_sharded, ckpt, monkeypatch) -> Workspace:
+def workspace(tmp_path, hf_sharded, ckpt, monkeypatch) -> Iterator[Workspace]:
+    """A workspace as cwd and HOME; afterwards the environment and torch.distributed are as before (a case
+    that gets as far as hf-to-mcore's writing joins a world of one in this process)."""
+    import torch.distributed as dist
+
     ws = Workspace(str(tmp_path / "ws"), hf_sharded, ckpt)
     monkeypatch.chdir(ws.p("cwd"))
-    monkeypatch.setenv("HOME", ws.p("home"))
+    saved_env, had_world = dict(os.environ), dist.is_initialized()
+    os.environ["HOME"] = ws.p("home")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(key, raising=False)
-    return ws
+        os.environ.pop(key, None)
+    yield ws
+    if dist.is_initialized() and not had_world:
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved_env)
 
 
 def _run_case(case: Case, ws: Workspace, capsys, monkeypatch) -> str:
     import torch.distributed as dist
 
-    if case.env and dist.is_initialized():
+    if case.env and dist.is_initialized():  # the pool's fixtures never join one in this process
         pytest.skip("this process already joined a torch.distributed world; launcher variables are moot")
     args = case.build(ws)
     before = snapshot(ws.root)
