@@ -43,7 +43,7 @@ from mcore_rl.io.errors import OutputError, note
 from mcore_rl.io.signals import signals_deferred
 
 MARKER_FILE = ".mcore_rl-output.json"
-_AUX_NAME = re.compile(r"^\..*\.mcore_rl-(staging|old)-(\d+)-([0-9a-f]{8})$")
+_AUX_NAME = re.compile(r"^\.[^/]*\.mcore_rl-(staging|old)-(\d+)-([0-9a-f]{8})$")
 _NAME_MAX = 255
 
 
@@ -306,7 +306,8 @@ class OutputFolder:
             return
         assert marker is not None
         old_name = marker.get("replaced")
-        old = os.path.join(os.path.dirname(self.path), old_name) if isinstance(old_name, str) else None
+        ours = isinstance(old_name, str) and _AUX_NAME.match(old_name) is not None  # a bare name of ours
+        old = os.path.join(os.path.dirname(self.path), str(old_name)) if ours else None
         if old is not None and os.path.isdir(old) and not os.path.lexists(self.path):
             os.rename(old, self.path)  # killed between the two renames of a commit
             note(f"restored {self.path} from {old}, moved aside by process {marker['pid']} that was killed")
