@@ -52,7 +52,12 @@ class ModelCheckpointInfo:
 
     @classmethod
     def for_arch(cls, arch: ModelArch, dtype: torch.dtype, **extra: Any) -> ModelCheckpointInfo:
-        return cls(hf_config=dict(arch.extra), dtype=_DTYPE_NAMES[dtype], extra=extra)
+        """The info of ``arch`` stored as ``dtype``; the config's own dtype field (if any) says the same."""
+        hf_config = dict(arch.extra)
+        for key in ("dtype", "torch_dtype"):
+            if key in hf_config:
+                hf_config[key] = _DTYPE_NAMES[dtype]
+        return cls(hf_config=hf_config, dtype=_DTYPE_NAMES[dtype], extra=extra)
 
     @property
     def arch(self) -> ModelArch:

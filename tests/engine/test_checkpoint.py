@@ -84,6 +84,13 @@ def test_info_file(tmp_path):
     info = ModelCheckpointInfo.for_arch(tiny_arch("mistral"), torch.bfloat16, converted_from="/x")
     info.write(str(tmp_path))
     assert ModelCheckpointInfo.read(str(tmp_path)) == info
+    # The stored dtype wins over the HF config's (weights converted with --dtype bf16 from fp32).
+    assert (
+        ModelCheckpointInfo.for_arch(tiny_arch(torch_dtype="float32"), torch.bfloat16).hf_config[
+            "torch_dtype"
+        ]
+        == "bfloat16"
+    )
     raw = json.loads((tmp_path / MODEL_INFO_FILE).read_text())
     (tmp_path / MODEL_INFO_FILE).write_text(json.dumps({**raw, "format_version": 99}))
     with pytest.raises(ValueError, match="format_version=99"):
