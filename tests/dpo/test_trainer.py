@@ -87,7 +87,9 @@ def _train(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def test_run_logs_trl_metrics_and_resumes_exactly(run_distributed, folder: str) -> None:
-    full_cfg = tiny_dpo_config(folder, ["trainer.default_local_dir=" + os.path.join(folder, "full")])
+    full_cfg = tiny_dpo_config(
+        folder, ["trainer.default_local_dir=" + os.path.join(folder, "full"), "logging.tensorboard=true"]
+    )
     full = run_distributed(_fit, full_cfg, world_size=2, timeout_s=600)[0]
     steps = _train(full)
     assert sorted(steps) == [1, 2, 3, 4]
@@ -100,6 +102,7 @@ def test_run_logs_trl_metrics_and_resumes_exactly(run_distributed, folder: str) 
     logs = Path(full_cfg.logging.log_dir)
     lines = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     assert lines == full and (logs / "dpo.png").stat().st_size > 0
+    assert any((logs / "tensorboard").iterdir())
 
     cfg = tiny_dpo_config(folder, ["trainer.default_local_dir=" + os.path.join(folder, "resumed")])
     first, second = run_distributed(_interrupted_then_resumed, cfg, world_size=2, timeout_s=600)[0]
