@@ -4,9 +4,9 @@
 a shell, copied from a job script. A plain ``mcore-rl convert`` that trusted them waited 30 minutes for
 peers that never came, or (``RANK=3``) decided it was not rank 0 and exited 0 having written nothing.
 
-The rule: a multi-rank launch is ``WORLD_SIZE > 1`` together with a coherent ``RANK < WORLD_SIZE``, the
-rendezvous address and port, and a launcher's own mark (torchrun's ``TORCHELASTIC_RUN_ID`` or
-``LOCAL_RANK``, which torchrun, Slurm wrappers and Ray workers set). Anything else is a single process:
+The rule: a launch is a coherent ``RANK < WORLD_SIZE``, the rendezvous address and port, and a launcher's
+own mark (torchrun's ``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK``, which torchrun, Slurm wrappers and Ray
+workers set), all present (``WORLD_SIZE=1`` included: a launcher's world of one). Anything else is a single process:
 stale variables are replaced by a world of one on a free local port, with one note naming them; variables
 that claim a multi-rank launch but contradict each other are refused in one line. A rendezvous port that
 rank 0 must open but that is already taken is refused in one line too.
@@ -57,8 +57,10 @@ def read_launch_env(env: MutableMapping[str, str]) -> LaunchEnv:
     world = _int(env, "WORLD_SIZE", 1) if env.get("WORLD_SIZE", "") != "" else 1
     if world == 1:
         present = tuple(k for k in (*_RENDEZVOUS, "LOCAL_RANK") if k in env)
-        launched = "TORCHELASTIC_RUN_ID" in env and "MASTER_PORT" in env  # torchrun --nproc-per-node 1
-        if launched and env.get("RANK", "0") == "0":
+        # torchrun --nproc-per-node 1, or a Ray worker in a world of one: every variable set, coherently.
+        launcher = "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env
+        if launcher and env.get("RANK") == "0" and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+            _int(env, "MASTER_PORT", 1)
             return LaunchEnv(0, 1)
         return LaunchEnv(0, 1, stale=present)
     if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:

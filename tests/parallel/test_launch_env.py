@@ -27,6 +27,20 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0
         ),
         ({"WORLD_SIZE": "", "RANK": "1"}, LaunchEnv(0, 1, stale=("RANK", "WORLD_SIZE"))),
         ({**TORCHRUN, "WORLD_SIZE": "1", "RANK": "0"}, LaunchEnv(0, 1)),  # torchrun --nproc-per-node 1
+        (  # a Ray worker in a world of one
+            {
+                "WORLD_SIZE": "1",
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "10.0.0.1",
+                "MASTER_PORT": "5",
+            },
+            LaunchEnv(0, 1),
+        ),
+        (  # everything but the launcher's mark: leftovers of some launch
+            {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "5"},
+            LaunchEnv(0, 1, stale=("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")),
+        ),
         ({**TORCHRUN, "WORLD_SIZE": "4", "RANK": "3"}, LaunchEnv(3, 4)),
     ],
 )
