@@ -80,6 +80,8 @@ class Trainer:
         cls, config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), use_ray: bool = True
     ) -> Trainer:
         """A trainer for a recipe path (+ ``key=value`` overrides) or a checked :class:`RunConfig`."""
+        if isinstance(config, RunConfig) and overrides:
+            raise ValueError("overrides apply to a recipe path; set the fields of a RunConfig directly")
         cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
         prepare_data(cfg)
         save_config(cfg, cfg.trainer.default_local_dir)
