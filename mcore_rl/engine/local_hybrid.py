@@ -31,5 +31,6 @@ def build_local_hybrid(
         local_params=lambda: dict(local_parameters(engine.models, arch, ctx)),
         to_rollout_tensors=lambda shards: rollout_tensors(shards, arch),
         config=config,
+        ctx=ctx,
     )
     return hybrid, rollout

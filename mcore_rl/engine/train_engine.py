@@ -190,15 +190,17 @@ class TrainEngine:
                 f"sequence length {seq_length} must be divisible by TP={self.ctx.tp_size} with SP"
             )
         iterators = [iter(micro_batches) for _ in self.chunks]
-        return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn),
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=micro_batches[0].tokens.shape[0],
-            forward_only=forward_only,
-        )
+        # Guarded: a rank that raises mid-schedule stops its peers' pipeline waits (mcore_rl.parallel.failure).
+        with self.ctx.guard("forward" if forward_only else "forward_backward"):
+            return get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_fn),
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batches[0].tokens.shape[0],
+                forward_only=forward_only,
+            )
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -206,7 +208,8 @@ class TrainEngine:
         self.optimizer.zero_grad()
 
     def step(self) -> StepResult:
-        update_successful, grad_norm, _ = self.optimizer.step()
+        with self.ctx.guard("optimizer_step"):
+            update_successful, grad_norm, _ = self.optimizer.step()
         return StepResult(bool(update_successful), float(grad_norm if grad_norm is not None else 0.0))
 
     def train_step(

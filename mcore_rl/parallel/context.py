@@ -9,6 +9,7 @@ one context is active per process: building a second while one is live is an err
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
+from mcore_rl.parallel.failure import FailureGuard
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 
 
@@ -102,6 +105,8 @@ class ParallelContext:
     """
 
     _active: ClassVar[ParallelContext | None] = None
+    _num_built: ClassVar[int] = 0
+    """Contexts built in this process; all ranks build them in step, so it names one context world-wide."""
 
     def __init__(
         self, config: ParallelConfig, layout: ParallelLayout, rank: int, device: torch.device
@@ -114,6 +119,8 @@ class ParallelContext:
         self._live = True
         self._subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
         self._megatron_groups: list[dist.ProcessGroup] = []
+        self.failures: FailureGuard | None = None
+        """Failure propagation among this context's ranks (see :meth:`guard`); set by :meth:`initialize`."""
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -149,6 +156,9 @@ class ParallelContext:
         # megatron's destroy_model_parallel only forgets its groups; we destroy them, or every rebuilt
         # context would leak a few dozen communicators (and their threads) into the process.
         ctx._megatron_groups = [g for g in _live_process_groups() if g not in groups_before]
+        cls._num_built += 1
+        store = distributed_c10d._get_default_store()
+        ctx.failures = FailureGuard(store, f"mcore_rl/failure/{cls._num_built}", ctx.rank)
         cls._active = ctx
         return ctx
 
@@ -158,6 +168,8 @@ class ParallelContext:
             return
         from megatron.core import parallel_state
 
+        if self.failures is not None:
+            self.failures.close()
         parallel_state.destroy_model_parallel()
         for group in {id(g): g for g in [*self._subgroups.values(), *self._megatron_groups]}.values():
             if group in _live_process_groups():  # some are aliases of one communicator
@@ -256,6 +268,12 @@ class ParallelContext:
             handles = [dist.new_group(list(g)) for g in key]  # collective: same order on every rank
             self._subgroups[key] = next(h for g, h in zip(key, handles, strict=True) if self.rank in g)
         return self._subgroups[key]
+
+    def guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """A region whose failure on this rank stops every peer within seconds, their errors
+        (:class:`~mcore_rl.parallel.failure.PeerFailureError`) naming this rank and its exception; see
+        :mod:`mcore_rl.parallel.failure`. ``what`` names the region in those errors."""
+        return self.failures.guard(what) if self.failures is not None else contextlib.nullcontext()
 
     def pg_collection(self) -> Any:
         """megatron's ``ProcessGroupCollection`` for modules that accept groups explicitly."""

@@ -191,7 +191,9 @@ def actor_log_probs(
 
 
 def _train_batches(ctx: ParallelContext) -> list[MicroBatch]:
-    tokens = _padded_tokens([PROMPTS[1] * 2, PROMPTS[3] * 2], ctx.tp_size if ctx.layout.sp else 1)
+    # Four micro-batches: interleaved pipelining (VPP) needs at least two per stage.
+    rows = [PROMPTS[1] * 2, PROMPTS[3] * 2, PROMPTS[0] * 3, PROMPTS[2] * 4]
+    tokens = _padded_tokens(rows, ctx.tp_size if ctx.layout.sp else 1)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     return [MicroBatch(tokens[i : i + 1], positions[i : i + 1]) for i in range(len(tokens))]
 

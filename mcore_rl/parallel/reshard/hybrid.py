@@ -9,6 +9,10 @@ waking the rollout engine never overlap (the memory they contend for would other
 
 On CPU the offload steps still run (grad buffers really are freed and restored); moving optimizer state to
 host memory is a no-op there.
+
+Every step (and :meth:`HybridEngine.generate`) runs in the context's guarded region: if it raises on one
+rank, the peers stop within seconds with a :class:`~mcore_rl.parallel.failure.PeerFailureError` that names
+that rank, its exception and the step, instead of waiting out the collective timeout in their sends.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.executor import ReshardStats, execute_plan
 from mcore_rl.parallel.reshard.plan import ReshardPlan
 
@@ -93,7 +98,10 @@ class HybridEngine:
         local_params: Callable[[], dict[str, torch.Tensor]],
         to_rollout_tensors: Callable[[dict[str, torch.Tensor]], Iterable[tuple[str, torch.Tensor]]],
         config: HybridConfig | None = None,
+        ctx: ParallelContext | None = None,
     ) -> None:
+        self.ctx = ctx
+        """Guards every step (failure propagation); None runs unguarded (a single process)."""
         self.train_engine = train_engine
         self.rollout_engine = rollout_engine
         self.plan = plan
@@ -107,9 +115,9 @@ class HybridEngine:
         self._expect(Phase.TRAIN)
         steps: dict[str, float] = {}
         start = time.perf_counter()
-        with _timed(steps, "offload"):
+        with self._step(steps, "offload"):
             self._offload()
-        with _timed(steps, "reshard"):
+        with self._step(steps, "reshard"):
             shards, stats = execute_plan(
                 self.plan,
                 self.local_params(),
@@ -117,7 +125,7 @@ class HybridEngine:
                 bucket_bytes=self.config.bucket_bytes,
                 max_inflight_bytes=self.config.max_inflight_bytes,
             )
-        with _timed(steps, "load"):
+        with self._step(steps, "load"):
             self.rollout_engine.wake_up(["weights"])
             self.rollout_engine.load_weights(self.to_rollout_tensors(shards))
             del shards
@@ -128,11 +136,25 @@ class HybridEngine:
         self._expect(Phase.ROLLOUT)
         steps: dict[str, float] = {}
         start = time.perf_counter()
-        with _timed(steps, "sleep"):
+        with self._step(steps, "sleep"):
             self.rollout_engine.sleep(self.config.sleep_level)
-        with _timed(steps, "restore"):
+        with self._step(steps, "restore"):
             self._restore()
         return self._record(Phase.TRAIN, start, steps, None)
+
+    def generate(self, prompts: Any, params: Any) -> Any:
+        """``rollout_engine.generate`` in the ROLLOUT phase, guarded like the transitions."""
+        self._expect(Phase.ROLLOUT)
+        with self._guard("rollout"):
+            return self.rollout_engine.generate(prompts, params)
+
+    def _guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.ctx.guard(what) if self.ctx is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _step(self, steps: dict[str, float], name: str) -> Iterator[None]:
+        with self._guard(name), _timed(steps, name):
+            yield
 
     def _expect(self, phase: Phase) -> None:
         if self.phase is not phase:
