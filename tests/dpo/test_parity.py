@@ -1,5 +1,6 @@
 """DPO loss and gradients on the megatron engine equal a direct computation with ``transformers`` on the same
-tiny model and pairs, within 1e-5 in fp32, at TP1 (x DP4) and TP2 x PP2, for every loss type.
+tiny model and pairs, within 1e-5 in fp32, at TP1 (x DP4), TP2 x PP2 and TP2 + SP (x DP2; sequences padded
+to a multiple of TP), for every loss type.
 
 The oracle below is written from TRL's definitions (summed completion log-probs from HF logits, the loss per
 pair, the mean over pairs) and does not use ``mcore_rl.algo.dpo``. One call on the 4-rank pool covers every
@@ -34,7 +35,7 @@ CASES: list[tuple[str, DPOSettings, float]] = [
     ("reference_free", DPOSettings(beta=0.1, reference_free=True), 0.0),
     ("sigmoid+sft", DPOSettings(beta=0.1), 0.5),
 ]
-LAYOUTS = [(1, 1), (2, 2)]  # (TP, PP) on 4 ranks: DP4 and DP1
+LAYOUTS = [(1, 1, False), (2, 2, False), (2, 1, True)]  # (TP, PP, SP) on 4 ranks: DP4, DP1, DP2
 
 
 def _records(vocab: int) -> list[PreferenceRecord]:
@@ -112,7 +113,7 @@ def _engine_grads(engine: Any, arch: ModelArch, ctx: Any) -> dict[str, torch.Ten
     return full
 
 
-def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int) -> dict[str, Any] | None:
+def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int, sp: bool) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, _stack, hf_full_state, shard_indices
@@ -134,7 +135,7 @@ def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int) -> dict
         load_full_state(policy.reference.models, hf_full_state(reference_dir, arch), arch, ctx)
         mine, weights = shard_indices(range(NUM_PAIRS), ctx, micro_pairs)
         for name, settings, sft in CASES:
-            micro = policy.micro_batches(dataset.batch(mine), weights, None)
+            micro = policy.micro_batches(dataset.batch(mine, policy.width_multiple), weights, None)
             policy.fill_reference(micro)
             loss_fn = dpo_pair_loss(DPOLossSettings(settings, arch.vocab_size, sft), ctx, torch.tensor(4.0))
             policy.engine.zero_grad()
@@ -144,7 +145,7 @@ def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int) -> dict
     return out if dist.get_rank() == 0 else None
 
 
-def _both_layouts(policy_dir: str, reference_dir: str) -> dict[tuple[int, int], Any] | None:
+def _all_layouts(policy_dir: str, reference_dir: str) -> dict[tuple[int, int, bool], Any] | None:
     results = {layout: _layout_cases(policy_dir, reference_dir, *layout) for layout in LAYOUTS}
     return results if results[LAYOUTS[0]] is not None else None
 
@@ -163,7 +164,7 @@ def test_loss_and_grads_match_transformers(run_distributed, hf_pair) -> None:
     records = _records(policy.config.vocab_size)
     oracle = _hf_oracle(policy, reference, PreferenceBatch.from_records(records, pad_token_id=0))
     assert all(math.isfinite(loss) and loss > 0 for loss, _ in oracle.values())
-    results = run_distributed(_both_layouts, policy_dir, reference_dir, world_size=4, timeout_s=600)[0]
+    results = run_distributed(_all_layouts, policy_dir, reference_dir, world_size=4, timeout_s=600)[0]
     worst = {}
     for layout, cases in results.items():
         for name, (loss, grads) in cases.items():
