@@ -259,13 +259,17 @@ class ParallelContext:
         """This rank's group within ``groups``, a partition of the world (e.g. the rollout TP groups).
 
         Every rank must call it with the same partition (torch creates every group on every rank); the groups
-        are created once per partition and destroyed with the context.
+        are created once per partition and destroyed with the context. Each group's order is kept: a rank's
+        position in its group is its group rank (the rollout TP coordinate for ``ReshardPlan.rollout_groups``,
+        which need not follow rank order; torch would sort it by default).
         """
         key = tuple(tuple(g) for g in groups)
         if sorted(r for g in key for r in g) != list(range(self.world_size)):
             raise ValueError(f"groups {groups} do not partition the {self.world_size} ranks")
         if key not in self._subgroups:
-            handles = [dist.new_group(list(g)) for g in key]  # collective: same order on every rank
+            handles = [
+                dist.new_group(list(g), sort_ranks=False) for g in key
+            ]  # collective: same on every rank
             self._subgroups[key] = next(h for g, h in zip(key, handles, strict=True) if self.rank in g)
         return self._subgroups[key]
 

@@ -21,7 +21,6 @@ from mcore_rl.parallel.reshard import (
     split_transfer,
 )
 from mcore_rl.parallel.reshard.plan import local_units, shard_view
-from mcore_rl.parallel.reshard.planner import follows_rank_order
 from mcore_rl.parallel.sharding import ShardKind, tp_shard
 
 ARCH = dict(
@@ -105,7 +104,7 @@ def test_plan_covers_exactly_and_moves_the_minimum(layout, tied, vllm_like):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: "w{}-tp{}-pp{}-vpp{}-tpg{}".format(*v))
 def test_rollout_shards_nest_with_train_shards(layout):
-    plan, specs = _plan(*layout, tied=False, consecutive_rollout_ranks=False)
+    plan, specs = _plan(*layout, tied=False)
     groups = plan.rollout_groups()
     assert sorted(r for g in groups for r in g) == list(range(plan.train.world_size))
     assert all(len(g) == plan.tp_g for g in groups)
@@ -123,24 +122,12 @@ def test_consecutive_ranks_nest_when_tp_g_equals_tp_and_cost_more_otherwise():
     def layer_bytes(plan):  # vocab rows follow megatron's padding, which need not nest; layers do
         return sum(t.num_bytes for t in plan.transfers if plan.specs[t.param].layer is not None)
 
-    nested, _ = _plan(8, 2, 2, None, 4, tied=False, consecutive_rollout_ranks=False)
+    nested, _ = _plan(8, 2, 2, None, 4, tied=False)
     vllm, _ = _plan(8, 2, 2, None, 4, tied=False, consecutive_rollout_ranks=True)
     assert layer_bytes(vllm) > layer_bytes(nested)
     same, _ = _plan(8, 2, 2, None, 2, tied=False, consecutive_rollout_ranks=True)
     reference, _ = _plan(8, 2, 2, None, 2, tied=False)
     assert same.received_bytes() == reference.received_bytes()
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: "w{}-tp{}-pp{}-vpp{}-tpg{}".format(*v))
-def test_default_coordinates_follow_each_rollout_groups_rank_order(layout):
-    """torch sorts a group's ranks and the engines take their TP coordinate from it: the default plan must
-    agree, nesting wherever that allows (all but tp_g > tp > 1)."""
-    plan, _ = _plan(*layout, tied=False)
-    assert all(group == sorted(group) for group in plan.rollout_groups())
-    _, tp, _, _, tp_g = layout
-    assert follows_rank_order(plan.rollout_coords)
-    nested = plan.rollout_coords == rollout_coordinates(plan.train, tp_g)
-    assert nested == (not tp_g > tp > 1)
 
 
 def test_senders_are_balanced_over_replicas():

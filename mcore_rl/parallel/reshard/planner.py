@@ -52,15 +52,6 @@ def rollout_coordinates(
     return coords
 
 
-def follows_rank_order(coords: dict[int, tuple[int, int]]) -> bool:
-    """Whether each rollout group's TP coordinates increase with its ranks. An engine that takes its coordinate
-    from a torch process group (ours, vLLM) gets exactly that order, since torch sorts a group's ranks."""
-    groups: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for rank, (tp_coord, dp_coord) in coords.items():
-        groups[dp_coord].append((rank, tp_coord))
-    return all([c for _, c in sorted(g)] == sorted(c for _, c in g) for g in groups.values())
-
-
 def _subtract(needed: list[Interval], owned: list[Interval]) -> list[Interval]:
     out = []
     for seg, lo, hi in needed:
@@ -125,23 +116,20 @@ def build_plan(
     bytes_per_element: int = 4,
     vocab_divisible_by: int = 128,
     rollout_vocab_divisible_by: int | None = None,
-    consecutive_rollout_ranks: bool | None = None,
+    consecutive_rollout_ranks: bool = False,
 ) -> ReshardPlan:
     """The zero-redundancy plan; each piece comes from the owner that has sent the fewest bytes so far.
 
     ``vocab_divisible_by`` is the training side's megatron vocab padding (per TP rank multiple); the rollout
     side may pad differently (vLLM pads the whole vocab to 64, i.e. ``64 // tp_g`` in these units).
 
-    ``consecutive_rollout_ranks``: True or False forces the assignment of :func:`rollout_coordinates`; None
-    (default) nests where the nested coordinates follow each rollout group's rank order (see
-    :func:`follows_rank_order`), which is every case except ``tp_g > tp > 1``, and takes consecutive ranks
-    there: the rollout engines read their coordinate from a torch group, so nesting cannot be served then.
-    The plan stays exact and minimal for the assignment it takes (every byte received is kept).
+    Rollout TP groups come out of ``ReshardPlan.rollout_groups`` ordered by rollout TP coordinate; an engine
+    must get exactly that order as its group ranks (``ParallelContext.subgroup`` keeps it). With
+    ``tp_g > tp > 1`` the nested coordinates are not in rank order, and a group that sorts its ranks (torch's
+    default) would silently give ranks the wrong shards.
     """
     rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
     _check_divisible(specs, {"training tensor_parallel_size": train.tp, "rollout tensor_parallel_size": tp_g})
-    if consecutive_rollout_ranks is None:
-        consecutive_rollout_ranks = not follows_rank_order(rollout_coordinates(train, tp_g))
     coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
