@@ -121,19 +121,36 @@ def _fits(arch: ModelArch, parallel: dict[str, Any], tp_g: int) -> bool:
     return True
 
 
-def cases(variants: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
-    """(layout, [(arch variant, rollout tp)]) for every accepted combination, grouped by layout."""
-    archs = arch_variants()
+def cases() -> list[tuple[str, str, int]]:
+    """(layout, arch variant, rollout tp) for every combination the layout math accepts."""
+    archs = {name: ModelArch.from_hf_config(cfg) for name, cfg in arch_variants().items()}
+    return [
+        (layout, variant, tp_g)
+        for layout, parallel in train_layouts().items()
+        for variant, tp_g in itertools.product(archs, ROLLOUT_TP)
+        if _fits(archs[variant], parallel, tp_g)
+    ]
+
+
+def default_cases(all_cases: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """The default run's share: the all-features variant on every layout, one rollout TP per layout taken in
+    turn (so each TP degree, and tp_g > tp > 1 under pipelining, is covered within the time budget)."""
     out = []
-    for layout_name, parallel in train_layouts().items():
-        group = [
-            (v, tp_g)
-            for v, tp_g in itertools.product(variants, ROLLOUT_TP)
-            if _fits(ModelArch.from_hf_config(archs[v]), parallel, tp_g)
-        ]
-        if group:
-            out.append((layout_name, group))
+    for index, layout in enumerate(train_layouts()):
+        accepted = [tp_g for lay, v, tp_g in all_cases if lay == layout and v == "all"]
+        if accepted:
+            out.append(
+                (layout, "all", ROLLOUT_TP[index % len(ROLLOUT_TP)] if len(accepted) == 3 else accepted[0])
+            )
     return out
+
+
+def by_layout(selected: list[tuple[str, str, int]]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """Cases grouped per train layout: one ``run_distributed`` call (one ParallelContext) each."""
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for layout, variant, tp_g in selected:
+        groups.setdefault(layout, []).append((variant, tp_g))
+    return list(groups.items())
 
 
 def _full_state(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
@@ -254,18 +271,26 @@ def check_layout(per_rank: list[dict[str, dict[str, Any]]]) -> None:
     assert not failures, "\n".join(failures)
 
 
-DEFAULT = cases(["all"])
-SWEEP = cases([v for v in arch_variants() if v != "all"])
+ALL_CASES = cases()
+DEFAULT = by_layout(default_cases(ALL_CASES))
+SWEEP = by_layout([c for c in ALL_CASES if c not in default_cases(ALL_CASES)])
 
 
 def test_matrix_is_generated_and_covers_every_axis():
-    """The generator yields every layout kind and rollout TP, and the default run keeps tied + PP cases."""
+    """Default plus sweep is the whole accepted product; the default run keeps every layout kind, every
+    rollout TP, tied embeddings under PP and tp_g > tp > 1 under PP."""
+    assert sorted(
+        default_cases(ALL_CASES) + [c for c in ALL_CASES if c not in default_cases(ALL_CASES)]
+    ) == sorted(ALL_CASES)
     names = [name for name, _ in DEFAULT]
     for kind in ("tp4", "pp4", "dp4", "-sp", "-vpp2", "tp2-pp2"):
         assert any(kind in n for n in names), kind
     assert {tp_g for _, group in DEFAULT for _, tp_g in group} == set(ROLLOUT_TP)
-    assert any("pp1" not in name for name, _ in DEFAULT)  # tied + PP >= 2 ("all" is tied)
-    assert {v for _, group in SWEEP for v, _ in group} == set(arch_variants()) - {"all"}
+    parallel = train_layouts()
+    with_pp = [(n, g) for n, g in DEFAULT if parallel[n]["pipeline_parallel_size"] > 1]
+    assert any(tp_g > parallel[n]["tensor_parallel_size"] > 1 for n, g in with_pp for _, tp_g in g)
+    assert arch_variants()["all"]["tie_word_embeddings"] and with_pp
+    assert {v for _, v, _ in ALL_CASES} == set(arch_variants())
 
 
 @pytest.mark.parametrize(("layout", "group"), DEFAULT, ids=[name for name, _ in DEFAULT])
