@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.compat.fusion import masked_softmax_fusion_available, transformer_engine_available
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.layout import padded_vocab_size
@@ -39,16 +40,6 @@ class ModelOptions:
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {self.dtype}")
-
-
-def transformer_engine_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # TE raises assorted errors when its CUDA libraries are missing
-        return False
-    return True
 
 
 def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> Any:
@@ -100,7 +91,7 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         use_cpu_initialization=not torch.cuda.is_available(),
         gradient_accumulation_fusion=False,
         bias_activation_fusion=fused,
-        masked_softmax_fusion=fused,
+        masked_softmax_fusion=masked_softmax_fusion_available(_uses_te(options)),  # see compat/fusion.py
         bias_dropout_fusion=fused,
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -178,16 +169,19 @@ def build_model_chunks(
     return chunks
 
 
+def _uses_te(options: ModelOptions) -> bool:
+    """The layer spec's choice: the option when set, else whether TE's PyTorch extension imports."""
+    use_te = options.use_transformer_engine
+    return transformer_engine_available() if use_te is None else use_te
+
+
 def _layer_spec(options: ModelOptions) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    use_te = options.use_transformer_engine
-    if use_te is None:
-        use_te = transformer_engine_available()
-    if use_te:
+    if _uses_te(options):
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
