@@ -1,6 +1,16 @@
 """Building a :class:`~mcore_rl.parallel.reshard.plan.ReshardPlan`: rollout coordinates, then sources.
 
 Split from ``plan.py`` so the data types read on their own; everything here is pure too.
+
+What the plan cannot serve, each refused by :func:`build_plan` with a :class:`LayoutError` before any rank
+moves a byte (every other train layout, tied or not, with PP/VPP/SP/DP, is served; see the hybrid matrix):
+
+- a rollout TP that does not divide the world: "rollout tensor_parallel_size=3 must divide world_size=4";
+- rollout and training TP that do not nest (neither divides the other): "rollout tensor_parallel_size=2 and
+  training tensor_parallel_size=3 must nest";
+- a split dimension that does not divide, e.g. fewer KV heads than rollout TP (KV heads are split, never
+  replicated): "decoder.layers.0.self_attention.linear_qkv.weight: 2 query groups cannot be split over
+  rollout tensor_parallel_size=4".
 """
 
 from __future__ import annotations
@@ -129,8 +139,8 @@ def build_plan(
     default) would silently give ranks the wrong shards.
     """
     rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
+    coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)  # first: the layout-level errors
     _check_divisible(specs, {"training tensor_parallel_size": train.tp, "rollout tensor_parallel_size": tp_g})
-    coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     local: dict[int, list[tuple[str, Interval]]] = defaultdict(list)
