@@ -53,7 +53,10 @@ def test_every_key_a_stage_holds_is_planned_with_that_stage_as_a_source(pp, tied
         for name in local:
             key = canonical_key(name, stage * per_stage, tied=tied)
             assert key in specs, key
-            assert stage in holder_stages(key, specs[key].layer, train, ARCH["num_layers"], tied), (key, stage)
+            assert stage in holder_stages(key, specs[key].layer, train, ARCH["num_layers"], tied), (
+                key,
+                stage,
+            )
 
 
 def test_executor_names_a_key_the_plan_does_not_know_and_the_rank():
