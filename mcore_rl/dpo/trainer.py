@@ -114,6 +114,11 @@ class DPOTrainer:
             dist.barrier()
             data = load_dpo_data(cfg)
             batches = len(data.train) // cfg.dpo.train_batch_size
+            if not batches:
+                raise ConfigError(
+                    f"dpo.train_batch_size={cfg.dpo.train_batch_size}: more than the {len(data.train)} "
+                    "usable pairs of dpo.train_files"
+                )
             total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches
             policy = DPOPolicy.build(
                 ctx, policy_spec(cfg, total, data.tokenizer.pad_token_id), initial_weights(cfg)

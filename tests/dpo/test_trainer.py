@@ -191,3 +191,19 @@ def test_cli_spawns_the_ranks_of_a_recipe(folder: str, tmp_path: Path, capsys) -
         ("train", 2),
         ("eval", 2),
     ]
+
+
+def _build(cfg: RunConfig) -> None:
+    from mcore_rl.dpo.trainer import DPOTrainer
+
+    DPOTrainer.from_config(cfg).close()
+
+
+def test_batch_larger_than_the_data_is_named(run_distributed, folder: str) -> None:
+    from tests.distributed import DistributedTestError
+
+    cfg = tiny_dpo_config(folder, [f"trainer.default_local_dir={folder}/big", "dpo.train_batch_size=128"])
+    with pytest.raises(
+        DistributedTestError, match=r"dpo\.train_batch_size=128: more than the 64 usable pairs"
+    ):
+        run_distributed(_build, cfg, world_size=2, timeout_s=300)
