@@ -84,10 +84,14 @@ void logprob_entropy_backward_cuda(const at::Tensor& grad_logprob, const at::Ten
 }
 
 // Resolves and bounds-checks the table on the host, ships the [K, 6] address table to the device (on the
-// current stream, so the kernel sees it) and launches one copy kernel for every block.
+// current stream, so the kernel sees it) and launches one copy kernel for every block. The host table is
+// pinned so that the copy is asynchronous: from pageable memory it would wait for the stream to drain, once
+// per call, and a reshard makes hundreds of calls. The caching host allocator keeps the pinned block until
+// the copy has run; the device copy is freed after the launch and only reused by later work on this stream.
 void run_block_copies(const std::vector<BlockCopy>& blocks, const Side& src, const Side& dst,
                       const at::Device& device) {
-  at::Tensor host = at::empty({static_cast<int64_t>(blocks.size()), 6}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor host = at::empty({static_cast<int64_t>(blocks.size()), 6},
+                              at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* row = host.mutable_data_ptr<int64_t>();
   int64_t max_numel = 0;
   for (const BlockCopy& b : blocks) {
@@ -98,7 +102,7 @@ void run_block_copies(const std::vector<BlockCopy>& blocks, const Side& src, con
     row += 6;
   }
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor on_device = host.to(device);
+  const at::Tensor on_device = host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
   check_launch(mcore_rl_block_copy_cuda(on_device.const_data_ptr<int64_t>(), static_cast<int64_t>(blocks.size()),
                                         max_numel, kernel_dtype(src.dtype), kernel_dtype(dst.dtype),
                                         c10::cuda::getCurrentCUDAStream().stream()),

@@ -55,10 +55,27 @@ def _backward_fn(logits: Tensor) -> Callable[..., None]:
     return reference.logprob_entropy_backward
 
 
+def check_targets(targets: Tensor, vocab_size: int) -> None:
+    """Refuse a target outside ``[0, vocab_size)`` (e.g. an ignore index of -100 or a pad id past the vocab).
+
+    One device-to-host read per call, so it is skipped while a CUDA graph is being captured."""
+    if targets.numel() == 0:
+        return
+    bad = (targets < 0) | (targets >= vocab_size)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(  # the CPU kernel's words
+            f"mcore_rl: target id {int(targets[row])} of row {row} is outside [0, vocab_size={vocab_size}); "
+            "targets must be real token ids"
+        )
+
+
 def _local_stats(
     logits: Tensor, targets: Tensor, vocab_start: int, vocab_size: int, inv_t: float, chunk_size: int
 ) -> Tensor:
     """[N, 4] statistics of this shard (see the module docstring), ``chunk_size`` rows per kernel call."""
+    if logits.device.type != "cpu" and not torch.cuda.is_current_stream_capturing():
+        check_targets(targets, vocab_size)  # the CUDA kernel returns NaN for them where the CPU one raises
     stats_fn = _stats_fn(logits)
     parts = []
     for start in range(0, logits.shape[0], chunk_size):

@@ -1,7 +1,8 @@
 """The vLLM rollout engine: the output conversion on CPU; the engine itself on a GPU with vLLM installed.
 
-vLLM is not installable on the CPU machines this suite runs on, so the ``gpu`` tests below have never run
-here (see the module docstring of mcore_rl/engine/rollout/vllm_engine.py).
+The ``gpu`` test below needs CUDA and vLLM 0.33 in the same environment (the lent device has neither vLLM
+nor room to carry it), so it has not run yet; tests_vllm/ checks the engine's arguments and weight layout
+against the real vLLM package on CPU (``make test-vllm``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mcore_rl.engine.rollout import SamplingParams, rollout_shards_from_full
 from mcore_rl.engine.rollout.base import SamplingParamsError
 from mcore_rl.engine.rollout.decoder import RolloutDecoder
 from mcore_rl.engine.rollout.vllm_engine import _to_generation_output, vllm_param_name
+from mcore_rl.engine.rollout.vllm_layout import VLLMWeightError
 from tests.models import tiny_arch
 from tests.rollout.common import random_full_state
 
@@ -66,10 +68,17 @@ def test_vllm_log_probs_match_recomputation() -> None:
         os.environ.setdefault(key, value)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        arch = tiny_arch("llama")
+        arch = tiny_arch("llama")  # max_position_embeddings=64: vLLM refuses a longer max_model_len
         full = random_full_state(arch)
-        engine = VLLMRolloutEngine(arch, tensor_parallel_size=1, dtype=torch.float32, max_model_len=256)
+        # fp32 with head_dim 16 runs FlexAttention; eager mode skips minutes of compile and graph capture
+        engine = VLLMRolloutEngine(
+            arch, tensor_parallel_size=1, dtype=torch.float32, max_model_len=64, enforce_eager=True
+        )
+        with pytest.raises(RuntimeError, match="asleep"):  # built asleep: training comes first
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        engine.wake_up(["weights"])
         engine.load_weights(rollout_shards_from_full(full, arch, 1, 0).items())
+        engine.wake_up(["kv_cache"])
         prompts = [[1, 2, 3, 4], [5, 6, 7]]
         out = engine.generate(prompts, SamplingParams(temperature=0.7, n=2, max_new_tokens=8, seed=0))
         decoder = RolloutDecoder(arch)
@@ -83,7 +92,10 @@ def test_vllm_log_probs_match_recomputation() -> None:
             assert float((out.log_probs[row, : len(response)] - expected).abs().max()) < 2e-3
         with pytest.raises(SamplingParamsError, match="top_k"):
             engine.generate(prompts, SamplingParams(top_k=5, max_new_tokens=4))
-        engine.sleep(level=1)
+        engine.sleep(level=2)
         engine.wake_up()
+        with pytest.raises(VLLMWeightError, match="has not loaded"):  # level 2 discarded the weights
+            engine.generate(prompts, SamplingParams(max_new_tokens=2))
+        engine.close()
     finally:
         dist.destroy_process_group()
