@@ -81,7 +81,8 @@ setup(
     ],
     extras_require={
         # GPU-only: never installed on CPU machines or in CI. NVIDIA apex is source-only and optional.
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # vLLM: the version tests_vllm/ checks (make test-vllm); TE: the range megatron-core 0.16.1 is tested with.
+        "gpu": ["vllm==0.33.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
         "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib"],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # The device checks, run on a lent GPU machine with the `device` tool (never in CI; CPU machines run
-# `make test`). One short script so that a 15-minute lease covers it with time to rerun:
+# `make test`, vLLM's contract is checked on CPU by `make test-vllm`). One short script so that a 15-minute
+# lease covers it with time to rerun (about 3-5 minutes: the build dominates):
 #
-#   1. build mcore_rl._C against that machine's CUDA torch (CUDA kernels of the log-prob and pack ops);
-#   2. run the `gpu` tests (CUDA kernels vs references; the vLLM parity test skips where vLLM is absent).
+#   1. build mcore_rl._C against that machine's CUDA torch (log-prob kernels, pack kernels with pinned tables);
+#   2. every .cu compiles for sm_80 and sm_90 with -Werror (not gpu-marked, so named explicitly);
+#   3. the `gpu` tests: CUDA kernels vs references, out-of-range targets refused on CUDA, and one bf16
+#      megatron train step on the local spec with the fusion switch as chosen and forced on (the forced run
+#      must fail with the missing softmax kernel where megatron's compiled kernels are absent);
+#   4. the vLLM log-prob parity test, which skips where vLLM is absent (the device image has no vLLM 0.33 /
+#      torch 2.14, and its wheels are too large to carry).
+#
+# What only a CUDA machine with vLLM 0.33 shows (one GPU: the parity test; several: TP 2 and 4 with a vocab
+# that is not a multiple of 128 x tp, e.g. 151936, through build_vllm_plan and the hybrid engine; construction
+# beside a live megatron model; sleep level 2 and wake; NCCL teardown).
 #
 # The device image has python3 3.12 with a CUDA torch but not megatron-core; prepare its wheel here first:
 #   echo /.whl/ >> .git/info/exclude
@@ -24,5 +34,10 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 echo "== build"
 time python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 python3 -c "import mcore_rl._C as c; assert c.WITH_CUDA, 'built without CUDA kernels'; print('CUDA kernels built')"
+status=0
+echo "== nvcc sm_80 / sm_90"
+timeout 300 python3 -m pytest tests/ops/test_cuda.py -k compiles -q -p no:cacheprovider || status=1
 echo "== gpu tests"
-python3 -m pytest tests/ops tests/rollout/test_vllm_engine.py -m gpu -q -p no:cacheprovider
+timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/rollout/test_vllm_engine.py -m gpu -q \
+    -p no:cacheprovider -rs || status=1
+exit $status

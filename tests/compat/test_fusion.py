@@ -59,3 +59,37 @@ def test_te_whose_pytorch_extension_fails_is_unavailable(cuda_present: None, sit
     import transformer_engine  # noqa: F401  # the check the old code made: it passes
 
     assert not transformer_engine_available()
+
+
+def _bf16_train_step(arch_seq: int) -> float:
+    from mcore_rl.engine.model import ModelOptions
+    from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from tests.models import tiny_arch
+
+    arch = tiny_arch("llama")
+    # batch 2 x 4 heads, 32 tokens: the shape megatron's fused softmax takes (16 < sk <= 4096, all % 4 == 0)
+    tokens = torch.randint(0, arch.vocab_size, (2, arch_seq), generator=torch.Generator().manual_seed(0))
+    batch = MicroBatch(tokens, torch.arange(arch_seq).expand(2, arch_seq))
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimizerConfig(lr=1e-3))
+        _, out = engine.train_step(
+            [batch], lambda o, mb: (o.float().square().mean(), {"loss": o.float().mean()})
+        )
+        return float(out[0]["loss"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_megatron_step_on_gpu_with_the_fusion_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first bf16 forward on a GPU: the switch's choice runs; forcing the fusion on without the compiled
+    kernels is the ModuleNotFoundError the switch avoids (megatron-core 0.16.1 ships none of them)."""
+    import mcore_rl.engine.model as model
+
+    assert torch.isfinite(torch.tensor(_bf16_train_step(32)))
+    monkeypatch.setattr(model, "masked_softmax_fusion_available", lambda use_te: True)
+    if model.transformer_engine_available() or masked_softmax_fusion_available(False):
+        assert torch.isfinite(torch.tensor(_bf16_train_step(32)))
+    else:
+        with pytest.raises(ModuleNotFoundError, match="softmax_cuda"):
+            _bf16_train_step(32)

@@ -22,3 +22,13 @@ def test_check_refuses_what_the_cpu_kernel_refuses(bad: int) -> None:
 def test_check_passes_real_ids_and_empty_batches() -> None:
     check_targets(torch.tensor([0, 249]), 250)
     check_targets(torch.empty(0, dtype=torch.long), 250)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_refuses_instead_of_returning_nan() -> None:
+    targets = torch.tensor([3, -100, 7], device="cuda")
+    with pytest.raises(ValueError, match=r"target id -100 of row 1"):
+        vocab_parallel_logprob_entropy(
+            torch.randn(3, 250, device="cuda"), targets, vocab_start=0, vocab_size=250
+        )
