@@ -5,6 +5,8 @@ Rows (jsonl or parquet, the formats TRL and verl users have)::
     {"prompt": "123+456=", "chosen": "579", "rejected": "589"}                      # plain text
     {"prompt": [{"role": "user", "content": "..."}],                                # chat messages
      "chosen": [{"role": "assistant", "content": "..."}], "rejected": [...]}
+    {"context": [...], "completions": [{"rank": 0, "completion": [...]},            # NeMo-RL's ranked
+                                       {"rank": 1, "completion": [...]}]}             # rows (0 preferred)
 
 A message-list completion continues the prompt's conversation: the completion text is what the tokenizer's
 chat template adds to the prompt (``template(prompt + chosen)`` minus ``template(prompt, generation prompt)``),
@@ -157,6 +159,8 @@ def _record(
     keys: tuple[str, str],
     max_length: int,
 ) -> PreferenceRecord:
+    if isinstance(raw, dict) and data.prompt_key not in raw and {"context", "completions"} <= raw.keys():
+        raw = _from_ranked(raw, where, data.prompt_key, keys)
     prompt = prompt_messages(column(raw, data.prompt_key, where), data.prompt_key, where)
     prompt_ids = encode_prompt(prompt, tokenizer, data.apply_chat_template)
     if len(prompt_ids) > data.max_prompt_length:
@@ -173,6 +177,24 @@ def _record(
         reason = f"pair has {longest} tokens (prompt + longer completion), more than {max_length}"
         raise BadRowError(RowProblem(*where, keys[0], reason))
     return PreferenceRecord(tuple(prompt_ids), tuple(completions[0]), tuple(completions[1]))
+
+
+def _from_ranked(
+    raw: dict[str, Any], where: tuple[str, int], prompt_key: str, keys: tuple[str, str]
+) -> dict[str, Any]:
+    """NeMo-RL's ranked rows, ``{"context": [msgs], "completions": [{"rank": 0, "completion": [msgs]}, ...]}``
+    with two completions (the lower rank is preferred), as a prompt/chosen/rejected row."""
+    completions = raw["completions"]
+    ranks = [c.get("rank") if isinstance(c, dict) else None for c in completions or []]
+    if len(ranks) != 2 or not all(isinstance(r, int) for r in ranks) or ranks[0] == ranks[1]:
+        reason = f"expected two completions with distinct integer ranks, got ranks {ranks}"
+        raise BadRowError(RowProblem(*where, "completions", reason))
+    chosen, rejected = sorted(completions, key=lambda c: c["rank"])
+    return {
+        prompt_key: raw["context"],
+        keys[0]: chosen.get("completion"),
+        keys[1]: rejected.get("completion"),
+    }
 
 
 def _completion_ids(

@@ -163,3 +163,31 @@ def test_wrong_answers_differ_in_one_digit() -> None:
         assert len(wrong) == len(answer) and wrong != answer
         assert sum(x != y for x, y in zip(wrong, answer, strict=True)) == 1
         assert len(wrong) == 1 or wrong[0] != "0"
+
+
+def test_nemo_rl_ranked_rows(digits, tmp_path: Path) -> None:
+    """NeMo-RL's ``context`` + ranked ``completions``: the lower rank is the chosen one, whatever the order."""
+    user = [{"role": "user", "content": "1+2="}]
+    rows = [
+        {
+            "context": user,
+            "completions": [
+                {"rank": 1, "completion": [{"role": "assistant", "content": "4"}]},
+                {"rank": 0, "completion": [{"role": "assistant", "content": "3"}]},
+            ],
+        },
+        {
+            "context": user,
+            "completions": [{"rank": 0, "completion": [{"role": "assistant", "content": "3"}]}],
+        },
+    ]
+    path = str(tmp_path / "ranked.jsonl")
+    write_rows(path, rows)
+    with pytest.raises(
+        DataError, match=r"row 1: column 'completions': expected two completions .* ranks \[0\]"
+    ):
+        PreferenceDataset.from_files([path], digits, data_config())
+    record = PreferenceDataset.from_files([path], digits, data_config(skip_bad_rows=True)).records[0]
+    assert record.chosen_ids == (*CHARS.encode("3"), CHARS.EOS)
+    assert record.rejected_ids == (*CHARS.encode("4"), CHARS.EOS)
+    assert record.prompt_ids == tuple(CHARS.encode("1+2="))
