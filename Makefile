@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install test-vllm
 
 install: $(STAMP)
 
@@ -37,3 +37,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check mcore_rl tests bench
 	$(VENV)/bin/ruff format --check mcore_rl tests bench
 	$(VENV)/bin/mypy
+
+# Opt-in (not in `make test`, not in CI): our vLLM engine's contract against the real vLLM 0.33.0 on CPU.
+# vLLM brings a CUDA build of torch 2.14.0 (~9.4 GB), so it lives in its own venv, built once; mcore_rl is
+# imported from the source tree there (no native build: MCORE_RL_NO_NATIVE).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.mcore_rl-vllm-installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm==0.33.0 megatron-core==0.16.1 pytest pytest-timeout
+	MCORE_RL_NO_NATIVE=1 $(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest tests_vllm -p no:cacheprovider
