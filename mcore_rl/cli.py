@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"mcore-rl {argv[0]}", description=help_text)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])  # a bad flag: argparse's usage line and exit code 2
+    _quiet_expected_warnings()
     from mcore_rl.io.signals import raise_on_signals
 
     with raise_on_signals():
@@ -56,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         except BaseException as err:  # torch's CheckpointException is a BaseException too
             return _report(f"mcore-rl {argv[0]}", err, debug)
+
+
+def _quiet_expected_warnings() -> None:
+    """Without CUDA, megatron warns at import that Transformer-Engine and Apex are absent: expected on a CPU
+    machine, and eight lines of it would bury a command's one-line error. With CUDA the warning stays."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 
 def _report(prog: str, err: BaseException, debug: bool) -> int:
