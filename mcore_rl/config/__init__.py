@@ -32,6 +32,8 @@ the meaning is the same::
     dpo:        train_files, val_files, chosen_key, rejected_key, loss_type, beta, label_smoothing,
                 reference_free, precompute_ref_log_probs, sft_loss_weight, max_length, train_batch_size,
                 micro_batch_size_per_gpu, test_freq                     (``mcore-rl dpo``)
+    critic:     model_path, colocate, parallel {as parallel, null: the actor's}, optim {as optim},
+                ppo_micro_batch_size_per_gpu, cliprange_value, warmup_steps  (PPO: adv_estimator=gae)
 
 Python API::
 
@@ -42,6 +44,7 @@ Python API::
 ``mcore-rl config show RECIPE [k=v ...]`` prints the resolved config.
 """
 
+from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
@@ -69,6 +72,7 @@ __all__ = [
     "CONFIG_FILE",
     "AlgorithmConfig",
     "ConfigError",
+    "CriticConfig",
     "DPOConfig",
     "DataConfig",
     "HybridSection",

@@ -218,14 +218,14 @@ class AlgorithmConfig:
 
     adv_estimator: str = "grpo"
     """grpo, dr_grpo (GRPO without std normalisation, seq-mean-token-sum-norm loss), rloo,
-    reinforce_plus_plus, reinforce_plus_plus_baseline; 'reinforce++' and 'reinforce++-baseline' are
-    accepted spellings."""
+    reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO with the ``critic``); 'reinforce++' and
+    'reinforce++-baseline' are accepted spellings."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's reward std (False for dr_grpo whatever this says)."""
     gamma: float = 1.0
     """Discount of the REINFORCE++ return."""
     lam: float = 1.0
-    """GAE lambda (kept for verl recipes; the critic-free estimators ignore it)."""
+    """GAE lambda (``adv_estimator=gae``; the critic-free estimators ignore it)."""
     use_kl_loss: bool = False
     """Add KL(actor || reference) to the loss; needs reference log-probs."""
     kl_loss_coef: float = 0.001

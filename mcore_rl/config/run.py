@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import II
 
+from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.model import (
     AlgorithmConfig,
@@ -192,6 +193,8 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Preference optimisation (``mcore-rl dpo``); a run is a DPO run when ``dpo.train_files`` is set."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of PPO; used when ``algorithm.adv_estimator=gae``."""
 
     @property
     def world_size(self) -> int:

@@ -38,6 +38,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
         "rloo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
+        "gae",
     ),
     "algorithm.kl_loss_type": _KL_NAMES,
     "algorithm.kl_penalty": _KL_NAMES,
@@ -45,6 +46,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.loss_agg_mode": LOSS_AGG_MODES,
     "optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "sft.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+    "critic.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "data.generate": (None, "arithmetic"),
     "reward.on_error": ("zero", "raise"),
     "reward.gsm8k_method": ("strict", "flexible"),
@@ -116,8 +118,12 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "dpo.train_batch_size": _POSITIVE,
     "dpo.micro_batch_size_per_gpu": _POSITIVE,
     "dpo.test_freq": _FREQ,
+    "critic.ppo_micro_batch_size_per_gpu": _POSITIVE,
+    "critic.cliprange_value": _NON_NEGATIVE,
+    "critic.warmup_steps": _NON_NEGATIVE,
+    "algorithm.lam": ("in [0, 1]", lambda v: 0 <= v <= 1),
 }
-for _prefix in ("optim", "sft.optim"):
+for _prefix in ("optim", "sft.optim", "critic.optim"):
     RANGES.update(
         {
             f"{_prefix}.lr": _NON_NEGATIVE,
@@ -298,9 +304,35 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"trainer.test_freq={trainer.test_freq} needs data.val_files")
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")
-    for prefix, optim in (("optim", cfg.optim), ("sft.optim", cfg.sft.optim)):
+    problems += _critic_problems(cfg)
+    for prefix, optim in (
+        ("optim", cfg.optim),
+        ("sft.optim", cfg.sft.optim),
+        ("critic.optim", cfg.critic.optim),
+    ):
         if optim.min_lr > optim.lr:
             problems.append(f"{prefix}.min_lr={optim.min_lr} exceeds {prefix}.lr={optim.lr}")
+    return problems
+
+
+def _critic_problems(cfg: RunConfig) -> list[str]:
+    """A colocated critic shares the actor's processes (so its layout); its micro-batches split evenly."""
+    critic, problems = cfg.critic, []
+    if critic.colocate and critic.parallel is not None and critic.parallel != cfg.parallel:
+        problems.append(
+            "critic.parallel differs from parallel, but critic.colocate=true runs the critic in the actor's "
+            "processes (same layout): drop critic.parallel or set it equal"
+        )
+    if cfg.algorithm.adv_estimator != "gae":
+        return problems
+    par, alg = cfg.parallel, cfg.algorithm
+    dp = cfg.world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
+    rows = alg.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1)
+    if rows and rows % critic.ppo_micro_batch_size_per_gpu:
+        problems.append(
+            f"critic.ppo_micro_batch_size_per_gpu={critic.ppo_micro_batch_size_per_gpu} does not divide the "
+            f"{rows} sequences per data-parallel rank of a mini-batch (ppo_mini_batch_size * rollout.n / DP)"
+        )
     return problems
 
 

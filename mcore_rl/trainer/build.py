@@ -9,6 +9,7 @@ from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.parallel.context import free_local_port
 from mcore_rl.trainer.actor_group import ActorGroup, Backend, InProcessBackend, RayBackend
+from mcore_rl.trainer.critic import CriticGroup, CriticSpec
 from mcore_rl.trainer.worker import HybridWorker, WorkerSpec
 
 
@@ -16,7 +17,9 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
     """What every rank builds, from the run config; refuses what the driver does not run yet."""
     unsupported = {
         "rollout.name": cfg.rollout.name != "local",  # vLLM needs its own hybrid wiring (GPU)
-        "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward,  # the KL loss term is supported
+        # token rewards feed GAE only; the critic-free estimators take one outcome score per sequence
+        "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward and cfg.algorithm.adv_estimator != "gae",
+        "critic.colocate": not cfg.critic.colocate,  # a critic on its own pool is not wired yet
     }
     for key, bad in unsupported.items():
         if bad:
@@ -28,10 +31,26 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         dtype=cfg.model.dtype,
         rollout_tp=cfg.rollout.tensor_model_parallel_size,
         hybrid=cfg.rollout.hybrid.to_hybrid_config(),
-        with_reference=cfg.algorithm.use_kl_loss,
+        with_reference=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         load_dir=load_dir,
         hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights else None,
     )
+
+
+def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps: int) -> CriticGroup:
+    """The critic on the actor's ranks (colocated), started from ``critic.model_path`` or the actor."""
+    path = cfg.critic.model_path
+    spec = CriticSpec(
+        arch=cfg.model.arch(),
+        optim=cfg.critic.optim,
+        total_optimizer_steps=total_optimizer_steps,
+        cliprange_value=cfg.critic.cliprange_value,
+        dtype=cfg.model.dtype,
+        hf_path=path,
+    )
+    critic = CriticGroup(actors.backend)
+    critic.build(spec)
+    return critic
 
 
 def _use_gpus(cfg: RunConfig) -> bool:

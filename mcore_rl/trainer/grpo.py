@@ -101,6 +101,16 @@ class RLStep:
             sync = self.actors.sync_weights()
         return {**step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n), **sync}
 
+    def warm_started(self) -> None:
+        """Called once the actor has changed before RL (the SFT warm start); the PPO step restarts its critic."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Driver state of the algorithm for run checkpoints (none here; PPO keeps its KL controller)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
     def update(self, batch: TrainBatch, step: int) -> UpdateStats:
         """The actor update; a NaN/inf loss stops the run naming the step (nothing was applied)."""
         try:

@@ -27,8 +27,9 @@ from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.actor_group import ActorGroup
-from mcore_rl.trainer.build import build_actor_group, worker_spec
+from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
 from mcore_rl.trainer.grpo import RLStep, update_plan
+from mcore_rl.trainer.ppo import PPOStep
 from mcore_rl.trainer.run_log import RunLog
 
 LATEST = "latest"
@@ -87,10 +88,15 @@ class Trainer:
         save_config(cfg, cfg.trainer.default_local_dir)
         data = load_run_data(cfg)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
-        plan = update_plan(cfg)
-        spec = worker_spec(cfg, total * plan.num_mini_batches * plan.ppo_epochs)
-        actors = build_actor_group(cfg, spec, use_ray)
-        return cls(cfg, actors, RLStep(cfg, actors, data.tokenizer, RewardScorer(cfg.reward)), data, total)
+        per_step = update_plan(cfg).num_mini_batches * update_plan(cfg).ppo_epochs
+        gae = cfg.algorithm.adv_estimator == "gae"
+        actor_steps = total - min(cfg.critic.warmup_steps, total) if gae else total  # frozen in warm-up
+        actors = build_actor_group(cfg, worker_spec(cfg, actor_steps * per_step), use_ray)
+        scorer = RewardScorer(cfg.reward)
+        if gae:  # PPO: the critic on the actor's ranks
+            critic = build_critic_group(cfg, actors, total * per_step)
+            return cls(cfg, actors, PPOStep(cfg, actors, critic, data.tokenizer, scorer), data, total)
+        return cls(cfg, actors, RLStep(cfg, actors, data.tokenizer, scorer), data, total)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption)."""
@@ -107,6 +113,7 @@ class Trainer:
                     self.actors.set_optim(
                         cfg.optim, self.total_steps * plan.num_mini_batches * plan.ppo_epochs
                     )
+                    self.step.warm_started()
             while self.global_step < self.total_steps and self.global_step != stop_after:
                 self.global_step += 1
                 metrics = self.step.run(self.data.loader.next_batch(), self.global_step)
@@ -159,7 +166,11 @@ class Trainer:
         """Actor weights + optimizer + schedule + driver state + config; ``latest`` last; keep the last K."""
         path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
         os.makedirs(self.checkpoint_root, exist_ok=True)
-        state = {"loader": self.data.loader.state_dict(), "model": self.cfg.model.hf_config_dict()}
+        state = {
+            "loader": self.data.loader.state_dict(),
+            "model": self.cfg.model.hf_config_dict(),
+            "algorithm": self.step.state_dict(),  # e.g. the in-reward KL controller
+        }
         self.actors.save_checkpoint(
             path, self.global_step, state
         )  # in the TRAIN phase (optimizer state home)
@@ -192,7 +203,8 @@ class Trainer:
                 f"{path}: saved for another model (config.json differs in {changed}); not resuming"
             )
         self.data.loader.load_state_dict(saved["loader"])  # refuses a different dataset, naming why
-        step, _ = self.actors.load_checkpoint(path)
+        step, extra = self.actors.load_checkpoint(path)
+        self.step.load_state_dict(extra.get("algorithm", {}))
         self.global_step = step
         self.actors.sync_weights()
         return True

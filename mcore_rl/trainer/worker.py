@@ -30,6 +30,7 @@ from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
+from mcore_rl.trainer.critic import CriticHost
 from mcore_rl.trainer.losses import (
     PolicyLossSettings,
     PolicyMicroBatch,
@@ -71,8 +72,8 @@ class WorkerSpec:
     pad_token_id: int = 0
 
 
-class HybridWorker(Worker):
-    """One rank of the actor/reference/rollout group; see the module docstring."""
+class HybridWorker(CriticHost, Worker):
+    """One rank of the actor/reference/rollout group (and the colocated critic); see the module docstring."""
 
     def build(self, spec: WorkerSpec) -> RankInfo:
         """Collective: engines, hybrid switch, reference copy and LR schedule; returns the rank's coordinates."""
@@ -266,6 +267,8 @@ class HybridWorker(Worker):
         self._to_train()
         state = {**extra, "lr_scheduler": self.scheduler.state_dict()}
         save_training_checkpoint(self.engine, directory, step, state)
+        if self.critic is not None:  # its own checkpoint inside the run checkpoint
+            self.critic.save(directory, step)
 
     def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
         """Collective: restore what :meth:`save_checkpoint` wrote; returns (step, extra)."""
@@ -274,6 +277,8 @@ class HybridWorker(Worker):
         self._to_train()
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
+        if self.critic is not None:
+            self.critic.load(directory)
         return step, extra
 
 

@@ -1,0 +1,41 @@
+"""Schema section ``critic``: the value model of PPO (``algorithm.adv_estimator=gae``), verl's ``critic`` keys.
+
+The critic is the actor's architecture with a scalar value head (``engine/model.py`` ``ValueHead``), trained
+by the clipped value loss on the GAE returns, with its own optimizer, learning-rate schedule and checkpoint
+(``<run checkpoint>/critic``). It lives on the actor's ranks (``colocate``), so it shares their layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mcore_rl.config.model import OptimConfig, ParallelSection
+
+
+def _critic_optim() -> OptimConfig:
+    # verl's critic default: a learning rate 10x the actor's (the value head starts from scratch).
+    return OptimConfig(lr=1e-5, weight_decay=0.0)
+
+
+@dataclass
+class CriticConfig:
+    """The value model: initialisation, layout, optimizer, micro-batching, value clipping and warm-up."""
+
+    model_path: str | None = None
+    """An HF folder (safetensors, e.g. the actor's base model) whose transformer body starts the critic;
+    None starts it from the actor's weights at the beginning of RL (after the SFT warm start). The value
+    head always starts from a seeded random init."""
+    colocate: bool = True
+    """Train the critic on the actor's ranks, in the same processes (HybridFlow's colocated placement).
+    A separate resource pool is not run by the driver yet."""
+    parallel: ParallelSection | None = None
+    """The critic's training layout; None: the actor's (``parallel``). A colocated critic shares the
+    actor's processes, hence its layout: a different one here is refused."""
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    """Optimizer and learning-rate schedule of the critic (its own Adam state and scheduler)."""
+    ppo_micro_batch_size_per_gpu: int = 8
+    """Sequences per critic forward/backward on one data-parallel rank."""
+    cliprange_value: float = 0.5
+    """Value clipping: the new value stays within this of the rollout-time value in the loss."""
+    warmup_steps: int = 0
+    """RL steps at the start of the run that train the critic only (the actor is frozen)."""

@@ -1,0 +1,316 @@
+"""The critic of PPO: a value-head megatron model with its own optimizer, LR schedule and checkpoint.
+
+    rollout tokens ──► Critic.values ──► [N, S] V(s_t) ──► GAE (driver, pure) ──► returns
+                                                                                      │
+                       Critic.update (clipped value loss, its own Adam) ◄─────────────┘
+
+``values[:, t]`` is the value of the state that ends at token ``t``: the position whose logits pick token
+``t + 1``, i.e. the same column as that token's mask, log-prob and advantage (``mcore_rl/types.py``).
+
+:class:`Critic` is what one rank holds; :class:`CriticHost` gives a worker the collective methods the driver
+calls (a :class:`~mcore_rl.trainer.worker.HybridWorker` holds the critic beside the actor: the colocated
+placement), and :class:`CriticGroup` is the driver's handle, splitting batches over data-parallel ranks
+like :class:`~mcore_rl.trainer.actor_group.ActorGroup`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.algo import LossAggregation, value_loss
+from mcore_rl.config.model import OptimConfig
+from mcore_rl.controller.dispatch import data_owners, num_dp_shards, split_record
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.model import ModelOptions
+from mcore_rl.engine.train_engine import LossFn, MicroBatch, TrainEngine
+from mcore_rl.engine.weights import gather_full_state
+from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.trainer.batch import mini_batch_slices
+from mcore_rl.types import RolloutBatch
+
+CRITIC_DIR = "critic"
+"""The critic's training checkpoint, inside the run checkpoint folder."""
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """What every rank builds for the critic."""
+
+    arch: ModelArch
+    """The actor's architecture; the critic swaps the vocab projection for a scalar head."""
+    optim: OptimConfig
+    """The critic's optimizer and LR schedule."""
+    total_optimizer_steps: int
+    """Critic optimizer steps of the run (the end of the LR decay unless ``optim`` says)."""
+    cliprange_value: float = 0.5
+    """Value clipping of the loss."""
+    dtype: str = "float32"
+    hf_path: str | None = None
+    """An HF folder whose transformer body starts the critic; None: the actor's weights (``init_from``)."""
+    pad_token_id: int = 0
+
+
+@dataclass
+class ValueBatch:
+    """What one critic update consumes, position-aligned like :class:`~mcore_rl.types.TrainBatch`."""
+
+    tokens: torch.Tensor
+    """[N, S] int64."""
+    response_mask: torch.Tensor
+    """[N, S] float32."""
+    old_values: torch.Tensor
+    """[N, S] float32: the critic's values at rollout time (the centre of the value clip)."""
+    returns: torch.Tensor
+    """[N, S] float32: GAE returns (advantages + values), 0 off the mask."""
+
+
+@dataclass(frozen=True)
+class CriticStats:
+    """One critic update (all mini-batches and epochs of a step), reduced over data-parallel ranks."""
+
+    vf_loss: float
+    """Clipped value loss, mean over the optimizer steps."""
+    vf_clip_frac: float
+    """Fraction of response tokens where the clipped error was the larger (token-weighted)."""
+    vpred_mean: float
+    """Token-mean predicted value on the response."""
+    grad_norm: float
+    """Critic gradient norm before clipping, mean over optimizer steps."""
+    lr: float
+    """Critic learning rate of the last optimizer step."""
+
+
+@dataclass
+class ValueMicroBatch(MicroBatch):
+    """A critic micro-batch: the model inputs plus its rows of the value batch."""
+
+    values: ValueBatch | None = None
+
+
+def forward_values_loss() -> LossFn:
+    """Forward-only: the per-position values [b, s] as a metric, a zero loss."""
+
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return output.sum() * 0, {"values": output[..., 0].detach().float()}
+
+    return loss_fn
+
+
+def critic_loss(cliprange_value: float, global_tokens: torch.Tensor) -> LossFn:
+    """The clipped value loss as this micro-batch's share of the mini-batch's token mean (the engine's
+    contract); the metrics are shares too, so their sum over micro-batches and DP ranks is the global mean."""
+    agg = LossAggregation("token-mean", global_num_tokens=global_tokens)
+
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert isinstance(mb, ValueMicroBatch) and mb.values is not None
+        batch, pred = mb.values, output[..., 0].float()
+        out = value_loss(
+            pred,
+            batch.old_values,
+            batch.returns,
+            batch.response_mask,
+            clip_range_value=cliprange_value,
+            agg=agg,
+        )
+        mask = batch.response_mask
+        share = mask.sum() / global_tokens
+        return out.loss, {
+            "vf_loss": out.loss.detach().clone(),
+            "vf_clip_frac": out.clip_frac * share,
+            "vpred_mean": agg.aggregate(pred.detach(), mask),
+        }
+
+    return loss_fn
+
+
+class Critic:
+    """The critic on one rank (see the module docstring); every method is collective over the layout."""
+
+    def __init__(self, ctx: ParallelContext, spec: CriticSpec, init_from: TrainEngine | None = None) -> None:
+        from mcore_rl.trainer.worker import _hf_full_state, _lr_scheduler
+
+        self.ctx, self.spec = ctx, spec
+        options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
+        self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
+        if spec.hf_path is not None:
+            self.load_body(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
+        elif init_from is not None:
+            self.init_from(init_from)
+        self.scheduler = _lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
+
+    def init_from(self, actor: TrainEngine) -> None:
+        """The actor's current transformer weights into the critic body (same layout); the head is kept."""
+        self.load_body(gather_full_state(actor.models, actor.arch, self.ctx))
+
+    def load_body(self, full: dict[str, torch.Tensor]) -> None:
+        """A full (TP=1) policy state into the body; the value head keeps its own weights."""
+        own = gather_full_state(self.engine.models, self.spec.arch, self.ctx)
+        self.engine.load_full_state({**full, "output_layer.weight": own["output_layer.weight"]})
+
+    def values(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor | None:
+        """[N, S] values of this rank's rows; the owner (last stage, TP rank 0) returns them."""
+        from mcore_rl.trainer.worker import _micro, _pad_width, _row_chunks
+
+        padded = _pad_width(tokens, self._sp_multiple, self.spec.pad_token_id)
+        micro = [_micro(t) for t in _row_chunks(padded, micro_batch_size)]
+        out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
+        if not self._owns_result():
+            return None
+        return torch.cat([m["values"] for m in out])[:, : tokens.shape[1]]
+
+    def update(
+        self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
+    ) -> CriticStats | None:
+        """Epochs over mini-batches (one critic optimizer step each) of this rank's shard."""
+        batch = self._pad(batch)
+        sums, steps = torch.zeros(4), 0  # vf_loss, vf_clip_frac, vpred_mean, grad_norm
+        for _ in range(ppo_epochs):
+            for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
+                sums += self._optimizer_step(_slice(batch, rows), micro_batch_size)
+                steps += 1
+        if not self._owns_result():
+            return None
+        vf_loss, clip_frac, vpred, grad_norm = (sums / max(steps, 1)).tolist()
+        lr = float(self.engine.optimizers[0].param_groups[0]["lr"])
+        return CriticStats(vf_loss, clip_frac, vpred, grad_norm, lr)
+
+    def _optimizer_step(self, mini: ValueBatch, micro_batch_size: int) -> torch.Tensor:
+        from mcore_rl.trainer.worker import NonFiniteLossError, _positions, _row_chunks
+
+        count = mini.response_mask.sum().reshape(1)
+        dist.all_reduce(count, group=self.ctx.dp_group)  # the mini-batch's global response tokens
+        _row_chunks(mini.tokens, micro_batch_size)  # validates the split
+        micro: list[MicroBatch] = [
+            ValueMicroBatch(part.tokens, _positions(part.tokens), values=part)
+            for part in _chunks(mini, micro_batch_size)
+        ]
+        self.engine.zero_grad()
+        out = self.engine.forward_backward(micro, critic_loss(self.spec.cliprange_value, count.clamp(min=1)))
+        keys = ("vf_loss", "vf_clip_frac", "vpred_mean")
+        local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(3)
+        bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must refuse the step together
+        if bad.item():
+            self.engine.zero_grad()
+            raise NonFiniteLossError(f"rank {self.ctx.rank}: NaN/inf critic loss {local.tolist()}")
+        self.scheduler.step(1)
+        result = self.engine.step()
+        if out:
+            dist.all_reduce(local, group=self.ctx.dp_group)
+        return torch.cat([local, torch.tensor([result.grad_norm])])
+
+    # --- checkpoints ----------------------------------------------------------------------------------------
+    def save(self, run_checkpoint: str, step: int) -> None:
+        from mcore_rl.engine.trainer_checkpoint import save_training_checkpoint
+
+        state = {"lr_scheduler": self.scheduler.state_dict()}
+        save_training_checkpoint(self.engine, os.path.join(run_checkpoint, CRITIC_DIR), step, state)
+
+    def load(self, run_checkpoint: str) -> None:
+        from mcore_rl.engine.trainer_checkpoint import load_training_checkpoint
+
+        path = os.path.join(run_checkpoint, CRITIC_DIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{run_checkpoint}: no {CRITIC_DIR}/ (saved by a run without a critic)")
+        _, extra = load_training_checkpoint(self.engine, path)
+        self.scheduler.load_state_dict(extra["lr_scheduler"])
+
+    @property
+    def _sp_multiple(self) -> int:
+        return self.ctx.tp_size if self.ctx.layout.sp else 1
+
+    def _pad(self, batch: ValueBatch) -> ValueBatch:
+        from mcore_rl.trainer.worker import _pad_width
+
+        if self._sp_multiple == 1:
+            return batch
+        fields = {f.name: _pad_width(getattr(batch, f.name), self._sp_multiple, 0.0) for f in _FIELDS}
+        fields["tokens"] = _pad_width(batch.tokens, self._sp_multiple, self.spec.pad_token_id)
+        return ValueBatch(**fields)
+
+    def _owns_result(self) -> bool:
+        return self.ctx.is_last_stage and self.ctx.tp_rank == 0
+
+
+_FIELDS = dataclasses.fields(ValueBatch)
+
+
+def _slice(batch: ValueBatch, rows: slice) -> ValueBatch:
+    return ValueBatch(*(getattr(batch, f.name)[rows] for f in _FIELDS))
+
+
+def _chunks(batch: ValueBatch, size: int) -> list[ValueBatch]:
+    num = batch.tokens.shape[0] // size
+    return [_slice(batch, slice(i * size, (i + 1) * size)) for i in range(num)]
+
+
+class CriticHost:
+    """The critic's collective methods on a worker that holds ``self.critic`` (and ``self.ctx``)."""
+
+    critic: Critic | None = None
+    ctx: ParallelContext
+
+    def build_critic(self, spec: CriticSpec) -> None:
+        """Collective: the critic, started from ``spec.hf_path`` or this worker's actor (when it has one)."""
+        self.critic = Critic(self.ctx, spec, init_from=getattr(self, "engine", None))
+
+    def critic_init_from_actor(self) -> None:
+        """Collective: restart the critic body from the actor's current weights (after the SFT warm start)."""
+        self._critic().init_from(self.engine)  # type: ignore[attr-defined]
+
+    def critic_values(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
+        return self._critic().values(batch.tokens, micro_batch_size)
+
+    def critic_update(
+        self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
+    ) -> CriticStats | None:
+        return self._critic().update(batch, num_mini_batches, ppo_epochs, micro_batch_size)
+
+    def _critic(self) -> Critic:
+        if self.critic is None:
+            raise RuntimeError(
+                "the critic is not built: call build_critic first (algorithm.adv_estimator=gae)"
+            )
+        return self.critic
+
+
+class CriticGroup:
+    """The driver's handle on the critic ranks (a backend over workers that are :class:`CriticHost`)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.num_dp_shards = num_dp_shards(backend.infos)
+        self._data_owners = data_owners(backend.infos)
+
+    def build(self, spec: CriticSpec) -> None:
+        self.backend.submit("build_critic", None, "", spec)()
+
+    def init_from_actor(self) -> None:
+        self.backend.submit("critic_init_from_actor", None, "")()
+
+    def submit_values(self, batch: RolloutBatch, micro_batch_size: int) -> Callable[[], torch.Tensor]:
+        """Start the value pass (the driver scores meanwhile); call the result to wait for [N, S] values."""
+        shards = list(split_record(batch, self.num_dp_shards))
+        wait = self.backend.submit(
+            "critic_values", shards, "dp", min(micro_batch_size, shards[0].num_sequences)
+        )
+        return lambda: torch.cat([wait()[i] for i in self._data_owners])
+
+    def update(
+        self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
+    ) -> CriticStats:
+        shards = list(split_record(batch, self.num_dp_shards))
+        micro = min(micro_batch_size, max(shards[0].tokens.shape[0] // num_mini_batches, 1))
+        results = self.backend.submit("critic_update", shards, "dp", num_mini_batches, ppo_epochs, micro)()
+        stats: CriticStats = results[self._data_owners[0]]
+        return stats
+
+
+__all__ = ["CRITIC_DIR", "Critic", "CriticGroup", "CriticHost", "CriticSpec", "CriticStats", "ValueBatch"]

@@ -1,0 +1,183 @@
+"""PPO with a critic (``algorithm.adv_estimator=gae``), HybridFlow's full RL step, on one screen.
+
+    prompts ──► actors.generate ──► rollout ──┬─► score (rules, driver) ──────────────┐
+                                               ├─► actors.log_probs (actor, reference) ┼─► token rewards
+                                               └─► critic.values ──────────────────────┘   (- beta * KL)
+                                                                                               │ GAE (pure)
+    next step ◄── actors.sync_weights ◄── actors.update (after the critic warm-up) ◄── critic.update ◄─┘
+
+Scoring, log-probs and values depend only on the rollout: they are started together and the driver scores
+while the workers compute. With ``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by
+the KL of the rollout policy to the reference (``kl_reward.py``; its controller is checkpointed driver
+state). During the first ``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in
+verl's ``critic_warmup``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_rl.algo import compute_gae_advantages
+from mcore_rl.config import RunConfig
+from mcore_rl.data.prompts import PromptBatch
+from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.scoring import RewardScorer
+from mcore_rl.trainer.actor_group import ActorGroup
+from mcore_rl.trainer.batch import ProbAgreement, outcome_rewards, prob_agreement
+from mcore_rl.trainer.critic import CriticGroup, CriticStats, ValueBatch
+from mcore_rl.trainer.grpo import RLStep, StageTimer, step_metrics
+from mcore_rl.trainer.kl_reward import KLRewardController, penalise
+from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+
+
+@dataclass
+class PPOBatch:
+    """Everything a PPO step computes from one rollout before the updates, position-aligned."""
+
+    rollout: RolloutBatch
+    scores: torch.Tensor
+    """[N] float32: the scorer's outcome rewards."""
+    log_probs: LogProbBatch
+    agreement: ProbAgreement
+    """Rollout engine vs trainer log-probs."""
+    values: torch.Tensor
+    """[N, S] float32: the critic's values at rollout time."""
+    rewards: torch.Tensor
+    """[N, S] float32: token rewards (the score on the last response token, minus the in-reward KL)."""
+    advantages: torch.Tensor
+    """[N, S] float32: GAE advantages, whitened over the response tokens."""
+    returns: torch.Tensor
+    """[N, S] float32: GAE returns (raw advantages + values), the critic's targets."""
+    kl_metrics: dict[str, float]
+    """kl_in_reward/{coef, mean_kl} when ``use_kl_in_reward``, else empty."""
+
+
+class PPOStep(RLStep):
+    """The PPO step over an :class:`ActorGroup` and a :class:`CriticGroup` (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        actors: ActorGroup,
+        critic: CriticGroup,
+        tokenizer: Tokenizer,
+        scorer: RewardScorer,
+    ) -> None:
+        super().__init__(cfg, actors, tokenizer, scorer)
+        self.critic = critic
+        ctrl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = KLRewardController(ctrl) if cfg.algorithm.use_kl_in_reward else None
+
+    def run(self, prompts: PromptBatch, step: int) -> dict[str, float]:
+        timer = StageTimer()
+        batch = self.prepare(prompts, step, timer)
+        with timer("critic_update"):
+            critic_stats = self.critic.update(
+                ValueBatch(batch.rollout.tokens, batch.rollout.response_mask, batch.values, batch.returns),
+                self.plan.num_mini_batches,
+                self.plan.ppo_epochs,
+                self.cfg.critic.ppo_micro_batch_size_per_gpu,
+            )
+        frozen = step <= self.cfg.critic.warmup_steps
+        with timer("update"):
+            stats = _frozen_stats() if frozen else self.update(self.train_batch(batch), step)
+        with timer("sync"):
+            sync = self.actors.sync_weights()
+        metrics = step_metrics(
+            batch.rollout, batch.scores, batch.agreement, stats, timer.seconds, self.cfg.rollout.n
+        )
+        return {
+            **metrics,
+            **_critic_metrics(critic_stats, batch),
+            **batch.kl_metrics,
+            "actor_frozen": float(frozen),
+            **sync,
+        }
+
+    def prepare(self, prompts: PromptBatch, step: int, timer: StageTimer | None = None) -> PPOBatch:
+        """Rollout, then scores, log-probs and values (concurrently), then token rewards and GAE."""
+        cfg, timer = self.cfg, timer or StageTimer()
+        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
+        with timer("generate"):
+            rollout = self.actors.generate(request, self.sampling(step))
+        with timer("score_values_and_log_probs"):
+            wait_log_probs = self.actors.submit_log_probs(
+                rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
+            )
+            wait_values = self.critic.submit_values(rollout, cfg.critic.ppo_micro_batch_size_per_gpu)
+            with timer("score"):
+                scores = self.score(rollout, prompts)
+            log_probs, values = wait_log_probs(), wait_values()
+        agreement = prob_agreement(
+            rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
+        )
+        self.check_agreement(agreement, rollout, step)
+        mask = rollout.response_mask
+        rewards, kl_metrics = outcome_rewards(scores, mask), {}
+        if self.kl_ctrl is not None:
+            kl = penalise(
+                rewards,
+                log_probs.actor_log_probs,
+                log_probs.ref_log_probs,
+                mask,
+                self.kl_ctrl,
+                cfg.algorithm.kl_penalty,
+            )
+            rewards = kl.rewards
+            kl_metrics = {"kl_in_reward/coef": kl.kl_coef, "kl_in_reward/mean_kl": kl.mean_kl}
+        gae = compute_gae_advantages(rewards, values, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
+        return PPOBatch(
+            rollout,
+            scores,
+            log_probs,
+            agreement,
+            values,
+            rewards,
+            gae.advantages.float(),
+            gae.returns.float(),
+            kl_metrics,
+        )
+
+    def train_batch(self, batch: PPOBatch) -> TrainBatch:
+        r = batch.rollout
+        return TrainBatch(
+            r.tokens,
+            r.response_mask,
+            batch.log_probs.actor_log_probs,
+            batch.advantages,
+            batch.log_probs.ref_log_probs,
+        )
+
+    def warm_started(self) -> None:
+        """The actor changed before RL (SFT): restart the critic's body from it, unless it has its own path."""
+        if self.cfg.critic.model_path is None:
+            self.critic.init_from_actor()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_ctrl": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.kl_ctrl is not None:
+            if "kl_ctrl" not in state:
+                raise ValueError(
+                    "algorithm.use_kl_in_reward=true but the checkpoint has no KL controller state"
+                )
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+
+def _frozen_stats() -> UpdateStats:
+    """The actor's stats of a critic warm-up step: no optimizer step was taken."""
+    return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, num_optimizer_steps=0, num_skipped=0)
+
+
+def _critic_metrics(stats: CriticStats, batch: PPOBatch) -> dict[str, float]:
+    mask = batch.rollout.response_mask
+    tokens = mask.sum().clamp(min=1)
+    return {
+        **{f"critic/{k}": v for k, v in vars(stats).items()},
+        "critic/values_mean": float((batch.values * mask).sum() / tokens),
+        "critic/returns_mean": float((batch.returns * mask).sum() / tokens),
+    }
