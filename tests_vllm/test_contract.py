@@ -1,0 +1,121 @@
+"""Our vLLM engine's contract against the real vLLM 0.33.0 package, on CPU (``make test-vllm``).
+
+Nothing here runs vLLM's engine (that needs a GPU); each test asks vLLM's own code the question our engine
+answers on its behalf: config validation, sampling-parameter validation, the model classes' parameter names
+and per-rank shapes under vLLM's parallel state, and the documented log-prob modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_rl.engine.rollout import SamplingParams, SamplingParamsError
+from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutEngine, sampling_kwargs
+from mcore_rl.engine.rollout.vllm_layout import check_vllm_sampling
+from tests_vllm.common import arch_of, our_engine_args, write_config
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_vllm_is_the_pinned_version() -> None:
+    assert vllm.__version__.startswith("0.33.0")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_our_engine_arguments_pass_vllms_config_validation(tmp_path: Path, family: str, tp: int) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    arch = arch_of(family)
+    args = EngineArgs(**our_engine_args(write_config(arch, tmp_path), tp))
+    model = args.create_model_config()
+    assert model.max_model_len == 64
+    assert model.logprobs_mode == "processed_logprobs"
+    assert model.dtype == torch.float32
+    assert model.get_vocab_size() == arch.vocab_size
+    parallel = args.create_parallel_config() if hasattr(args, "create_parallel_config") else None
+    if parallel is not None:
+        assert parallel.tensor_parallel_size == tp and parallel.data_parallel_size == 1
+
+
+def test_vllm_refuses_a_max_model_len_past_the_config(tmp_path: Path) -> None:
+    """The first-run failure our gpu test had (256 > max_position_embeddings=64); our engine refuses it first."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(**our_engine_args(write_config(arch_of("llama"), tmp_path), 1, max_model_len=256))
+    with pytest.raises(Exception, match="max_model_len"):
+        args.create_model_config()
+
+
+@pytest.mark.parametrize(
+    "ours",
+    [
+        SamplingParams(),
+        SamplingParams(
+            temperature=0.7, top_p=0.9, top_k=20, n=4, max_new_tokens=12, stop_token_ids=[2, 7], seed=3
+        ),
+        SamplingParams(temperature=0.0, max_new_tokens=5),
+        SamplingParams(temperature=2.0, top_k=0),
+    ],
+)
+def test_sampling_params_round_trip(ours: SamplingParams) -> None:
+    check_vllm_sampling(ours)
+    theirs = vllm.SamplingParams(**sampling_kwargs(ours, seed=11))
+    assert (theirs.n, theirs.temperature, theirs.top_p) == (ours.n, ours.temperature, ours.top_p)
+    assert theirs.top_k in ((ours.top_k,) if ours.top_k > 0 else (0, -1))  # both values mean "off" in vLLM
+    assert (theirs.max_tokens, theirs.stop_token_ids, theirs.seed) == (
+        ours.max_new_tokens,
+        [*ours.stop_token_ids],
+        11,
+    )
+    assert theirs.ignore_eos and theirs.logprobs == 0
+
+
+@pytest.mark.parametrize("ours", [SamplingParams(temperature=2.5), SamplingParams(temperature=0.0, n=2)])
+def test_what_we_refuse_vllm_refuses(ours: SamplingParams) -> None:
+    with pytest.raises(SamplingParamsError):
+        check_vllm_sampling(ours)
+    with pytest.raises(ValueError):  # vLLM's validation error is a ValueError
+        vllm.SamplingParams(**sampling_kwargs(ours, seed=0))
+
+
+def test_vllm_clamps_tiny_temperatures_which_we_refuse() -> None:
+    ours = SamplingParams(temperature=0.005)
+    with pytest.raises(SamplingParamsError, match="0.01"):
+        check_vllm_sampling(ours)
+    assert vllm.SamplingParams(**sampling_kwargs(ours, seed=0)).temperature == pytest.approx(0.01)
+
+
+def test_processed_logprobs_is_vllms_documented_post_temperature_mode() -> None:
+    from vllm.config import ModelConfig
+
+    modes = getattr(inspect.getmodule(ModelConfig), "LogprobsMode")
+    assert "processed_logprobs" in str(modes) and "raw_logprobs" in str(modes)
+    doc = inspect.getsource(ModelConfig)
+    start = doc.index("logprobs_mode")
+    text = doc[start : start + 1200].lower()
+    assert "processed" in text and "temperature" in text and ("top-k" in text or "top_k" in text)
+
+
+def test_the_engine_api_we_call_exists() -> None:
+    llm = vllm.LLM
+    for method, params in {
+        "generate": {"prompts", "sampling_params", "use_tqdm"},
+        "apply_model": {"func"},
+        "sleep": {"level"},
+        "wake_up": {"tags"},
+        "reset_prefix_cache": set(),
+    }.items():
+        assert params <= set(inspect.signature(getattr(llm, method)).parameters), method
+    from vllm.distributed import get_tensor_model_parallel_rank  # noqa: F401  # our load's rank check
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+    assert {f.name for f in dataclasses.fields(vllm.engine.arg_utils.EngineArgs)} >= set(
+        our_engine_args("m", 1)
+    ) - {"model"} | {"model"}
+    assert VLLMRolloutEngine.close.__doc__
