@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "config": ("mcore_rl.config.cli", "show the resolved run config of a recipe with key=value overrides"),
     "plan": ("mcore_rl.planner.cli", "per-GPU memory of a run's phases, whether it fits, a layout that does"),
     "train": ("mcore_rl.trainer.cli", "an RL run (GRPO and kin, SFT warm start) from a recipe, on Ray"),
+    "sft": ("mcore_rl.trainer.sft_cli", "supervised fine-tuning from a recipe, on the RL run's engines"),
     "dpo": ("mcore_rl.dpo.cli", "a DPO run (sigmoid, cDPO, robust, IPO, hinge) from a recipe, SPMD ranks"),
 }
 

@@ -27,6 +27,7 @@ from mcore_rl.controller.worker_group import WorkerGroup
 from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.trainer.losses import PolicyLossSettings
+from mcore_rl.trainer.memory import max_over_ranks
 from mcore_rl.trainer.worker import HybridWorker
 from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
@@ -154,6 +155,14 @@ class ActorGroup:
     def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
         step, extra = self.backend.submit("load_checkpoint", None, "", directory)()[0]
         return int(step), dict(extra)
+
+    def phase_memory(self) -> dict[str, float]:
+        """Peak memory per phase since the last call, the maximum over ranks (``trainer/memory.py``)."""
+        return max_over_ranks(self.backend.submit("take_phase_memory", None, "")())
+
+    def save_model(self, directory: str) -> None:
+        """The actor's weights as a model checkpoint (``TrainEngine.save_model``; loadable at any layout)."""
+        self.backend.submit("save_model", None, "", directory)()
 
     def shutdown(self) -> None:
         self.backend.shutdown()

@@ -99,7 +99,12 @@ class RLStep:
             stats = self.update(batch, step)
         with timer("sync"):
             sync = self.actors.sync_weights()
-        return {**step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n), **sync}
+        memory = self.actors.phase_memory()  # peaks per phase, max over ranks
+        return {
+            **step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n),
+            **sync,
+            **memory,
+        }
 
     def warm_started(self) -> None:
         """Called once the actor has changed before RL (the SFT warm start); the PPO step restarts its critic."""
@@ -148,6 +153,7 @@ class RLStep:
         rollout = self.actors.generate(request, self.sampling(0, validation=True))
         keep = rollout.prompt_index < len(prompts)
         scores = self.score(_rows(rollout, keep), prompts)
+        self.actors.phase_memory()  # validation's phases are not the next step's
         return float(scores.mean())
 
     def check_agreement(self, agreement: ProbAgreement, rollout: RolloutBatch, step: int) -> None:

@@ -17,8 +17,12 @@ log = logging.getLogger(__name__)
 class RunLog:
     """Writes records of ``{"stage": ..., "step": ..., metrics...}``; :meth:`close` draws the plot."""
 
-    def __init__(self, cfg: LoggingConfig, total_steps: int, resume: bool = False) -> None:
+    def __init__(
+        self, cfg: LoggingConfig, total_steps: int, resume: bool = False, progress_stage: str = "rl"
+    ) -> None:
         self.cfg = cfg
+        self.progress_stage = progress_stage
+        """The stage whose steps the progress bar counts."""
         self.records: list[dict[str, Any]] = []
         os.makedirs(cfg.log_dir, exist_ok=True)
         self.jsonl_path = os.path.join(cfg.log_dir, "metrics.jsonl")
@@ -32,7 +36,7 @@ class RunLog:
         if cfg.progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="rl", unit="step", mininterval=2.0)
+            self._bar = tqdm(total=total_steps, desc=progress_stage, unit="step", mininterval=2.0)
 
     def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
         record = {"stage": stage, "step": step, **metrics}
@@ -44,9 +48,9 @@ class RunLog:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(f"{stage}/{key}", value, step)
-        if self._bar is not None and stage == "rl":
+        if self._bar is not None and stage == self.progress_stage:
             self._bar.update(step - self._bar.n)
-            shown = {k: f"{metrics[k]:.3f}" for k in ("reward", "val_accuracy") if k in metrics}
+            shown = {k: f"{metrics[k]:.3f}" for k in ("reward", "loss", "val_accuracy") if k in metrics}
             self._bar.set_postfix(shown, refresh=False)
 
     def close(self) -> str | None:

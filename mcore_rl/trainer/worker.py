@@ -39,6 +39,7 @@ from mcore_rl.trainer.losses import (
     policy_loss,
     sft_loss,
 )
+from mcore_rl.trainer.memory import measured, phase_memory
 from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 
@@ -98,6 +99,7 @@ class HybridWorker(CriticHost, Worker):
         return dataclasses.replace(info, rollout_replica=replica, rollout_tp_rank=tp_g)
 
     # --- phases ---------------------------------------------------------------------------------------------
+    @measured("sync")
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor's weights into the rollout engine (TRAIN -> ROLLOUT); returns timings."""
         if self.hybrid.phase is Phase.ROLLOUT:
@@ -113,6 +115,7 @@ class HybridWorker(CriticHost, Worker):
             self.hybrid.to_train()
 
     # --- generation -----------------------------------------------------------------------------------------
+    @measured("generate")
     def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch | None:
         """Sample this replica's prompts on the synced weights; the replica's TP rank 0 returns the batch."""
         if self.hybrid.phase is not Phase.ROLLOUT:
@@ -126,6 +129,7 @@ class HybridWorker(CriticHost, Worker):
         return rollout_batch(request.prompt_ids, request.prompt_index, out, self.spec.pad_token_id)
 
     # --- training -------------------------------------------------------------------------------------------
+    @measured("log_probs")
     def log_probs(
         self, batch: RolloutBatch, temperature: float, micro_batch_size: int
     ) -> LogProbBatch | None:
@@ -150,6 +154,7 @@ class HybridWorker(CriticHost, Worker):
             else torch.zeros_like(log_probs),
         )
 
+    @measured("update")
     def update(
         self,
         batch: TrainBatch,
@@ -255,6 +260,15 @@ class HybridWorker(CriticHost, Worker):
         if not self._owns_training_result():
             return None
         return {"loss": float(loss), "grad_norm": result.grad_norm}
+
+    def take_phase_memory(self) -> dict[str, float]:
+        """This rank's per-phase memory peaks since the last call (``trainer/memory.py``)."""
+        return phase_memory(self).take()
+
+    def save_model(self, directory: str) -> None:
+        """Collective: the actor's weights alone as a model checkpoint (any layout loads it)."""
+        self._to_train()
+        self.engine.save_model(directory)
 
     def _owns_training_result(self) -> bool:
         return self.ctx.is_last_stage and self.ctx.tp_rank == 0

@@ -45,6 +45,8 @@ def test_steps_warm_up_the_lr_keep_log_probs_in_agreement_and_grow_the_kl(run) -
     assert metrics[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # the reference is the initial actor
     assert metrics[1]["kl_loss"] > 1e-6  # ... and stays frozen while the actor moves
     assert set(metrics[0]) >= {"time/generate_s", "time/update_s", "time/sync_s", "tokens_per_s"}
+    for phase in ("generate", "log_probs", "update", "sync"):  # peak RSS per phase, above the bare runtime
+        assert all(m[f"memory/{phase}_rss_bytes"] > 50e6 for m in metrics), phase
 
 
 def test_a_nan_loss_stops_the_update_without_touching_the_weights_or_is_skipped(run) -> None:

@@ -1,0 +1,115 @@
+"""Supervised fine-tuning as a run of its own (``mcore-rl sft RECIPE``), on the RL run's engines and recipe.
+
+    held-out test -> SFT steps (``sft.*``: loss on response tokens only, validation every ``sft.test_freq``,
+    early stop at ``sft.target_val_accuracy``) -> held-out test -> the model, written twice:
+
+    <trainer.default_local_dir>/
+        config.yaml          the resolved config
+        logs/                metrics.jsonl (stage "sft" and "test"), TensorBoard, plot
+        sft_checkpoint/      megatron model checkpoint (any layout loads it; ``mcore-rl convert`` reads it)
+        model/               HF folder (safetensors, config.json, tokenizer files): the RL run starts from it
+                             with ``mcore-rl train RECIPE model.path=<that folder> sft.enable=false``
+
+It is the same code as the warm start inside ``mcore-rl train`` (:meth:`Trainer.sft`), so a separate SFT
+run followed by RL from its ``model/`` equals the warm-started run up to the optimizer state (RL starts a
+fresh optimizer from a saved model).
+
+    from mcore_rl.trainer import run_sft
+    summary = run_sft("recipes/demo_cpu.yaml", ["sft.total_steps=200"])
+    summary.model_dir, summary.test_after
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mcore_rl.config import ConfigError, RunConfig, load_config
+from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
+from mcore_rl.convert.output import copy_side_files
+from mcore_rl.trainer.run_log import RunLog
+from mcore_rl.trainer.trainer import Trainer
+
+MODEL_DIR = "model"
+CHECKPOINT_DIR = "sft_checkpoint"
+
+
+@dataclass(frozen=True)
+class SFTSummary:
+    """What an SFT run did and where it wrote."""
+
+    steps: int
+    """Optimizer steps taken (fewer than ``sft.total_steps`` after an early stop)."""
+    first_loss: float
+    """Mean response-token loss of the first step."""
+    last_loss: float
+    """Mean response-token loss of the last step."""
+    test_before: float | None
+    """Held-out accuracy (``data.test_files``) before SFT; None without test files."""
+    test_after: float | None
+    """Held-out accuracy after SFT."""
+    model_dir: str
+    """HF folder of the trained model (``model.path`` of the RL run)."""
+    checkpoint_dir: str
+    """megatron model checkpoint of the trained model."""
+    log_dir: str
+    """metrics.jsonl, TensorBoard and the plot."""
+
+
+def sft_config(config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = ()) -> RunConfig:
+    """The run config of an SFT run: the recipe with ``sft.enable`` on; refuses one without examples."""
+    cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+    if not cfg.sft.train_files:
+        raise ConfigError("sft.train_files: empty; an SFT run needs labelled examples")
+    return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, enable=True))
+
+
+def fit_sft(trainer: Trainer) -> SFTSummary:
+    """Held-out test, SFT, held-out test, then the model (see the module docstring)."""
+    cfg = trainer.cfg
+    log = RunLog(cfg.logging, cfg.sft.total_steps, progress_stage="sft")
+    try:
+        before = trainer.test(log, "before")
+        steps = trainer.sft(log)
+        after = trainer.test(log, "after_sft")
+        checkpoint_dir, model_dir = export_model(trainer)
+    finally:
+        log.close()
+        trainer.records = log.records
+    losses = [float(r["loss"]) for r in log.records if r["stage"] == "sft"]
+    return SFTSummary(
+        steps, losses[0], losses[-1], before, after, model_dir, checkpoint_dir, cfg.logging.log_dir
+    )
+
+
+def export_model(trainer: Trainer) -> tuple[str, str]:
+    """The actor's weights as a megatron checkpoint (collective, any layout) and as an HF folder converted
+    from it on the driver (streamed tensor by tensor); returns both paths."""
+    cfg = trainer.cfg
+    root = cfg.trainer.default_local_dir
+    checkpoint = os.path.join(root, CHECKPOINT_DIR)
+    trainer.actors.save_model(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="mcore_rl_sft_assets_") as assets:
+        # config.json of the run's model and its tokenizer files, so that model.path alone describes it.
+        with open(os.path.join(assets, "config.json"), "w") as f:
+            json.dump(cfg.model.hf_config_dict(), f, indent=2, sort_keys=True)
+        tokenizer = cfg.model.tokenizer_path
+        if tokenizer and os.path.isdir(tokenizer):
+            copy_side_files(tokenizer, assets)
+        options = McoreToHfOptions(
+            ckpt=checkpoint, out=os.path.join(root, MODEL_DIR), hf_config_from=assets, overwrite=True
+        )
+        model = convert_mcore_to_hf(options)
+    return checkpoint, model
+
+
+def run_sft(
+    config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), use_ray: bool = True
+) -> SFTSummary:
+    """An SFT run from a recipe path (+ ``key=value`` overrides) or a checked :class:`RunConfig`."""
+    with Trainer.from_config(sft_config(config, overrides), use_ray=use_ray) as trainer:
+        return fit_sft(trainer)

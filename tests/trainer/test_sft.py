@@ -1,0 +1,104 @@
+"""``mcore-rl sft`` (in-process): the loss on response tokens falls, the run folder holds the resolved config,
+the logs and the model, and an RL run started from that model (``model.path``) holds exactly its weights."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mcore_rl.cli import main
+from mcore_rl.config import ConfigError
+from mcore_rl.trainer.sft import fit_sft, sft_config
+from mcore_rl.trainer.trainer import Trainer
+from tests.trainer.common import tiny_run_config
+
+
+def _overrides(data: str, run: str) -> list[str]:
+    return [
+        "data.generate=null",
+        f"data.train_files=[{data}/train.jsonl]",
+        f"data.val_files=[{data}/val.jsonl]",
+        f"data.test_files=[{data}/test.jsonl]",
+        f"sft.train_files=[{data}/sft.jsonl]",
+        f"model.tokenizer_path={data}/tokenizer",
+        "model.hf_config.hidden_size=64",
+        "model.hf_config.intermediate_size=96",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "algorithm.ppo_micro_batch_size_per_gpu=8",
+        "sft.train_batch_size=16",
+        "sft.micro_batch_size_per_gpu=8",
+        "sft.optim.lr_warmup_steps=0",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        f"trainer.default_local_dir={run}",
+    ]
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    engine = trainer.actors.backend.worker.engine  # type: ignore[attr-defined]
+    return {n: p.detach().clone() for n, p in engine.models[0].named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("data"))
+    tiny_run_config(folder)  # writes the small demo splits and the tokenizer
+    return folder
+
+
+def test_sft_lowers_the_loss_and_rl_starts_from_its_model(data, tmp_path) -> None:
+    run = str(tmp_path / "sft")
+    cfg = sft_config(
+        "recipes/demo_cpu.yaml", [*_overrides(data, run), "sft.total_steps=8", "sft.test_freq=4"]
+    )
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        summary = fit_sft(trainer)
+        trained = _weights(trainer)
+    assert summary.steps == 8 and summary.last_loss < 0.9 * summary.first_loss
+    assert summary.test_before is not None and summary.test_after is not None
+    names = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert set(os.listdir(summary.model_dir)) >= names  # + the io layer's ownership marker
+    assert os.path.isfile(os.path.join(run, "config.yaml"))
+    with open(os.path.join(summary.log_dir, "metrics.jsonl")) as f:
+        stages = [json.loads(line)["stage"] for line in f]
+    assert stages == ["test", *["sft"] * 8, "test"]
+
+    rl_overrides = [
+        *_overrides(data, str(tmp_path / "rl")),
+        f"model.path={summary.model_dir}",
+        "sft.enable=false",
+        "trainer.total_training_steps=1",
+    ]
+    with Trainer.from_config("recipes/demo_cpu.yaml", rl_overrides, use_ray=False) as rl:
+        start = _weights(rl)
+        assert start.keys() == trained.keys()
+        # fp32 through safetensors: exact, but for the vocab padding rows (never a token, not in the HF file)
+        vocab = rl.cfg.model.arch().vocab_size
+        for name, weight in trained.items():
+            padded = "word_embeddings" in name or "output_layer" in name
+            assert (
+                torch.equal(start[name][:vocab], weight[:vocab])
+                if padded
+                else torch.equal(start[name], weight)
+            )
+        rl.fit()
+        assert [r["stage"] for r in rl.records] == ["test", "rl", "test"]
+
+
+def test_sft_command_writes_the_model_and_says_how_to_start_rl_from_it(data, tmp_path, capsys) -> None:
+    run = str(tmp_path / "sft")
+    args = [*_overrides(data, run), "sft.total_steps=2", "sft.test_freq=100", "data.test_files=[]"]
+    assert main(["sft", "recipes/demo_cpu.yaml", *args, "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "after 2 SFT steps" in out and f"model.path={run}/model sft.enable=false" in out
+    assert os.path.isfile(os.path.join(run, "model", "model.safetensors"))
+    assert os.path.isfile(os.path.join(run, "sft_checkpoint", "metadata.json"))
+
+
+def test_sft_without_examples_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"sft\.train_files"):
+        sft_config("recipes/demo_cpu.yaml", ["sft.train_files=[]"])
