@@ -11,6 +11,7 @@ Which key feeds which planner field (the run config stays the one schema; the pl
     model.dtype                                 bf16 (anything but float32 stores 2-byte weights)
     optim.use_distributed_optimizer             use_distributed_optimizer
     algorithm.use_kl_loss / use_kl_in_reward    reference (a frozen reference policy is colocated)
+    algorithm.adv_estimator == gae              critic (PPO: a value-head critic on the actor's GPUs)
     rollout.tensor_model_parallel_size          rollout_tp
     rollout.gpu_memory_utilization              rollout_memory_fraction
     rollout.hybrid.*                            offload_optimizer, offload_grad_buffers, sleep_level,
@@ -52,5 +53,5 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         offload_grad_buffers=hybrid.offload_grad_buffers,
         sleep_level=hybrid.sleep_level,
         reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
-        **planner,
+        **{"critic": algo.adv_estimator == "gae", **planner},
     )

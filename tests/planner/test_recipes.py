@@ -78,3 +78,25 @@ def test_llama_8b_recipe_numbers_in_its_comments():
     tp1 = plan_memory(plan.with_layout(tp=1, sp=False))
     assert round((tp1.actor.weights_bytes + tp1.actor.grads_bytes + tp1.actor.optimizer_bytes) / GIB) == 56
     assert not tp1.train.fits
+
+
+def test_qwen25_7b_ppo_recipe_plans_a_critic_and_the_numbers_in_its_comments():
+    from mcore_rl.engine.arch import ModelArch
+    from tests.planner.hf_configs import QWEN25_7B
+
+    cfg = load_config("recipes/qwen2_5_7b_ppo_a100.yaml", ["model.path=/nonexistent"])
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.colocate and cfg.algorithm.use_kl_in_reward
+    plan = plan_input_from_config(cfg, arch=ModelArch.from_hf_config(QWEN25_7B), gpu="A100-80")
+    assert (plan.world_size, plan.tp, plan.pp, plan.dp, plan.rollout_tp) == (8, 4, 1, 2, 2)
+    assert plan.critic and plan.reference and plan.sp and plan.bf16
+    result = plan_memory(plan)
+    assert result.fits, result.problems
+    assert round(result.peak_bytes / GIB, 1) == 59.3
+    state = result.train.terms
+    assert (
+        round((state["critic weights"] + state["critic gradients"] + state["critic optimizer"]) / GIB) == 20
+    )
+    assert round(result.kv_cache_tokens, -5) == 900_000
+    # The rejected alternative: TP2 (DP4) does not fit the train phase.
+    tp2 = plan_memory(plan.with_layout(tp=2))
+    assert not tp2.train.fits and round(tp2.train.total_bytes / GIB) == 91

@@ -49,7 +49,7 @@ def ppo(tmp_path_factory) -> Iterator[tuple]:
 
 
 def test_gae_and_kl_in_reward_through_the_driver_equal_the_algorithms(ppo) -> None:
-    cfg, _, critic, step, loader = ppo
+    _, _, critic, step, loader = ppo
     coef = step.kl_ctrl.value
     batch = step.prepare(loader.next_batch(), step=7)
     mask, rollout = batch.rollout.response_mask, batch.rollout
@@ -73,7 +73,7 @@ def test_gae_and_kl_in_reward_through_the_driver_equal_the_algorithms(ppo) -> No
 
 
 def test_warm_up_trains_the_critic_alone_then_the_actor(ppo) -> None:
-    cfg, actors, critic, step, loader = ppo
+    _, actors, critic, step, loader = ppo
     probe = step.prepare(loader.next_batch(), step=8).rollout
     values_before = critic.submit_values(probe, 4)()
     log_probs_before = actors.submit_log_probs(probe, 1.0, 8)().actor_log_probs
