@@ -2,7 +2,7 @@
 
 The critic is the actor's architecture with a scalar value head (``engine/model.py`` ``ValueHead``), trained
 by the clipped value loss on the GAE returns, with its own optimizer, learning-rate schedule and checkpoint
-(``<run checkpoint>/critic``). It lives on the actor's ranks (``colocate``), so it shares their layout.
+(``<run checkpoint>/critic``). It lives on the actor's ranks (``colocate``, sharing their layout) or on its own pool with its own layout.
 """
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ class CriticConfig:
     model_path: str | None = None
     """An HF folder (safetensors, e.g. the actor's base model) whose transformer body starts the critic;
     None starts it from the actor's weights at the beginning of RL (after the SFT warm start). The value
-    head always starts from a seeded random init."""
+    head always starts from a seeded random init. On its own pool the actor's weights travel through the
+    driver whole: fine for small models; give large ones a path."""
     colocate: bool = True
-    """Train the critic on the actor's ranks, in the same processes (HybridFlow's colocated placement).
-    A separate resource pool is not run by the driver yet."""
+    """True: train the critic on the actor's ranks, in the same processes (HybridFlow's colocated
+    placement). False: on its own resource pool of ``num_ranks`` ranks, where its values run concurrently
+    with the actor's log-probs."""
+    num_ranks: int = 1
+    """Ranks of the critic's own pool (``colocate=false``; GPUs, or worker processes on CPU)."""
     parallel: ParallelSection | None = None
     """The critic's training layout; None: the actor's (``parallel``). A colocated critic shares the
-    actor's processes, hence its layout: a different one here is refused."""
+    actor's processes, hence its layout: a different one is refused. On its own pool any layout that
+    divides ``num_ranks``."""
     optim: OptimConfig = field(default_factory=_critic_optim)
     """Optimizer and learning-rate schedule of the critic (its own Adam state and scheduler)."""
     ppo_micro_batch_size_per_gpu: int = 8

@@ -121,6 +121,7 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.ppo_micro_batch_size_per_gpu": _POSITIVE,
     "critic.cliprange_value": _NON_NEGATIVE,
     "critic.warmup_steps": _NON_NEGATIVE,
+    "critic.num_ranks": _POSITIVE,
     "algorithm.lam": ("in [0, 1]", lambda v: 0 <= v <= 1),
 }
 for _prefix in ("optim", "sft.optim", "critic.optim"):
@@ -325,10 +326,22 @@ def _critic_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.algorithm.adv_estimator != "gae":
         return problems
-    par, alg = cfg.parallel, cfg.algorithm
-    dp = cfg.world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
+    par, alg = critic.parallel or cfg.parallel, cfg.algorithm
+    world = cfg.world_size if critic.colocate else critic.num_ranks
+    if world % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size):
+        return [
+            *problems,
+            f"critic.parallel: TP*PP = {par.tensor_model_parallel_size * par.pipeline_model_parallel_size} "
+            f"does not divide the critic's {world} ranks (critic.num_ranks)",
+        ]
+    dp = world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
     rows = alg.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1)
-    if rows and rows % critic.ppo_micro_batch_size_per_gpu:
+    if (alg.ppo_mini_batch_size * cfg.rollout.n) % dp:
+        problems.append(
+            f"algorithm.ppo_mini_batch_size * rollout.n = {alg.ppo_mini_batch_size * cfg.rollout.n} sequences "
+            f"do not split over the critic's data-parallel size {dp}"
+        )
+    elif rows and rows % critic.ppo_micro_batch_size_per_gpu:
         problems.append(
             f"critic.ppo_micro_batch_size_per_gpu={critic.ppo_micro_batch_size_per_gpu} does not divide the "
             f"{rows} sequences per data-parallel rank of a mini-batch (ppo_mini_batch_size * rollout.n / DP)"

@@ -9,7 +9,7 @@ from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.parallel.context import free_local_port
 from mcore_rl.trainer.actor_group import ActorGroup, Backend, InProcessBackend, RayBackend
-from mcore_rl.trainer.critic import CriticGroup, CriticSpec
+from mcore_rl.trainer.critic import CriticGroup, CriticSpec, CriticWorker
 from mcore_rl.trainer.worker import HybridWorker, WorkerSpec
 
 
@@ -19,7 +19,6 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         "rollout.name": cfg.rollout.name != "local",  # vLLM needs its own hybrid wiring (GPU)
         # token rewards feed GAE only; the critic-free estimators take one outcome score per sequence
         "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward and cfg.algorithm.adv_estimator != "gae",
-        "critic.colocate": not cfg.critic.colocate,  # a critic on its own pool is not wired yet
     }
     for key, bad in unsupported.items():
         if bad:
@@ -48,9 +47,36 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
         dtype=cfg.model.dtype,
         hf_path=path,
     )
-    critic = CriticGroup(actors.backend)
-    critic.build(spec)
+    if cfg.critic.colocate:
+        critic = CriticGroup(actors.backend)
+        critic.build(spec)
+        return critic
+    if not isinstance(actors.backend, RayBackend):
+        raise ConfigError("critic.colocate=false: a critic on its own pool needs the Ray driver (use_ray)")
+    parallel = (cfg.critic.parallel or cfg.parallel).to_parallel_config(cfg.trainer.seed)
+    ranks = cfg.critic.num_ranks
+    pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
+    group = WorkerGroup.spawn(CriticWorker, ranks, parallel, pool=pool)
+    group.owns_pool = True
+    try:
+        group.infos = group.run("build", spec)
+        critic = CriticGroup(RayBackend(group), actors=actors.backend)
+        if path is None:
+            critic.init_from_actor()
+    except BaseException:
+        group.shutdown()
+        raise
     return critic
+
+
+def _cpus_per_rank(cfg: RunConfig) -> float:
+    """The cluster's CPUs shared evenly by every rank of the run: the actor's and a separate critic's."""
+    import ray
+
+    ranks = cfg.world_size + (
+        0 if cfg.critic.colocate or cfg.algorithm.adv_estimator != "gae" else cfg.critic.num_ranks
+    )
+    return float(ray.cluster_resources().get("CPU", 1.0)) / ranks
 
 
 def _use_gpus(cfg: RunConfig) -> bool:
@@ -65,7 +91,7 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     backend: Backend
     if use_ray:
         init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
-        pool = ResourcePool.for_world(cfg.world_size, use_gpus=_use_gpus(cfg))
+        pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
         group = WorkerGroup.spawn(HybridWorker, cfg.world_size, parallel, pool=pool)
         group.owns_pool = True
         try:

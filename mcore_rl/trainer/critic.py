@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from mcore_rl.algo import LossAggregation, value_loss
 from mcore_rl.config.model import OptimConfig
-from mcore_rl.controller.dispatch import data_owners, num_dp_shards, split_record
+from mcore_rl.controller.dispatch import RankInfo, data_owners, num_dp_shards, split_record
+from mcore_rl.controller.worker import Worker
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.train_engine import LossFn, MicroBatch, TrainEngine
@@ -261,6 +262,16 @@ class CriticHost:
         """Collective: the critic, started from ``spec.hf_path`` or this worker's actor (when it has one)."""
         self.critic = Critic(self.ctx, spec, init_from=getattr(self, "engine", None))
 
+    def critic_load_body(self, full: dict[str, torch.Tensor]) -> None:
+        """Collective: a full (TP=1) policy state into the critic body (the actor's, from another pool)."""
+        self._critic().load_body(full)
+
+    def critic_save(self, run_checkpoint: str, step: int) -> None:
+        self._critic().save(run_checkpoint, step)
+
+    def critic_load(self, run_checkpoint: str) -> None:
+        self._critic().load(run_checkpoint)
+
     def critic_init_from_actor(self) -> None:
         """Collective: restart the critic body from the actor's current weights (after the SFT warm start)."""
         self._critic().init_from(self.engine)  # type: ignore[attr-defined]
@@ -281,11 +292,23 @@ class CriticHost:
         return self.critic
 
 
-class CriticGroup:
-    """The driver's handle on the critic ranks (a backend over workers that are :class:`CriticHost`)."""
+class CriticWorker(CriticHost, Worker):
+    """A rank of a critic on its own resource pool (``critic.colocate=false``), in its own layout."""
 
-    def __init__(self, backend: Any) -> None:
+    def build(self, spec: CriticSpec) -> RankInfo:
+        self.build_critic(spec)
+        return self.rank_info()
+
+
+class CriticGroup:
+    """The driver's handle on the critic ranks (a backend over workers that are :class:`CriticHost`).
+
+    ``actors`` is the actor group's backend when the critic lives on its own pool (its body then comes from
+    the actor through the driver); None when colocated (the copy stays inside each process)."""
+
+    def __init__(self, backend: Any, actors: Any = None) -> None:
         self.backend = backend
+        self.actors = actors
         self.num_dp_shards = num_dp_shards(backend.infos)
         self._data_owners = data_owners(backend.infos)
 
@@ -293,7 +316,25 @@ class CriticGroup:
         self.backend.submit("build_critic", None, "", spec)()
 
     def init_from_actor(self) -> None:
-        self.backend.submit("critic_init_from_actor", None, "")()
+        """The actor's current weights into the critic body; the head is kept."""
+        if self.actors is None:
+            self.backend.submit("critic_init_from_actor", None, "")()
+            return
+        full = next(s for s in self.actors.submit("full_state", None, "")() if s is not None)
+        self.actors.submit("sync_weights", None, "")()  # the actor back to ROLLOUT for the next step
+        self.backend.submit("critic_load_body", None, "", full)()
+
+    def save(self, run_checkpoint: str, step: int) -> None:
+        """The critic's own checkpoint into ``<run_checkpoint>/critic`` (after the actor's is in place)."""
+        self.backend.submit("critic_save", None, "", run_checkpoint, step)()
+
+    def load(self, run_checkpoint: str) -> None:
+        self.backend.submit("critic_load", None, "", run_checkpoint)()
+
+    def shutdown(self) -> None:
+        """Stop the critic's own pool (a colocated critic goes with the actor group)."""
+        if self.actors is not None:
+            self.backend.shutdown()
 
     def submit_values(self, batch: RolloutBatch, micro_batch_size: int) -> Callable[[], torch.Tensor]:
         """Start the value pass (the driver scores meanwhile); call the result to wait for [N, S] values."""
@@ -313,4 +354,13 @@ class CriticGroup:
         return stats
 
 
-__all__ = ["CRITIC_DIR", "Critic", "CriticGroup", "CriticHost", "CriticSpec", "CriticStats", "ValueBatch"]
+__all__ = [
+    "CRITIC_DIR",
+    "Critic",
+    "CriticGroup",
+    "CriticHost",
+    "CriticSpec",
+    "CriticStats",
+    "CriticWorker",
+    "ValueBatch",
+]

@@ -116,6 +116,15 @@ class RLStep:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
 
+    def save_models(self, run_checkpoint: str, step: int) -> None:
+        """Models of the algorithm beside the actor (PPO's critic) into the run checkpoint; none here."""
+
+    def load_models(self, run_checkpoint: str) -> None:
+        """Restore :meth:`save_models`."""
+
+    def close(self) -> None:
+        """Stop worker groups of the algorithm beside the actor's (a critic on its own pool)."""
+
     def update(self, batch: TrainBatch, step: int) -> UpdateStats:
         """The actor update; a NaN/inf loss stops the run naming the step (nothing was applied)."""
         try:

@@ -95,6 +95,7 @@ class PPOStep(RLStep):
             **batch.kl_metrics,
             "actor_frozen": float(frozen),
             **sync,
+            **self.actors.phase_memory(),  # peaks per phase, max over ranks
         }
 
     def prepare(self, prompts: PromptBatch, step: int, timer: StageTimer | None = None) -> PPOBatch:
@@ -155,6 +156,15 @@ class PPOStep(RLStep):
         """The actor changed before RL (SFT): restart the critic's body from it, unless it has its own path."""
         if self.cfg.critic.model_path is None:
             self.critic.init_from_actor()
+
+    def save_models(self, run_checkpoint: str, step: int) -> None:
+        self.critic.save(run_checkpoint, step)
+
+    def load_models(self, run_checkpoint: str) -> None:
+        self.critic.load(run_checkpoint)
+
+    def close(self) -> None:
+        self.critic.shutdown()
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_ctrl": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}

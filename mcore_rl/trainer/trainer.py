@@ -174,6 +174,7 @@ class Trainer:
         self.actors.save_checkpoint(
             path, self.global_step, state
         )  # in the TRAIN phase (optimizer state home)
+        self.step.save_models(path, self.global_step)  # PPO: <path>/critic
         self.actors.sync_weights()  # back to ROLLOUT for the next step
         save_config(self.cfg, path)
         _write_atomically(os.path.join(self.checkpoint_root, LATEST), f"global_step_{self.global_step}\n")
@@ -205,12 +206,14 @@ class Trainer:
         self.data.loader.load_state_dict(saved["loader"])  # refuses a different dataset, naming why
         step, extra = self.actors.load_checkpoint(path)
         self.step.load_state_dict(extra.get("algorithm", {}))
+        self.step.load_models(path)
         self.global_step = step
         self.actors.sync_weights()
         return True
 
     def close(self) -> None:
         self.step.scorer.close()
+        self.step.close()
         self.actors.shutdown()
 
     def __enter__(self) -> Trainer:

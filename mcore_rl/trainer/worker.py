@@ -28,6 +28,7 @@ from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
 from mcore_rl.trainer.critic import CriticHost
@@ -270,6 +271,12 @@ class HybridWorker(CriticHost, Worker):
         self._to_train()
         self.engine.save_model(directory)
 
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the actor's full (TP=1) weights on rank 0 (to start a critic on another pool)."""
+        self._to_train()
+        full = gather_full_state(self.engine.models, self.spec.arch, self.ctx)
+        return full if self.ctx.rank == 0 else None
+
     def _owns_training_result(self) -> bool:
         return self.ctx.is_last_stage and self.ctx.tp_rank == 0
 
@@ -281,8 +288,6 @@ class HybridWorker(CriticHost, Worker):
         self._to_train()
         state = {**extra, "lr_scheduler": self.scheduler.state_dict()}
         save_training_checkpoint(self.engine, directory, step, state)
-        if self.critic is not None:  # its own checkpoint inside the run checkpoint
-            self.critic.save(directory, step)
 
     def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
         """Collective: restore what :meth:`save_checkpoint` wrote; returns (step, extra)."""
@@ -291,8 +296,6 @@ class HybridWorker(CriticHost, Worker):
         self._to_train()
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
-        if self.critic is not None:
-            self.critic.load(directory)
         return step, extra
 
 
