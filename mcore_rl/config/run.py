@@ -124,6 +124,9 @@ class TrainerConfig:
     """CPUs for a local Ray; None takes them from the environment (Slurm / cgroup), never a guess."""
     on_nonfinite_loss: str = "stop"
     """A NaN/inf loss or grad norm: stop (no update is written, the step is named) or skip the update."""
+    overlap_stages: bool = True
+    """PPO: after each rollout, start scoring, critic values and actor/reference log-probs together (they
+    depend only on the rollout); False runs them one after another (a timing baseline: same numbers)."""
 
 
 @dataclass

@@ -233,7 +233,8 @@ def step_metrics(
     groups = scores.view(-1, n)
     mixed = (groups != groups[:, :1]).any(dim=1).float().mean()
     tokens = int(rollout.response_lengths.sum())
-    step_s = sum(v for k, v in seconds.items() if k != "score")
+    nested = ("score", "log_probs", "values")  # inside score_and_log_probs / score_values_and_log_probs
+    step_s = sum(v for k, v in seconds.items() if k not in nested)
     return {
         "reward": float(scores.mean()),
         "mixed_groups": float(mixed),

@@ -105,13 +105,7 @@ class PPOStep(RLStep):
         with timer("generate"):
             rollout = self.actors.generate(request, self.sampling(step))
         with timer("score_values_and_log_probs"):
-            wait_log_probs = self.actors.submit_log_probs(
-                rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
-            )
-            wait_values = self.critic.submit_values(rollout, cfg.critic.ppo_micro_batch_size_per_gpu)
-            with timer("score"):
-                scores = self.score(rollout, prompts)
-            log_probs, values = wait_log_probs(), wait_values()
+            scores, log_probs, values = self.score_values_and_log_probs(rollout, prompts, timer)
         agreement = prob_agreement(
             rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
         )
@@ -141,6 +135,26 @@ class PPOStep(RLStep):
             gae.returns.float(),
             kl_metrics,
         )
+
+    def score_values_and_log_probs(
+        self, rollout: RolloutBatch, prompts: PromptBatch, timer: StageTimer
+    ) -> tuple[torch.Tensor, LogProbBatch, torch.Tensor]:
+        """The three stages that read only the rollout: started together (``trainer.overlap_stages``), or
+        each awaited before the next starts; ``timer`` gets ``score`` and, run one by one, the others."""
+        cfg, overlap = self.cfg, self.cfg.trainer.overlap_stages
+        alone = StageTimer() if overlap else timer  # overlapped stages have no wall time of their own
+        with alone("log_probs"):
+            wait_log_probs = self.actors.submit_log_probs(
+                rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
+            )
+            log_probs = None if overlap else wait_log_probs()
+        with alone("values"):
+            wait_values = self.critic.submit_values(rollout, cfg.critic.ppo_micro_batch_size_per_gpu)
+            values = None if overlap else wait_values()
+        with timer("score"):
+            scores = self.score(rollout, prompts)
+        log_probs = wait_log_probs() if log_probs is None else log_probs
+        return scores, log_probs, wait_values() if values is None else values
 
     def train_batch(self, batch: PPOBatch) -> TrainBatch:
         r = batch.rollout

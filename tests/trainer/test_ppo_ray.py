@@ -1,6 +1,7 @@
 """A critic on its own Ray pool (2 ranks, TP2, its own layout) beside a 1-rank actor: the same numbers as
 the colocated in-process critic (values to 1e-5), the critic started from the actor through the driver,
-and its checkpoint inside the run checkpoint."""
+and its checkpoint inside the run checkpoint; with ``trainer.overlap_stages`` off (values, log-probs and
+scoring one after another) every metric is identical to the overlapped run."""
 
 from __future__ import annotations
 
@@ -38,6 +39,20 @@ def _rl(trainer: Trainer) -> list[dict]:
     return [r for r in trainer.records if r["stage"] == "rl"]
 
 
+def separate_overrides(run_dir: object) -> list[str]:
+    return [
+        *OVERRIDES,
+        f"trainer.default_local_dir={run_dir}",
+        "critic.colocate=false",
+        "critic.num_ranks=2",
+        "critic.parallel.tensor_model_parallel_size=2",
+    ]
+
+
+def _numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("time/", "tokens_per_s", "memory/"))}
+
+
 @pytest.mark.slow
 def test_critic_on_its_own_pool_matches_the_colocated_critic(tmp_path) -> None:
     data = str(tmp_path / "data")
@@ -45,20 +60,18 @@ def test_critic_on_its_own_pool_matches_the_colocated_critic(tmp_path) -> None:
     with Trainer.from_config(colocated, use_ray=False) as trainer:
         trainer.fit()
         expected = _rl(trainer)
-    separate = tiny_run_config(
-        data,
-        [
-            *OVERRIDES,
-            f"trainer.default_local_dir={tmp_path / 'b'}",
-            "critic.colocate=false",
-            "critic.num_ranks=2",
-            "critic.parallel.tensor_model_parallel_size=2",
-        ],
-    )
+    separate = tiny_run_config(data, separate_overrides(tmp_path / "b"))
     with Trainer.from_config(separate, use_ray=True) as trainer:
         trainer.fit()
         got = _rl(trainer)
         checkpoint = os.path.join(trainer.checkpoint_root, "global_step_2")
+    sequential = tiny_run_config(data, [*separate_overrides(tmp_path / "c"), "trainer.overlap_stages=false"])
+    with Trainer.from_config(sequential, use_ray=True) as trainer:
+        trainer.fit()
+        one_by_one = _rl(trainer)
+    # Overlap changes no number: every metric but wall time and memory is identical.
+    assert [_numbers(r) for r in one_by_one] == [_numbers(r) for r in got]
+    assert "time/values_s" in one_by_one[0] and "time/values_s" not in got[0]
     assert os.path.isfile(os.path.join(checkpoint, "critic", "trainer_state.json"))
     assert [r["actor_frozen"] for r in got] == [1.0, 0.0]
     for want, have in zip(expected, got, strict=True):
