@@ -26,6 +26,7 @@ from mcore_rl.controller.dispatch import (
 from mcore_rl.controller.worker_group import WorkerGroup
 from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.trainer.batch import common_width
 from mcore_rl.trainer.losses import PolicyLossSettings
 from mcore_rl.trainer.memory import max_over_ranks
 from mcore_rl.trainer.worker import HybridWorker
@@ -112,7 +113,7 @@ class ActorGroup:
         """Prompts split over rollout replicas; samples back in prompt order."""
         shards = split_record(request, self.num_rollout_shards)
         results = self.backend.submit("generate", list(shards), "rollout", params)()
-        return concat_records([results[i] for i in self._rollout_owners])
+        return concat_records(common_width([results[i] for i in self._rollout_owners], params.pad_token_id))
 
     def submit_log_probs(
         self, batch: RolloutBatch, temperature: float, micro_batch_size: int

@@ -58,6 +58,28 @@ def rollout_batch(
     )
 
 
+def common_width(batches: Sequence[RolloutBatch], pad_id: int) -> list[RolloutBatch]:
+    """The rollout shards of several replicas, right-padded to the widest one's ``S`` and ``T`` so that they
+    concatenate: replicas see prompts of other lengths and stop after other numbers of tokens."""
+    seq = max(b.tokens.shape[1] for b in batches)
+    new = max(b.response_ids.shape[1] for b in batches)
+
+    def pad(t: Tensor, width: int, value: float) -> Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return [
+        RolloutBatch(
+            tokens=pad(b.tokens, seq, pad_id),
+            response_mask=pad(b.response_mask, seq, 0.0),
+            rollout_log_probs=pad(b.rollout_log_probs, seq, 0.0),
+            response_ids=pad(b.response_ids, new, pad_id),
+            response_lengths=b.response_lengths,
+            prompt_index=b.prompt_index,
+        )
+        for b in batches
+    ]
+
+
 def outcome_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     """[N, S]: each sequence's score on its last response position, 0 elsewhere (an outcome reward)."""
     positions = torch.arange(response_mask.shape[1])

@@ -44,3 +44,31 @@ def small_first_digit(data_source: str, solution_str: str, ground_truth: Any, ex
 
 
 MIXED_REWARD = f"reward.custom_function={os.path.abspath(__file__)}:small_first_digit"
+
+
+def overflowing_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> float:
+    """Finite rewards whose advantages (unnormalised) overflow the fp32 loss: a NaN/inf loss, for real."""
+    return 3e38 if solution_str[:1] in "01234" else 0.0
+
+
+OVERFLOWING_REWARD = f"reward.custom_function={os.path.abspath(__file__)}:overflowing_reward"
+
+
+def demo_recipe_overrides(data: str, run: str) -> list[str]:
+    """``recipes/demo_cpu.yaml`` shrunk to the tiny data of :func:`tiny_run_config` (already written)."""
+    return [
+        "data.generate=null",
+        f"data.train_files=[{data}/train.jsonl]",
+        f"data.val_files=[{data}/val.jsonl]",
+        f"data.test_files=[{data}/test.jsonl]",
+        f"sft.train_files=[{data}/sft.jsonl]",
+        f"model.tokenizer_path={data}/tokenizer",
+        "model.hf_config.hidden_size=64",
+        "model.hf_config.intermediate_size=96",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "algorithm.ppo_micro_batch_size_per_gpu=8",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        f"trainer.default_local_dir={run}",
+    ]

@@ -11,6 +11,7 @@ from mcore_rl.algo import compute_grpo_advantages, compute_rloo_advantages
 from mcore_rl.engine.rollout import GenerationOutput
 from mcore_rl.trainer.batch import (
     ADV_ESTIMATORS,
+    common_width,
     compute_advantages,
     mini_batch_slices,
     outcome_rewards,
@@ -81,3 +82,25 @@ def test_mini_batch_slices_split_rows_evenly_or_name_the_field() -> None:
     assert mini_batch_slices(8, 2) == [slice(0, 4), slice(4, 8)]
     with pytest.raises(ValueError, match="ppo_mini_batch_size: 6 rows per data-parallel rank"):
         mini_batch_slices(6, 4)
+
+
+def test_replica_shards_of_other_widths_are_padded_to_concatenate_with_their_rows_intact() -> None:
+    from mcore_rl.controller import concat_records
+
+    prompts, out = _two_prompts()
+    wide = rollout_batch(prompts, torch.tensor([0, 1]), out, pad_id=0)  # S = 3 + 3, T = 3
+    short = GenerationOutput(
+        prompt_index=torch.tensor([0]),
+        token_ids=torch.tensor([[40]]),
+        log_probs=torch.tensor([[-0.7]]),
+        lengths=torch.tensor([1]),
+        finish_reasons=["stop"],
+    )
+    narrow = rollout_batch([[11]], torch.tensor([2]), short, pad_id=0)  # S = 2, T = 1
+    joined = concat_records(common_width([wide, narrow], pad_id=0))
+    assert joined.tokens.shape == (4, 6) and joined.response_ids.shape == (4, 3)
+    assert joined.tokens[3].tolist() == [11, 40, 0, 0, 0, 0]
+    assert joined.response_mask[3].tolist() == [1.0, 0, 0, 0, 0, 0]
+    assert joined.rollout_log_probs[3, 0].item() == pytest.approx(-0.7)
+    assert joined.responses() == [*wide.responses(), [40]]
+    assert torch.equal(joined.tokens[:3], wide.tokens) and joined.prompt_index.tolist() == [0, 0, 1, 2]

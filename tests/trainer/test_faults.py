@@ -1,0 +1,38 @@
+"""``mcore-rl train`` (in-process) on a NaN/inf loss: it stops naming the step, exit 1, or with
+``trainer.on_nonfinite_loss=skip`` skips those updates and finishes. The loss overflows for real: a reward
+function returns finite but huge rewards, and unnormalised GRPO advantages carry them into the loss."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mcore_rl.cli import main
+from tests.trainer.common import OVERFLOWING_REWARD, demo_recipe_overrides, tiny_run_config
+
+
+def _args(data: str, run: str) -> list[str]:
+    return [
+        *demo_recipe_overrides(data, run),
+        OVERFLOWING_REWARD,
+        "algorithm.norm_adv_by_std_in_grpo=false",
+        "sft.enable=false",
+        "data.test_files=[]",
+        "trainer.test_freq=-1",
+        "trainer.total_training_steps=2",
+    ]
+
+
+def test_an_overflowing_loss_stops_the_run_naming_the_step_or_is_skipped(tmp_path, capsys) -> None:
+    data = str(tmp_path / "data")
+    tiny_run_config(data)
+    assert main(["train", "recipes/demo_cpu.yaml", *_args(data, str(tmp_path / "stop")), "--in-process"]) == 1
+    err = capsys.readouterr().err
+    assert "NonFiniteLossError: step 1: NaN/inf loss, the update was not applied" in err
+
+    run = str(tmp_path / "skip")
+    args = [*_args(data, run), "trainer.on_nonfinite_loss=skip"]
+    assert main(["train", "recipes/demo_cpu.yaml", *args, "--in-process"]) == 0
+    with open(os.path.join(run, "logs", "metrics.jsonl")) as f:
+        rl = [r for r in map(json.loads, f) if r["stage"] == "rl"]
+    assert [(r["num_skipped"], r["num_optimizer_steps"]) for r in rl] == [(1, 0), (1, 0)]
