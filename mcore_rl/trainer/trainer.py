@@ -88,13 +88,11 @@ class Trainer:
         save_config(cfg, cfg.trainer.default_local_dir)
         data = load_run_data(cfg)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
-        per_step = update_plan(cfg).num_mini_batches * update_plan(cfg).ppo_epochs
-        gae = cfg.algorithm.adv_estimator == "gae"
-        actor_steps = total - min(cfg.critic.warmup_steps, total) if gae else total  # frozen in warm-up
-        actors = build_actor_group(cfg, worker_spec(cfg, actor_steps * per_step), use_ray)
+        actors = build_actor_group(cfg, worker_spec(cfg, actor_optimizer_steps(cfg, total)), use_ray)
         scorer = RewardScorer(cfg.reward)
-        if gae:  # PPO: the critic on the actor's ranks
-            critic = build_critic_group(cfg, actors, total * per_step)
+        if cfg.algorithm.adv_estimator == "gae":  # PPO: the critic on the actor's ranks or its own pool
+            plan = update_plan(cfg)
+            critic = build_critic_group(cfg, actors, total * plan.num_mini_batches * plan.ppo_epochs)
             return cls(cfg, actors, PPOStep(cfg, actors, critic, data.tokenizer, scorer), data, total)
         return cls(cfg, actors, RLStep(cfg, actors, data.tokenizer, scorer), data, total)
 
@@ -109,10 +107,7 @@ class Trainer:
                 if cfg.sft.enable:
                     summary["sft_steps"] = self.sft(log)
                     summary["test_after_sft"] = self.test(log, "after_sft")
-                    plan = update_plan(cfg)
-                    self.actors.set_optim(
-                        cfg.optim, self.total_steps * plan.num_mini_batches * plan.ppo_epochs
-                    )
+                    self.actors.set_optim(cfg.optim, actor_optimizer_steps(cfg, self.total_steps))
                     self.step.warm_started()
             while self.global_step < self.total_steps and self.global_step != stop_after:
                 self.global_step += 1
@@ -221,6 +216,14 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def actor_optimizer_steps(cfg: RunConfig, total_steps: int) -> int:
+    """The actor's optimizer steps over ``total_steps`` RL steps (the end of its LR decay): none during PPO's
+    critic warm-up, where the actor is frozen."""
+    plan = update_plan(cfg)
+    frozen = min(cfg.critic.warmup_steps, total_steps) if cfg.algorithm.adv_estimator == "gae" else 0
+    return (total_steps - frozen) * plan.num_mini_batches * plan.ppo_epochs
 
 
 def _every(freq: int, step: int, last: bool) -> bool:

@@ -119,3 +119,14 @@ def test_kl_in_reward_without_a_critic_is_refused_naming_the_key(tmp_path) -> No
     cfg = tiny_run_config(str(tmp_path), ["algorithm.use_kl_in_reward=true"])  # GRPO: outcome scores only
     with pytest.raises(ConfigError, match=r"algorithm\.use_kl_in_reward"):
         worker_spec(cfg, total_optimizer_steps=1)
+
+
+def test_the_actor_lr_schedule_ends_after_the_critic_warm_up(tmp_path) -> None:
+    from mcore_rl.trainer.trainer import actor_optimizer_steps
+
+    overrides = ["algorithm.ppo_mini_batch_size=4", "algorithm.ppo_epochs=2", "critic.warmup_steps=3"]
+    ppo_cfg = tiny_run_config(str(tmp_path), ["algorithm.adv_estimator=gae", *overrides])
+    assert actor_optimizer_steps(ppo_cfg, 10) == (10 - 3) * 2 * 2  # frozen steps take no optimizer step
+    assert actor_optimizer_steps(ppo_cfg, 2) == 0
+    grpo_cfg = tiny_run_config(str(tmp_path), overrides)  # the warm-up is PPO's alone
+    assert actor_optimizer_steps(grpo_cfg, 10) == 10 * 2 * 2
