@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,18 +30,33 @@ def test_vllm_is_the_pinned_version() -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_our_engine_arguments_pass_vllms_config_validation(tmp_path: Path, family: str, tp: int) -> None:
+    """vLLM's whole engine config (model, parallel, cache, scheduler) from our arguments, on vLLM's CPU
+    platform, which refuses sleep mode only: that one is checked against vLLM's rule for CUDA below."""
     from vllm.engine.arg_utils import EngineArgs
 
     arch = arch_of(family)
     args = EngineArgs(**our_engine_args(write_config(arch, tmp_path), tp))
-    model = args.create_model_config()
-    assert model.max_model_len == 64
-    assert model.logprobs_mode == "processed_logprobs"
-    assert model.dtype == torch.float32
-    assert model.get_vocab_size() == arch.vocab_size
-    parallel = args.create_parallel_config() if hasattr(args, "create_parallel_config") else None
-    if parallel is not None:
-        assert parallel.tensor_parallel_size == tp and parallel.data_parallel_size == 1
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        args.create_engine_config()
+    args.enable_sleep_mode = False
+    config = args.create_engine_config()
+    model, parallel = config.model_config, config.parallel_config
+    assert (model.max_model_len, model.logprobs_mode, model.dtype) == (
+        64,
+        "processed_logprobs",
+        torch.float32,
+    )
+    assert model.get_vocab_size() == arch.vocab_size and model.skip_tokenizer_init
+    assert (parallel.tensor_parallel_size, parallel.data_parallel_size) == (tp, 1)
+    assert parallel.distributed_executor_backend == "external_launcher"
+    assert config.load_config.load_format == "dummy"
+
+
+def test_sleep_mode_is_available_on_cuda() -> None:
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    assert Platform.is_sleep_mode_available(SimpleNamespace(_enum=PlatformEnum.CUDA))  # type: ignore[arg-type]
+    assert not Platform.is_sleep_mode_available(SimpleNamespace(_enum=PlatformEnum.CPU))  # type: ignore[arg-type]
 
 
 def test_vllm_refuses_a_max_model_len_past_the_config(tmp_path: Path) -> None:
@@ -48,7 +64,8 @@ def test_vllm_refuses_a_max_model_len_past_the_config(tmp_path: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(**our_engine_args(write_config(arch_of("llama"), tmp_path), 1, max_model_len=256))
-    with pytest.raises(Exception, match="max_model_len"):
+    args.enable_sleep_mode = False  # CUDA-only (see above)
+    with pytest.raises(ValueError, match="max_model_len"):
         args.create_model_config()
 
 
@@ -80,13 +97,15 @@ def test_sampling_params_round_trip(ours: SamplingParams) -> None:
 def test_what_we_refuse_vllm_refuses(ours: SamplingParams) -> None:
     with pytest.raises(SamplingParamsError):
         check_vllm_sampling(ours)
-    with pytest.raises(ValueError):  # vLLM's validation error is a ValueError
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError):
         vllm.SamplingParams(**sampling_kwargs(ours, seed=0))
 
 
 def test_vllm_clamps_tiny_temperatures_which_we_refuse() -> None:
     ours = SamplingParams(temperature=0.005)
-    with pytest.raises(SamplingParamsError, match="0.01"):
+    with pytest.raises(SamplingParamsError, match=r"0\.01"):
         check_vllm_sampling(ours)
     assert vllm.SamplingParams(**sampling_kwargs(ours, seed=0)).temperature == pytest.approx(0.01)
 
@@ -94,7 +113,7 @@ def test_vllm_clamps_tiny_temperatures_which_we_refuse() -> None:
 def test_processed_logprobs_is_vllms_documented_post_temperature_mode() -> None:
     from vllm.config import ModelConfig
 
-    modes = getattr(inspect.getmodule(ModelConfig), "LogprobsMode")
+    modes = vars(inspect.getmodule(ModelConfig))["LogprobsMode"]
     assert "processed_logprobs" in str(modes) and "raw_logprobs" in str(modes)
     doc = inspect.getsource(ModelConfig)
     start = doc.index("logprobs_mode")
