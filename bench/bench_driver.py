@@ -4,13 +4,14 @@ Both paths run the identical step (``RLStep.run``: generate -> score || actor/re
 advantages -> PPO update -> weight sync) with the same worker code, seeds and weights; only where the
 worker lives differs: inside the driver process (in-process backend) or in a Ray actor (world size 1),
 reached through ``ray.put`` shards and object refs. Workload: Llama hidden 256, 4 layers, 8 heads,
-intermediate 688, vocab 1000, fp32; 8 prompts x 4 samples x 32 new tokens; 2 torch threads per worker.
+intermediate 688, vocab 1000, fp32; 8 prompts x 4 samples x 32 new tokens; 2 torch threads per worker;
+and the demo's own step (``recipes/demo_cpu.yaml`` unchanged but for where its data is written).
 
 Steps alternate (in-process, Ray, in-process, ...) so that load from other processes on the machine hits
 both alike; the median step of each is compared. Also printed: the control-call round trip (a no-op method
 on the worker) and the object-store round trip of one rollout batch, i.e. Ray's fixed costs apart.
 
-    python bench/bench_driver.py [--steps 6] [--warmup 2] [--threads 2]
+    python bench/bench_driver.py [--steps 6] [--warmup 2] [--threads 2] [--workload llama|demo|both]
 """
 
 from __future__ import annotations
@@ -116,6 +117,64 @@ def ray_fixed_costs(actors, cfg) -> tuple[float, float]:  # -> (control call s, 
     return control, (time.perf_counter() - start) / 20
 
 
+def demo_config(folder: str, threads: int):  # -> RunConfig
+    """``recipes/demo_cpu.yaml`` as is (its RL step: 16 prompts x 8 samples x 6 new tokens, h128 L2), with
+    its data written into ``folder`` instead of the shared ``runs/``."""
+    from mcore_rl.config import load_config
+    from mcore_rl.data.demo_task import prepare_data
+
+    paths = {s: os.path.join(folder, f"{s}.parquet") for s in ("train", "val", "test", "sft")}
+    cfg = load_config(
+        "recipes/demo_cpu.yaml",
+        [
+            f"data.train_files=[{paths['train']}]",
+            f"data.val_files=[{paths['val']}]",
+            f"data.test_files=[{paths['test']}]",
+            f"sft.train_files=[{paths['sft']}]",
+            f"model.tokenizer_path={os.path.join(folder, 'tokenizer')}",
+            f"trainer.default_local_dir={folder}",
+            f"trainer.num_cpus={threads}",
+        ],
+    )
+    prepare_data(cfg)
+    return cfg
+
+
+def compare(cfg, total: int, warmup: int):  # -> (times, rewards, Ray fixed costs)
+    """Alternate ``total`` RL steps in-process and through Ray on the same prompts; per-step stage times
+    after ``warmup``, rewards of every step."""
+    from mcore_rl.data.prompts import PromptDataset
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.scoring import RewardScorer
+    from mcore_rl.trainer.build import build_actor_group, worker_spec
+    from mcore_rl.trainer.grpo import RLStep
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
+    size = cfg.data.train_batch_size
+    paths = {
+        "in-process": build_actor_group(cfg, worker_spec(cfg, total), use_ray=False),
+        "ray": build_actor_group(cfg, worker_spec(cfg, total), use_ray=True),
+    }
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    rewards: dict[str, list[float]] = {name: [] for name in paths}
+    try:
+        with RewardScorer(cfg.reward) as scorer:
+            steps = {name: RLStep(cfg, actors, tokenizer, scorer) for name, actors in paths.items()}
+            for step in range(1, total + 1):
+                prompts = dataset.batch(range((step - 1) * size, step * size))
+                for name, rl_step in steps.items():  # alternate, so background load hits both alike
+                    metrics = rl_step.run(prompts, step)
+                    rewards[name].append(metrics["reward"])
+                    if step > warmup:
+                        times[name].append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")})
+        fixed = ray_fixed_costs(paths["ray"], cfg)
+    finally:
+        for actors in paths.values():
+            actors.shutdown()
+    return times, rewards, fixed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,52 +182,40 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per path")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per path first")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each worker")
+    parser.add_argument(
+        "--workload", choices=("llama", "demo", "both"), default="both", help="which step(s) to time"
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(args.threads)
 
     from mcore_rl.controller import RayConfig, init_ray
-    from mcore_rl.data.prompts import PromptDataset
-    from mcore_rl.data.tokenizer import load_tokenizer
-    from mcore_rl.scoring import RewardScorer
-    from mcore_rl.trainer.build import build_actor_group, worker_spec
-    from mcore_rl.trainer.grpo import RLStep
 
-    folder = tempfile.mkdtemp(prefix="bench_driver_")
     total = args.warmup + args.steps
-    write_tokenizer(folder)
-    write_prompts(folder, PROMPTS * total)
-    cfg = run_config(folder, args.threads)
-    tokenizer = load_tokenizer(folder)
-    dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
     init_ray(RayConfig(num_cpus=args.threads))
-    paths = {
-        "in-process": build_actor_group(cfg, worker_spec(cfg, total), use_ray=False),
-        "ray": build_actor_group(cfg, worker_spec(cfg, total), use_ray=True),
-    }
-    times: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
-    rewards: dict[str, list[float]] = {name: [] for name in paths}
-    with RewardScorer(cfg.reward) as scorer:
-        steps = {name: RLStep(cfg, actors, tokenizer, scorer) for name, actors in paths.items()}
-        for step in range(1, total + 1):
-            for name, rl_step in steps.items():  # alternate, so background load hits both alike
-                metrics = rl_step.run(dataset.batch(range((step - 1) * PROMPTS, step * PROMPTS)), step)
-                rewards[name].append(metrics["reward"])
-                if step > args.warmup:
-                    times[name].append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")})
-        control, bulk = ray_fixed_costs(paths["ray"], cfg)
-    for actors in paths.values():
-        actors.shutdown()
-    report(times, rewards, control, bulk, args)
+    if args.workload in ("llama", "both"):
+        folder = tempfile.mkdtemp(prefix="bench_driver_")
+        write_tokenizer(folder)
+        write_prompts(folder, PROMPTS * total)
+        title = f"{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, Llama h256 L4, fp32"
+        report(title, *compare(run_config(folder, args.threads), total, args.warmup), args)
+    if args.workload in ("demo", "both"):
+        cfg = demo_config(tempfile.mkdtemp(prefix="bench_driver_demo_"), args.threads)
+        arch = cfg.model.arch()
+        title = (
+            f"demo step (recipes/demo_cpu.yaml): {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples "
+            f"x {cfg.data.max_response_length} new tokens, h{arch.hidden_size} L{arch.num_layers}, fp32"
+        )
+        report(title, *compare(cfg, total, args.warmup), args)
     return 0
 
 
-def report(times, rewards, control: float, bulk: float, args) -> None:
+def report(title: str, times, rewards, fixed: tuple[float, float], args) -> None:
+    control, bulk = fixed
     median = {n: statistics.median(t["step"] for t in ts) for n, ts in times.items()}
     ratio = median["ray"] / median["in-process"]
     print(
-        f"GRPO step, {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, Llama h256 L4, fp32, "
-        f"{args.threads} threads, median of {args.steps} steps (after {args.warmup} warm-up):"
+        f"GRPO step, {title}, {args.threads} threads, median of {args.steps} steps (after {args.warmup} warm-up):"
     )
     print(
         f"  in-process {median['in-process']:.3f} s   ray {median['ray']:.3f} s   ratio {ratio:.3f} "
@@ -182,7 +229,8 @@ def report(times, rewards, control: float, bulk: float, args) -> None:
         print(f"    {stage:<22} {a:10.4f} {b:10.4f} {b - a:+10.4f}")
     print(
         f"  Ray fixed costs: control call round trip {control * 1e3:.2f} ms; object-store put+get of one "
-        f"rollout batch ({PROMPTS * SAMPLES}x{PROMPT_LEN + NEW_TOKENS} x 4 fp32 tensors) {bulk * 1e3:.2f} ms"
+        f"rollout batch ({PROMPTS * SAMPLES}x{PROMPT_LEN + NEW_TOKENS} x 4 fp32 tensors) {bulk * 1e3:.2f} ms",
+        flush=True,
     )
 
 
