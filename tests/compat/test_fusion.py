@@ -7,6 +7,7 @@ modules they look for are real packages written to a temporary directory on ``sy
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,18 @@ def cuda_present(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
+_WRITTEN = (*MASKED_SOFTMAX_MODULES, "transformer_engine", "transformer_engine.pytorch")
+
+
 @pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory on ``sys.path`` for the modules a test writes; they leave ``sys.modules`` with it."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [*MASKED_SOFTMAX_MODULES, "transformer_engine", "transformer_engine.pytorch"]:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    return tmp_path
+    saved = {name: sys.modules.pop(name) for name in _WRITTEN if name in sys.modules}
+    yield tmp_path
+    for name in _WRITTEN:
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
 
 
 def test_nothing_is_on_without_cuda() -> None:
