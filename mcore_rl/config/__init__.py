@@ -33,7 +33,8 @@ the meaning is the same::
                 reference_free, precompute_ref_log_probs, sft_loss_weight, max_length, train_batch_size,
                 micro_batch_size_per_gpu, test_freq                     (``mcore-rl dpo``)
     critic:     model_path, colocate, parallel {as parallel, null: the actor's}, optim {as optim},
-                ppo_micro_batch_size_per_gpu, cliprange_value, warmup_steps  (PPO: adv_estimator=gae)
+                num_ranks, ppo_micro_batch_size_per_gpu, cliprange_value, warmup_steps  (PPO: adv_estimator=gae)
+    reward_model: path (HF *ForSequenceClassification), weight, rule_weight, micro_batch_size_per_gpu
 
 Python API::
 
@@ -58,6 +59,7 @@ from mcore_rl.config.model import (
     RolloutConfig,
     ValSampling,
 )
+from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.config.run import (
     DataConfig,
     LoggingConfig,
@@ -82,6 +84,7 @@ __all__ = [
     "OptimConfig",
     "ParallelSection",
     "RewardConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",

@@ -16,6 +16,7 @@ from mcore_rl.config.model import (
     ParallelSection,
     RolloutConfig,
 )
+from mcore_rl.config.reward_model import RewardModelConfig
 
 
 @dataclass
@@ -198,6 +199,8 @@ class RunConfig:
     """Preference optimisation (``mcore-rl dpo``); a run is a DPO run when ``dpo.train_files`` is set."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of PPO; used when ``algorithm.adv_estimator=gae``."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A model reward combined with the rules (``reward_model.path``)."""
 
     @property
     def world_size(self) -> int:

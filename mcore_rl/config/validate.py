@@ -122,6 +122,7 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.cliprange_value": _NON_NEGATIVE,
     "critic.warmup_steps": _NON_NEGATIVE,
     "critic.num_ranks": _POSITIVE,
+    "reward_model.micro_batch_size_per_gpu": _POSITIVE,
     "algorithm.lam": ("in [0, 1]", lambda v: 0 <= v <= 1),
 }
 for _prefix in ("optim", "sft.optim", "critic.optim"):
@@ -359,7 +360,7 @@ def _path_problems(cfg: RunConfig) -> list[str]:
         *(("dpo.val_files", f) for f in cfg.dpo.val_files),
     ]
     problems = [f"{key}: {path} does not exist" for key, path in files if not os.path.isfile(path)]
-    for key in ("model.path", "model.tokenizer_path"):
+    for key in ("model.path", "model.tokenizer_path", "reward_model.path"):
         path = get_key(cfg, key)
         if path is not None and not os.path.exists(path):
             problems.append(f"{key}: {path} does not exist")

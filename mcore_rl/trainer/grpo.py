@@ -31,6 +31,7 @@ from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.actor_group import ActorGroup, UpdatePlan
 from mcore_rl.trainer.batch import ProbAgreement, compute_advantages, prob_agreement
 from mcore_rl.trainer.losses import PolicyLossSettings
+from mcore_rl.trainer.reward_model import RewardModelGroup
 from mcore_rl.trainer.worker import NonFiniteLossError
 from mcore_rl.types import RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
@@ -62,6 +63,8 @@ class RLStep:
         self.scorer = scorer
         self.loss = loss_settings(cfg)
         self.plan = update_plan(cfg)
+        self.reward_model: RewardModelGroup | None = None
+        """Set by the trainer when ``reward_model.path`` is given: its score joins the rules'."""
 
     def run(self, prompts: PromptBatch, step: int) -> dict[str, float]:
         """One RL step on ``prompts``; returns its metrics (the weights are synced for the next step)."""
@@ -74,7 +77,7 @@ class RLStep:
                 rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
             )
             with timer("score"):
-                scores = self.score(rollout, prompts)
+                scores = self.training_scores(rollout, prompts)
             log_probs = wait_log_probs()
         agreement = prob_agreement(
             rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
@@ -151,6 +154,16 @@ class RLStep:
             for i, text in zip(index, texts, strict=True)
         ]
         return self.scorer.score(requests).scores.float()
+
+    def training_scores(self, rollout: RolloutBatch, prompts: PromptBatch) -> torch.Tensor:
+        """[N] the step's reward: the rules', or ``rule_weight * rules + weight * model`` with a reward
+        model (started first, so that it scores on the workers while the driver runs the rules)."""
+        if self.reward_model is None:
+            return self.score(rollout, prompts)
+        rm = self.cfg.reward_model
+        wait = self.reward_model.submit_scores(rollout, rm.micro_batch_size_per_gpu)
+        rules = self.score(rollout, prompts)
+        return rm.rule_weight * rules + rm.weight * wait().float()
 
     def evaluate(self, prompts: PromptBatch) -> float:
         """Mean validation reward (accuracy for 0/1 rules) with ``rollout.val_kwargs`` sampling."""

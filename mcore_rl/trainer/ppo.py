@@ -152,7 +152,7 @@ class PPOStep(RLStep):
             wait_values = self.critic.submit_values(rollout, cfg.critic.ppo_micro_batch_size_per_gpu)
             values = None if overlap else wait_values()
         with timer("score"):
-            scores = self.score(rollout, prompts)
+            scores = self.training_scores(rollout, prompts)
         log_probs = wait_log_probs() if log_probs is None else log_probs
         return scores, log_probs, wait_values() if values is None else values
 

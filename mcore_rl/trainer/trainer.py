@@ -30,6 +30,7 @@ from mcore_rl.trainer.actor_group import ActorGroup
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
 from mcore_rl.trainer.grpo import RLStep, update_plan
 from mcore_rl.trainer.ppo import PPOStep
+from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec
 from mcore_rl.trainer.run_log import RunLog
 
 LATEST = "latest"
@@ -90,11 +91,15 @@ class Trainer:
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
         actors = build_actor_group(cfg, worker_spec(cfg, actor_optimizer_steps(cfg, total)), use_ray)
         scorer = RewardScorer(cfg.reward)
+        step = RLStep(cfg, actors, data.tokenizer, scorer)
         if cfg.algorithm.adv_estimator == "gae":  # PPO: the critic on the actor's ranks or its own pool
             plan = update_plan(cfg)
             critic = build_critic_group(cfg, actors, total * plan.num_mini_batches * plan.ppo_epochs)
-            return cls(cfg, actors, PPOStep(cfg, actors, critic, data.tokenizer, scorer), data, total)
-        return cls(cfg, actors, RLStep(cfg, actors, data.tokenizer, scorer), data, total)
+            step = PPOStep(cfg, actors, critic, data.tokenizer, scorer)
+        if cfg.reward_model.path is not None:  # forward-only on the actor's ranks
+            spec = RewardModelSpec(cfg.reward_model.path, cfg.model.dtype, data.tokenizer.pad_token_id)
+            step.reward_model = RewardModelGroup(actors.backend, spec)
+        return cls(cfg, actors, step, data, total)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption)."""

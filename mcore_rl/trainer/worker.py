@@ -41,6 +41,7 @@ from mcore_rl.trainer.losses import (
     sft_loss,
 )
 from mcore_rl.trainer.memory import measured, phase_memory
+from mcore_rl.trainer.reward_model import RewardModelHost
 from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 
@@ -74,8 +75,9 @@ class WorkerSpec:
     pad_token_id: int = 0
 
 
-class HybridWorker(CriticHost, Worker):
-    """One rank of the actor/reference/rollout group (and the colocated critic); see the module docstring."""
+class HybridWorker(CriticHost, RewardModelHost, Worker):
+    """One rank of the actor/reference/rollout group (and the colocated critic and reward model); see the
+    module docstring."""
 
     def build(self, spec: WorkerSpec) -> RankInfo:
         """Collective: engines, hybrid switch, reference copy and LR schedule; returns the rank's coordinates."""

@@ -1,0 +1,143 @@
+"""A reward model: a value-head megatron model scoring the last response token, from an HF
+sequence-classification checkpoint (``LlamaForSequenceClassification``, ``Qwen2ForSequenceClassification``,
+``MistralForSequenceClassification`` with ``num_labels=1``).
+
+The HF ``score`` head [1, hidden] is the value head's weight; the body maps like the causal LM's
+(``convert/mapping.py``). The score of a sequence is the head's output at its last response token, the token
+HF pools on for a right-padded sequence, so the scores equal ``transformers``' logits. In our position
+alignment (``types.py``) the last response token sits one column after the mask's last 1.
+
+Rule rewards and the model combine linearly on the driver: ``reward_model.rule_weight * rules +
+reward_model.weight * model``. The model lives on the actor's ranks (forward only, no optimizer).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_rl.controller.dispatch import data_owners, num_dp_shards, split_record
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.train_engine import TrainEngine
+from mcore_rl.engine.weights import load_full_state
+from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.trainer.critic import forward_values_loss
+from mcore_rl.types import RolloutBatch
+
+_SEQ_CLS = "ForSequenceClassification"
+
+
+def reward_model_arch(path: str) -> ModelArch:
+    """The body architecture of an HF sequence-classification folder (one label), naming the file at fault."""
+    from mcore_rl.engine.arch import ConfigError
+    from mcore_rl.engine.checkpoint import read_json_object
+
+    config_path = os.path.join(path, "config.json")
+    cfg = read_json_object(config_path)
+    names = cfg.get("architectures") or []
+    if not any(isinstance(n, str) and n.endswith(_SEQ_CLS) for n in names):
+        raise ConfigError(f"{config_path}: architectures={names} has no *{_SEQ_CLS} (a reward model)")
+    labels = len(cfg.get("id2label") or {}) or cfg.get("num_labels", 1)
+    if labels != 1:
+        raise ConfigError(f"{config_path}: num_labels={labels}; a reward model scores with one label")
+    causal = [n.replace(_SEQ_CLS, "ForCausalLM") for n in names]
+    return ModelArch.from_hf_config({**cfg, "architectures": causal, "tie_word_embeddings": False})
+
+
+def reward_model_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The megatron full (TP=1) state of the folder: the causal body's maps, ``score`` as the value head."""
+    from mcore_rl.convert.mapping import tensor_maps, to_full
+    from mcore_rl.convert.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(path)
+    full = {
+        m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]).to(dtype)
+        for m in tensor_maps(arch)
+        if m.full_name != "output_layer.weight"  # the LM head: absent from a classifier
+    }
+    full["output_layer.weight"] = reader.get("score.weight").to(dtype)
+    return full
+
+
+def last_token_values(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] the value at each row's last response token ([N, S] values and mask; 0 for an empty response)."""
+    positions = torch.arange(response_mask.shape[1])
+    last = torch.where(response_mask > 0, positions, -1).max(dim=1).values + 1  # token after the last mask 1
+    picked = values.gather(1, last.clamp(min=0, max=values.shape[1] - 1)[:, None])[:, 0]
+    return torch.where(last > 0, picked, torch.zeros_like(picked))
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """What every rank builds for the reward model."""
+
+    path: str
+    """HF sequence-classification folder (safetensors)."""
+    dtype: str = "float32"
+    pad_token_id: int = 0
+
+
+class RewardModel:
+    """The reward model on one rank: a forward-only value-head engine."""
+
+    def __init__(self, ctx: ParallelContext, spec: RewardModelSpec) -> None:
+        self.ctx, self.spec = ctx, spec
+        self.arch = reward_model_arch(spec.path)
+        options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
+        chunks = build_model_chunks(self.arch, ctx, options)
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+        config = chunks[0].config
+        config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
+        self.engine = TrainEngine(ctx, self.arch, chunks, None, config)
+        load_full_state(chunks, reward_model_full_state(spec.path, self.arch, options.dtype), self.arch, ctx)
+
+    def scores(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
+        """[N] scores of this rank's rows; the owner (last stage, TP rank 0) returns them."""
+        from mcore_rl.trainer.worker import _micro, _pad_width, _row_chunks
+
+        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        micro = [_micro(t) for t in _row_chunks(tokens, micro_batch_size)]
+        out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
+        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0):
+            return None
+        values = torch.cat([m["values"] for m in out])[:, : batch.tokens.shape[1]]
+        return last_token_values(values, batch.response_mask)
+
+
+class RewardModelHost:
+    """The reward model's collective methods on a worker that holds ``self.reward_model``."""
+
+    reward_model: RewardModel | None = None
+    ctx: ParallelContext
+
+    def build_reward_model(self, spec: RewardModelSpec) -> None:
+        self.reward_model = RewardModel(self.ctx, spec)
+
+    def reward_model_scores(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
+        if self.reward_model is None:
+            raise RuntimeError("the reward model is not built: call build_reward_model first")
+        return self.reward_model.scores(batch, micro_batch_size)
+
+
+class RewardModelGroup:
+    """The driver's handle on the reward model ranks (colocated with the actor)."""
+
+    def __init__(self, backend: Any, spec: RewardModelSpec) -> None:
+        self.backend = backend
+        self.num_dp_shards = num_dp_shards(backend.infos)
+        self._data_owners = data_owners(backend.infos)
+        backend.submit("build_reward_model", None, "", spec)()
+
+    def submit_scores(self, batch: RolloutBatch, micro_batch_size: int) -> Callable[[], torch.Tensor]:
+        """Start scoring (the driver runs the rules meanwhile); call the result to wait for [N] scores."""
+        shards = list(split_record(batch, self.num_dp_shards))
+        micro = min(micro_batch_size, shards[0].num_sequences)
+        wait = self.backend.submit("reward_model_scores", shards, "dp", micro)
+        return lambda: torch.cat([wait()[i] for i in self._data_owners])

@@ -1,0 +1,130 @@
+"""The reward model: an HF ``LlamaForSequenceClassification`` / ``Qwen2ForSequenceClassification`` (one label,
+random weights, saved by ``transformers``) loaded into our value-head megatron model at TP2 scores right-padded
+rollouts like ``transformers`` does, within 1e-4 (fp32); a classifier with more labels is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.trainer.reward_model import RewardModel, RewardModelSpec, last_token_values, reward_model_arch
+from mcore_rl.types import RolloutBatch
+from tests.models import tiny_hf_config
+
+ROWS, PROMPT, WIDTH, VOCAB = 6, 4, 12, 64
+
+
+def _save_classifier(folder: str, family: str, num_labels: int = 1, vocab: int = VOCAB) -> None:
+    import transformers
+
+    hf = tiny_hf_config(family, vocab_size=vocab, max_position_embeddings=64)
+    name = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[family]
+    config = transformers.AutoConfig.for_model(
+        hf["model_type"],
+        **{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype")},
+        num_labels=num_labels,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config).float()
+    with torch.no_grad():  # a visible head (its init std is 0.02 x a tiny body): scores of order 1
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def _rollout() -> RolloutBatch:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.zeros(ROWS, WIDTH, dtype=torch.long)
+    mask = torch.zeros(ROWS, WIDTH)
+    lengths = torch.tensor([1, 3, 8, 5, 2, 7])
+    for row, n in enumerate(lengths.tolist()):
+        tokens[row, : PROMPT + n] = torch.randint(1, VOCAB, (PROMPT + n,), generator=generator)
+        mask[row, PROMPT - 1 : PROMPT - 1 + n] = 1.0  # position t predicts token t + 1
+    zeros = torch.zeros(ROWS, WIDTH)
+    return RolloutBatch(tokens, mask, zeros, tokens[:, PROMPT:], lengths, torch.arange(ROWS))
+
+
+def _scores_at_tp2(folder: str) -> torch.Tensor | None:
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+        return RewardModel(ctx, RewardModelSpec(folder)).scores(_rollout(), micro_batch_size=3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_reward_model_scores_equal_transformers(run_distributed, tmp_path, family) -> None:
+    import transformers
+
+    folder = str(tmp_path / "rm")
+    _save_classifier(folder, family)
+    rollout = _rollout()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).float().eval()
+    with torch.no_grad():
+        expected = model(input_ids=rollout.tokens).logits[:, 0]
+    got = [s for s in run_distributed(_scores_at_tp2, folder) if s is not None]
+    assert len(got) == 1 and got[0].shape == (ROWS,)
+    assert (got[0] - expected).abs().max() <= 1e-4
+    assert expected.std() > 0.1  # different sequences, different scores: the check has teeth
+
+
+def test_last_token_values_pick_the_token_after_the_last_mask_position() -> None:
+    values = torch.arange(12.0).view(2, 6)
+    mask = torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    assert last_token_values(values, mask).tolist() == [3.0, 0.0]
+
+
+def test_a_classifier_with_two_labels_is_refused_naming_the_file(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {**tiny_hf_config("llama"), "architectures": ["LlamaForSequenceClassification"], "num_labels": 2}
+        )
+    )
+    with pytest.raises(Exception, match=r"config\.json: num_labels=2"):
+        reward_model_arch(str(tmp_path))
+
+
+def test_the_driver_combines_rule_and_model_rewards_with_their_weights(tmp_path) -> None:
+    """In-process (the reward model on the actor's rank): the step's reward is 0.5 * rules + 2 * model."""
+    import transformers
+
+    from mcore_rl.data.prompts import PromptDataset, PromptLoader
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.scoring import RewardScorer
+    from mcore_rl.trainer.build import build_actor_group, worker_spec
+    from mcore_rl.trainer.grpo import RLStep
+    from mcore_rl.trainer.reward_model import RewardModelGroup
+    from mcore_rl.types import RolloutRequest
+    from tests.trainer.common import MIXED_REWARD, tiny_run_config
+
+    folder = str(tmp_path / "rm")
+    _save_classifier(folder, "llama", vocab=14)
+    overrides = [
+        MIXED_REWARD,
+        f"reward_model.path={folder}",
+        "reward_model.rule_weight=0.5",
+        "reward_model.weight=2",
+    ]
+    cfg = tiny_run_config(str(tmp_path / "run"), overrides)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    prompts = PromptLoader(
+        PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data), cfg.data
+    ).next_batch()
+    actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=1), use_ray=False)
+    try:
+        with RewardScorer(cfg.reward) as scorer:
+            step = RLStep(cfg, actors, tokenizer, scorer)
+            step.reward_model = RewardModelGroup(actors.backend, RewardModelSpec(folder, pad_token_id=0))
+            rollout = actors.generate(
+                RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts))), step.sampling(1)
+            )
+            combined, rules = step.training_scores(rollout, prompts), step.score(rollout, prompts)
+            metrics = step.run(prompts, 2)  # a whole step runs with the model reward
+    finally:
+        actors.shutdown()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).float().eval()
+    with torch.no_grad():
+        model_scores = model(input_ids=rollout.tokens).logits[:, 0]
+    assert (combined - (0.5 * rules + 2.0 * model_scores)).abs().max() <= 2e-4
+    assert 0 < rules.mean() < 1 and model_scores.std() > 0.1
+    assert metrics["num_optimizer_steps"] == 1  # a whole GRPO step trains on the combined reward
