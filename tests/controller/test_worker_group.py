@@ -31,6 +31,10 @@ class _ShardSumWorker(Worker):
         return scale * float(shard.sum()) if self.ctx.is_last_stage and self.ctx.tp_rank == 0 else None
 
 
+def _niceness(ctx: ParallelContext) -> int:
+    return os.nice(0)
+
+
 def _fail_on_rank_1(ctx: ParallelContext) -> None:
     if ctx.rank == 1:
         raise ValueError("boom on purpose")
@@ -46,6 +50,8 @@ def test_four_ranks_tp2_dp2_run_collectives_and_dp_dispatch() -> None:
     with WorkerGroup.spawn(_ShardSumWorker, 4, ParallelConfig(tensor_parallel_size=2)) as group:
         assert [(i.tp_rank, i.dp_rank) for i in group.infos] == [(0, 0), (1, 0), (0, 1), (1, 1)]
         assert group.run("run", _sum_of_ranks) == [(10, 1), (10, 1), (10, 5), (10, 5)]
+        # The ranks run at the driver's priority, not Ray's default worker niceness of 15.
+        assert group.run("run", _niceness) == [os.nice(0)] * 4
         shards = [torch.ones(3), torch.full((3,), 2.0)]
         results = group.get(group.call_sharded("shard_sum", shards, "dp", 10.0))
         assert [results[i] for i in data_owners(group.infos)] == [30.0, 60.0]
