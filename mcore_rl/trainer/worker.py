@@ -126,7 +126,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         info = self.rank_info()
         if params.seed is not None:  # each replica samples its own stream
             params = dataclasses.replace(params, seed=params.seed + 1_000_003 * info.rollout_replica)
-        out = self.rollout.generate(request.prompt_ids, params)
+        # Through the hybrid engine: a rank that fails while sampling stops its TP peers within seconds.
+        out = self.hybrid.generate(request.prompt_ids, params)
         if info.rollout_tp_rank != 0:
             return None
         return rollout_batch(request.prompt_ids, request.prompt_index, out, self.spec.pad_token_id)
