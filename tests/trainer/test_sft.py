@@ -102,3 +102,37 @@ def test_sft_command_writes_the_model_and_says_how_to_start_rl_from_it(data, tmp
 def test_sft_without_examples_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"sft\.train_files"):
         sft_config("recipes/demo_cpu.yaml", ["sft.train_files=[]"])
+
+
+def test_the_sft_loss_is_the_mean_nll_of_response_tokens_only(data) -> None:
+    from mcore_rl.config.run import SFTConfig
+    from mcore_rl.data.sft import SFTDataset
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.trainer.build import build_actor_group, worker_spec
+    from mcore_rl.types import RolloutBatch
+
+    cfg = tiny_run_config(data)
+    dataset = SFTDataset.from_files(
+        [f"{data}/sft.jsonl"], load_tokenizer(cfg.model.tokenizer_path), cfg.data, SFTConfig()
+    )
+    batch = dataset.batch(range(8))
+    actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=1), use_ray=False)
+    try:
+        rows = batch.tokens.shape[0]
+        probe = RolloutBatch(  # the trainer's log-probs of every next token, before the step
+            batch.tokens,
+            batch.loss_mask,
+            torch.zeros(batch.loss_mask.shape),
+            batch.labels,
+            torch.ones(rows),
+            torch.arange(rows),
+        )
+        log_probs = actors.submit_log_probs(probe, temperature=1.0, micro_batch_size=8)().actor_log_probs
+        loss = actors.sft_update(batch, micro_batch_size=4)["loss"]
+    finally:
+        actors.shutdown()
+    mask = batch.loss_mask
+    assert 0 < mask.sum() < (batch.tokens != 0).sum() - rows  # prompts are long enough to matter
+    assert loss == pytest.approx(float(-(log_probs * mask).sum() / mask.sum()), rel=1e-5)
+    every_position = -(log_probs[:, :-1]).mean()
+    assert abs(loss - float(every_position)) > 1e-3  # the prompt positions would change it
