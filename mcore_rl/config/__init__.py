@@ -68,6 +68,7 @@ from mcore_rl.config.run import (
     SFTConfig,
     TrainerConfig,
 )
+from mcore_rl.config.run_folder import claim_run_folders
 from mcore_rl.config.validate import validate
 
 __all__ = [
@@ -91,6 +92,7 @@ __all__ = [
     "TrainerConfig",
     "ValSampling",
     "check_config",
+    "claim_run_folders",
     "config_to_yaml",
     "load_config",
     "save_config",

@@ -24,7 +24,6 @@ megatron's schedules is the whole job, and torchrun/Slurm launch it directly.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.algo import DPOSettings
-from mcore_rl.config import ConfigError, RunConfig, load_config, save_config
+from mcore_rl.config import ConfigError, RunConfig, claim_run_folders, load_config, save_config
+from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
 from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
 from mcore_rl.data.prompts import PromptBatch, PromptDataset
 from mcore_rl.data.sampler import EpochSampler
@@ -43,8 +43,6 @@ from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
 from mcore_rl.dpo.run_log import EVAL, TRAIN, DPORunLog
 from mcore_rl.parallel.context import ParallelContext
-
-LATEST = "latest"
 
 
 @dataclass
@@ -108,10 +106,12 @@ class DPOTrainer:
         owns_world = not dist.is_initialized()
         ctx = ParallelContext.initialize(cfg.parallel.to_parallel_config(cfg.trainer.seed))
         try:
-            if ctx.rank == 0:
-                prepare_preference_data(cfg)
-                save_config(cfg, cfg.trainer.default_local_dir)
-            dist.barrier()
+            with ctx.guard("preparing the run folder"):  # rank 0's refusal stops its peers, naming it
+                if ctx.rank == 0:
+                    prepare_preference_data(cfg)
+                    claim_run_folders(cfg)
+                    save_config(cfg, cfg.trainer.default_local_dir)
+                dist.barrier()
             data = load_dpo_data(cfg)
             batches = len(data.train) // cfg.dpo.train_batch_size
             if not batches:
@@ -226,11 +226,11 @@ class DPOTrainer:
     # --- checkpoints ----------------------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str:
-        return os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")
+        return checkpoint_root(self.cfg)
 
     def save(self) -> str:
         """Collective: policy + optimizer + schedule + data position + config; ``latest`` last; keep the last K."""
-        path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+        path = os.path.join(self.checkpoint_root, checkpoint_name(self.global_step))
         extra = {"sampler": self.sampler.state_dict(), "model": self.cfg.model.hf_config_dict()}
         if self.ctx.rank == 0:
             os.makedirs(self.checkpoint_root, exist_ok=True)
@@ -238,22 +238,12 @@ class DPOTrainer:
         self.policy.save_checkpoint(path, self.global_step, extra)
         if self.ctx.rank == 0:
             save_config(self.cfg, path)
-            _write_atomically(os.path.join(self.checkpoint_root, LATEST), f"global_step_{self.global_step}\n")
-            keep = self.cfg.trainer.max_ckpt_to_keep
-            for old in _checkpoints(self.checkpoint_root)[:-keep] if keep else []:
-                shutil.rmtree(os.path.join(self.checkpoint_root, old))
+            publish_checkpoint(self.cfg, self.global_step)
         dist.barrier()
         return path
 
     def resume_path(self) -> str | None:
-        mode = self.cfg.trainer.resume_mode
-        if mode == "resume_path":
-            return self.cfg.trainer.resume_from_path
-        latest = os.path.join(self.checkpoint_root, LATEST)
-        if mode == "auto" and os.path.isfile(latest):
-            with open(latest) as f:
-                return os.path.join(self.checkpoint_root, f.read().strip())
-        return None
+        return resume_checkpoint(self.cfg)
 
     def resume(self) -> bool:
         """Collective: restore the checkpoint ``trainer.resume_mode`` names; refuses a changed model or data."""
@@ -312,15 +302,3 @@ def _fingerprint(dataset: PreferenceDataset) -> str:
 
 def _every(freq: int, step: int, last: bool) -> bool:
     return freq > 0 and (step % freq == 0 or last)
-
-
-def _checkpoints(root: str) -> list[str]:
-    names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
-    return sorted(names, key=lambda n: int(n[12:]))
-
-
-def _write_atomically(path: str, text: str) -> None:
-    staging = f"{path}.tmp"
-    with open(staging, "w") as f:
-        f.write(text)
-    os.replace(staging, path)

@@ -323,3 +323,47 @@ class OutputFolder:
             return  # its writer is still removing it
         shutil.rmtree(folder)
         note(f"removed {folder}, the previous output replaced by process {marker.get('pid')}")
+
+
+def is_ours(folder: str) -> bool:
+    """``folder`` carries our :data:`MARKER_FILE` (written by an :class:`OutputFolder` or a claimed run folder)."""
+    return _read_marker(folder) is not None
+
+
+def claim_run_folder(given: str, *, flag: str, inputs: Sequence[str | None] = (), kind: str = "run") -> str:
+    """Check and claim a long-lived run folder (logs, run checkpoints, the resolved config); returns its real path.
+
+    A run folder is written over many steps, so it is not staged; what protects the user is where it may be:
+    the rules of :meth:`OutputFolder.plan` (never the current directory, home, the root, an input, a folder
+    inside or containing an input, a symlink or a file), and an existing non-empty folder only when it carries
+    our marker (an earlier run of ours, which a resume continues). A new or empty folder gets the marker.
+    """
+    if not given or not given.strip():
+        raise OutputError(f"{flag} is empty (an unset shell variable?); give the run folder")
+    real = _real(given)
+    reason = _protected(real) or next(
+        (r for s in inputs if s and (r := _relation_to_input(real, s)) is not None), None
+    )
+    if reason is not None:
+        raise OutputError(f"{flag} {given} {reason}; choose another folder")
+    if os.path.islink(real):
+        raise OutputError(f"{flag} {given} is a symbolic link; give the folder it points to, or another")
+    if os.path.lexists(real) and not os.path.isdir(real):
+        raise OutputError(f"{flag} {given} exists and is not a folder; it is left as it is")
+    try:
+        os.makedirs(real, exist_ok=True)
+        if _read_marker(real) is not None:
+            return real
+        if os.listdir(real):
+            raise OutputError(
+                f"{flag} {given} exists and was not written by mcore_rl (no {MARKER_FILE}); "
+                "move it away or choose another folder"
+            )
+        with open(os.path.join(real, MARKER_FILE), "x") as f:  # "x": never over a concurrent claim's file
+            json.dump({"tool": "mcore_rl", "kind": kind, "target": real, "pid": os.getpid()}, f, indent=2)
+            f.write("\n")
+    except FileExistsError:
+        pass  # a concurrent run claimed it first: it is ours either way
+    except OSError as err:
+        raise OutputError(f"{flag} {given}: cannot create it ({err.strerror})") from None
+    return real

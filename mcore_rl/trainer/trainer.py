@@ -15,12 +15,12 @@ uninterrupted one would have.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_rl.config import RunConfig, load_config, save_config
+from mcore_rl.config import RunConfig, claim_run_folders, load_config, save_config
+from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
 from mcore_rl.data.demo_task import prepare_data
 from mcore_rl.data.prompts import PromptBatch, PromptDataset, PromptLoader
 from mcore_rl.data.sft import SFTDataset
@@ -32,8 +32,6 @@ from mcore_rl.trainer.grpo import RLStep, update_plan
 from mcore_rl.trainer.ppo import PPOStep
 from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec
 from mcore_rl.trainer.run_log import RunLog
-
-LATEST = "latest"
 
 
 @dataclass
@@ -86,6 +84,7 @@ class Trainer:
             raise ValueError("overrides apply to a recipe path; set the fields of a RunConfig directly")
         cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
         prepare_data(cfg)
+        claim_run_folders(cfg)
         save_config(cfg, cfg.trainer.default_local_dir)
         data = load_run_data(cfg)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
@@ -160,11 +159,11 @@ class Trainer:
     # --- run checkpoints ------------------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str:
-        return os.path.join(self.cfg.trainer.default_local_dir, "checkpoints")
+        return checkpoint_root(self.cfg)
 
     def save(self) -> str:
         """Actor weights + optimizer + schedule + driver state + config; ``latest`` last; keep the last K."""
-        path = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+        path = os.path.join(self.checkpoint_root, checkpoint_name(self.global_step))
         os.makedirs(self.checkpoint_root, exist_ok=True)
         state = {
             "loader": self.data.loader.state_dict(),
@@ -177,21 +176,12 @@ class Trainer:
         self.step.save_models(path, self.global_step)  # PPO: <path>/critic
         self.actors.sync_weights()  # back to ROLLOUT for the next step
         save_config(self.cfg, path)
-        _write_atomically(os.path.join(self.checkpoint_root, LATEST), f"global_step_{self.global_step}\n")
-        keep = self.cfg.trainer.max_ckpt_to_keep
-        if keep:
-            for old in _checkpoints(self.checkpoint_root)[:-keep]:
-                shutil.rmtree(os.path.join(self.checkpoint_root, old))
+        publish_checkpoint(self.cfg, self.global_step)
         return path
 
     def resume(self) -> bool:
         """Restore the checkpoint ``trainer.resume_mode`` names; refuses a changed model or dataset."""
-        mode, path = self.cfg.trainer.resume_mode, None
-        if mode == "resume_path":
-            path = self.cfg.trainer.resume_from_path
-        elif mode == "auto" and os.path.isfile(os.path.join(self.checkpoint_root, LATEST)):
-            with open(os.path.join(self.checkpoint_root, LATEST)) as f:
-                path = os.path.join(self.checkpoint_root, f.read().strip())
+        path = resume_checkpoint(self.cfg)
         if path is None:
             return False
         from mcore_rl.engine.trainer_checkpoint import read_trainer_state
@@ -233,15 +223,3 @@ def actor_optimizer_steps(cfg: RunConfig, total_steps: int) -> int:
 
 def _every(freq: int, step: int, last: bool) -> bool:
     return freq > 0 and (step % freq == 0 or last)
-
-
-def _checkpoints(root: str) -> list[str]:
-    names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
-    return sorted(names, key=lambda n: int(n[12:]))
-
-
-def _write_atomically(path: str, text: str) -> None:
-    staging = f"{path}.tmp"
-    with open(staging, "w") as f:
-        f.write(text)
-    os.replace(staging, path)

@@ -1,0 +1,108 @@
+"""Run folders (logs, run checkpoints, the resolved config): claimed before a run, never over what is not ours."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.config import load_config
+from mcore_rl.config.run_folder import checkpoint_root, claim_run_folders, publish_checkpoint, resume_checkpoint
+from mcore_rl.io.errors import OutputError
+from mcore_rl.io.output import MARKER_FILE, OutputFolder, claim_run_folder, is_ours
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (by relative path)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_new_folder_is_claimed_and_a_second_run_continues_it(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "exp1"  # parents are created, as users expect of a run folder
+    assert claim_run_folder(str(run), flag="trainer.default_local_dir") == str(run)
+    assert is_ours(str(run)) and (run / MARKER_FILE).is_file()
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert claim_run_folder(str(run), flag="trainer.default_local_dir") == str(run)  # resume: ours
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("", "trainer.default_local_dir is empty"),
+        (".", "is the current directory"),
+        ("~", "is your home folder"),
+        ("/", "is the filesystem root"),
+        ("parent_of_cwd", "contains the current directory"),
+        ("foreign", "exists and was not written by mcore_rl"),
+        ("data/inside", "is inside the input"),
+        ("data", "is the input"),
+        ("a_file", "exists and is not a folder"),
+        ("a_link", "is a symbolic link"),
+    ],
+)
+def test_refusals_leave_every_file_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, message: str
+) -> None:
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "train.parquet").write_bytes(b"rows")
+    (work / "foreign").mkdir()
+    (work / "foreign" / "weeks_of_training.pt").write_bytes(b"precious")
+    (work / "a_file").write_text("mine")
+    (work / "a_link").symlink_to(work / "foreign")
+    (work / "cwd").mkdir()
+    monkeypatch.chdir(work / "cwd")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    given = {"~": str(tmp_path / "home"), "parent_of_cwd": str(work), "": "", ".": ".", "/": "/"}.get(
+        where, str(work / where)
+    )
+    before = _snapshot(tmp_path)
+    with pytest.raises(OutputError, match=message) as err:
+        claim_run_folder(given, flag="trainer.default_local_dir", inputs=[str(work / "data")])
+    assert "\n" not in str(err.value) and "trainer.default_local_dir" in str(err.value)
+    assert _snapshot(tmp_path) == before
+
+
+def _cfg(tmp_path: Path, *overrides: str):  # type: ignore[no-untyped-def]
+    return load_config(
+        "recipes/demo_cpu.yaml",
+        [f"trainer.default_local_dir={tmp_path / 'run'}", f"data.train_files=[{tmp_path / 'd' / 't.parquet'}]"]
+        + list(overrides),
+    )
+
+
+def test_config_claims_the_run_and_an_outside_log_folder(tmp_path: Path) -> None:
+    foreign_logs = tmp_path / "logs"
+    foreign_logs.mkdir()
+    (foreign_logs / "metrics.jsonl").write_text("a user's log\n")
+    with pytest.raises(OutputError, match=r"logging.log_dir .* not written by mcore_rl"):
+        claim_run_folders(_cfg(tmp_path, f"logging.log_dir={foreign_logs}"))
+    assert (foreign_logs / "metrics.jsonl").read_text() == "a user's log\n"
+    claim_run_folders(_cfg(tmp_path))  # logs inside the run folder: claimed with it
+    with pytest.raises(OutputError, match=r"contains the input"):
+        claim_run_folders(_cfg(tmp_path, f"trainer.default_local_dir={tmp_path}"))
+
+
+def test_keep_last_k_removes_only_our_checkpoints(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "trainer.max_ckpt_to_keep=1")
+    claim_run_folders(cfg)
+    root = Path(checkpoint_root(cfg))
+    root.mkdir()
+    (root / "global_step_1").mkdir()  # a user's own folder with our naming: kept
+    (root / "global_step_1" / "notes.txt").write_text("mine")
+    for step in (2, 3):  # ours: written through OutputFolder, so they carry the marker
+        out = OutputFolder.plan(str(root / f"global_step_{step}"), kind="checkpoint")
+        out.begin()
+        out.commit()
+    publish_checkpoint(cfg, 3)
+    assert sorted(os.listdir(root)) == ["global_step_1", "global_step_3", "latest"]
+    assert (root / "global_step_1" / "notes.txt").read_text() == "mine"
+    assert resume_checkpoint(cfg) == str(root / "global_step_3")
+    assert resume_checkpoint(_cfg(tmp_path, "trainer.resume_mode=disable")) is None
