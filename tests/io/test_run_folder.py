@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import load_config
-from mcore_rl.config.run_folder import checkpoint_root, claim_run_folders, publish_checkpoint, resume_checkpoint
+from mcore_rl.config.run_folder import (
+    checkpoint_root,
+    claim_run_folders,
+    publish_checkpoint,
+    resume_checkpoint,
+)
 from mcore_rl.io.errors import OutputError
 from mcore_rl.io.output import MARKER_FILE, OutputFolder, claim_run_folder, is_ours
 
@@ -73,8 +78,11 @@ def test_refusals_leave_every_file_as_it_was(
 def _cfg(tmp_path: Path, *overrides: str):  # type: ignore[no-untyped-def]
     return load_config(
         "recipes/demo_cpu.yaml",
-        [f"trainer.default_local_dir={tmp_path / 'run'}", f"data.train_files=[{tmp_path / 'd' / 't.parquet'}]"]
-        + list(overrides),
+        [
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            f"data.train_files=[{tmp_path / 'd' / 't.parquet'}]",
+            *list(overrides),
+        ],
     )
 
 
