@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def ray_head() -> Iterator[str]:
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(head.pid, signal.SIGKILL)  # whatever of our head's session is left
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def _read(path: str) -> str:
