@@ -16,7 +16,8 @@ class RewardModelConfig:
 
     path: str | None = None
     """HF folder of a ``*ForSequenceClassification`` model (Llama, Qwen2, Mistral; one label) sharing the
-    actor's tokenizer; None: rule rewards only."""
+    actor's tokenizer, or its ``mcore-rl convert hf-to-mcore`` checkpoint (any layout; each rank then reads
+    only its shards, where the HF folder is read whole on every rank); None: rule rewards only."""
     weight: float = 1.0
     """Weight of the model's score in the step's reward."""
     rule_weight: float = 1.0

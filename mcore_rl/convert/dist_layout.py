@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from mcore_rl.convert.mapping import TensorMap, full_shape, tensor_maps
+from mcore_rl.convert.score_head import has_score_head
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.parallel.sharding import ShardKind, shard_kind
@@ -102,7 +103,7 @@ def tensor_chunks(arch: ModelArch, tensor_map: TensorMap, tp: int, pp: int) -> l
     """The chunks of one full-state tensor as a (tp, pp) trainer saves them."""
     name = tensor_map.full_name
     shape = list(full_shape(arch, tensor_map))
-    kind = shard_kind(name)
+    kind = shard_kind(name, value_head=has_score_head(arch))  # the score head is replicated, not vocab
     if kind is ShardKind.VOCAB:
         shape[0] = padded_vocab_size(arch.vocab_size, tp)
     key, layer = checkpoint_key(name)

@@ -37,6 +37,7 @@ from mcore_rl.convert.mapping import (
 from mcore_rl.convert.memory import release_freed_memory
 from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.convert.safetensors_io import SafetensorsReader
+from mcore_rl.convert.score_head import arch_of_file
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
@@ -112,7 +113,7 @@ def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, to
     """All input validation, from headers only; raises before anything is written."""
     if not options.hf_dir or not os.path.isdir(options.hf_dir):
         raise ConvertError(f"--hf-dir {options.hf_dir!r} is not a folder")
-    arch = ModelArch.from_hf_config(str(input_file(options.hf_dir, "config.json")))
+    arch = arch_of_file(str(input_file(options.hf_dir, "config.json")))  # a causal LM or a classifier
     check_convertible(arch)
     layout = ParallelLayout(world_size=options.tp * options.pp, tp=options.tp, pp=options.pp)
     layout.check_model(

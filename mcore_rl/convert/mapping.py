@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.convert.score_head import has_score_head
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.io.errors import InputError
 
@@ -47,7 +48,9 @@ def tensor_maps(arch: ModelArch) -> list[TensorMap]:
     for i in range(arch.num_layers):
         maps.extend(_layer_maps(arch, i))
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
-    if not arch.tie_word_embeddings:
+    if has_score_head(arch):  # a sequence classifier: its score head is the value head
+        maps.append(TensorMap("output_layer.weight", ("score.weight",), COPY))
+    elif not arch.tie_word_embeddings:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), COPY))
     return maps
 
@@ -110,6 +113,8 @@ def hf_shapes(arch: ModelArch, tensor_map: TensorMap) -> list[tuple[int, ...]]:
         return [(h, q_rows)]
     if name.endswith("linear_fc2.weight"):
         return [(h, arch.ffn_hidden_size)]
+    if name == "output_layer.weight" and has_score_head(arch):
+        return [(1, h)]
     return [(arch.vocab_size, h)]  # embedding / output layer
 
 

@@ -34,6 +34,7 @@ from mcore_rl.convert.mapping import (
 from mcore_rl.convert.memory import release_freed_memory
 from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.convert.safetensors_io import OutputTensor, StreamingShardWriter
+from mcore_rl.convert.score_head import arch_of_config, hf_config_of
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
 from mcore_rl.io.inputs import check_input_tree, input_file
@@ -92,7 +93,7 @@ def _open_checkpoint(options: McoreToHfOptions) -> _Source:
                 f"{ckpt}: no mcore_rl_model.json; pass --hf-config-from with the model's HF folder"
             )
         hf_config, side_files_from = info.hf_config, os.path.join(ckpt, HF_ASSETS_DIR)
-    arch = ModelArch.from_hf_config(hf_config)
+    arch = arch_of_config(hf_config, options.hf_config_from or os.path.join(ckpt, "mcore_rl_model.json"))
     check_convertible(arch)
     return _Source(arch, hf_config, DistCheckpointReader(ckpt), side_files_from)
 
@@ -138,8 +139,9 @@ def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader
 
 
 def _output_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """The HF config to write: unchanged but for its dtype field (if it has one), set to the weights'."""
-    config = dict(hf_config)
+    """The HF config to write: unchanged but for its dtype field (if it has one), set to the weights'
+    (a classifier's own config, not its body's)."""
+    config = hf_config_of(hf_config)
     for key in ("dtype", "torch_dtype"):
         if key in config:
             config[key] = str(dtype).removeprefix("torch.")

@@ -22,6 +22,7 @@ import torch
 
 from mcore_rl.controller.dispatch import data_owners, num_dp_shards, split_record
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.checkpoint import load_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.train_engine import TrainEngine
 from mcore_rl.engine.weights import load_full_state
@@ -29,39 +30,41 @@ from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.trainer.critic import forward_values_loss
 from mcore_rl.types import RolloutBatch
 
-_SEQ_CLS = "ForSequenceClassification"
+
+def is_model_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a megatron distributed checkpoint (e.g. ``mcore-rl convert hf-to-mcore``'s output)."""
+    return os.path.isfile(os.path.join(path, "metadata.json"))
 
 
 def reward_model_arch(path: str) -> ModelArch:
-    """The body architecture of an HF sequence-classification folder (one label), naming the file at fault."""
+    """The body architecture of a one-label classifier: an HF folder or its converted checkpoint."""
+    from mcore_rl.convert.score_head import arch_of_file, has_score_head, is_classifier
     from mcore_rl.engine.arch import ConfigError
-    from mcore_rl.engine.checkpoint import read_json_object
+    from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, read_json_object
 
+    if is_model_checkpoint(path):
+        info = ModelCheckpointInfo.read(path)
+        where = os.path.join(path, MODEL_INFO_FILE)
+        if info is None or not has_score_head(info.arch):
+            raise ConfigError(f"{where}: not a converted *ForSequenceClassification model (no score head)")
+        return info.arch
     config_path = os.path.join(path, "config.json")
-    cfg = read_json_object(config_path)
-    names = cfg.get("architectures") or []
-    if not any(isinstance(n, str) and n.endswith(_SEQ_CLS) for n in names):
-        raise ConfigError(f"{config_path}: architectures={names} has no *{_SEQ_CLS} (a reward model)")
-    labels = len(cfg.get("id2label") or {}) or cfg.get("num_labels", 1)
-    if labels != 1:
-        raise ConfigError(f"{config_path}: num_labels={labels}; a reward model scores with one label")
-    causal = [n.replace(_SEQ_CLS, "ForCausalLM") for n in names]
-    return ModelArch.from_hf_config({**cfg, "architectures": causal, "tie_word_embeddings": False})
+    if not is_classifier(read_json_object(config_path)):
+        names = read_json_object(config_path).get("architectures")
+        raise ConfigError(f"{config_path}: architectures={names} has no *ForSequenceClassification")
+    return arch_of_file(config_path)
 
 
 def reward_model_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The megatron full (TP=1) state of the folder: the causal body's maps, ``score`` as the value head."""
+    """The megatron full (TP=1) state of an HF folder: the body's maps, ``score`` as the value head."""
     from mcore_rl.convert.mapping import tensor_maps, to_full
     from mcore_rl.convert.safetensors_io import SafetensorsReader
 
     reader = SafetensorsReader(path)
-    full = {
+    return {
         m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]).to(dtype)
         for m in tensor_maps(arch)
-        if m.full_name != "output_layer.weight"  # the LM head: absent from a classifier
     }
-    full["output_layer.weight"] = reader.get("score.weight").to(dtype)
-    return full
 
 
 def last_token_values(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -77,9 +80,12 @@ class RewardModelSpec:
     """What every rank builds for the reward model."""
 
     path: str
-    """HF sequence-classification folder (safetensors)."""
+    """A converted checkpoint (``mcore-rl convert hf-to-mcore`` of the classifier, any layout: each rank
+    reads its own shards) or the HF sequence-classification folder (every rank reads it whole)."""
     dtype: str = "float32"
+    """Parameter dtype of the forward."""
     pad_token_id: int = 0
+    """Token that pads rows to a common width."""
 
 
 class RewardModel:
@@ -95,7 +101,12 @@ class RewardModel:
         config = chunks[0].config
         config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
         self.engine = TrainEngine(ctx, self.arch, chunks, None, config)
-        load_full_state(chunks, reward_model_full_state(spec.path, self.arch, options.dtype), self.arch, ctx)
+        if is_model_checkpoint(spec.path):
+            load_model(chunks, ctx, spec.path)
+        else:
+            load_full_state(
+                chunks, reward_model_full_state(spec.path, self.arch, options.dtype), self.arch, ctx
+            )
 
     def scores(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
         """[N] scores of this rank's rows; the owner (last stage, TP rank 0) returns them."""
