@@ -255,6 +255,11 @@ class AlgorithmConfig:
     which makes the update on-policy."""
     ppo_micro_batch_size_per_gpu: int = 8
     """Sequences per forward/backward on one data-parallel rank (gradient accumulation over the rest)."""
+    ppo_max_token_len_per_gpu: int | None = None
+    """Token budget of an actor update micro-batch (rows x longest row) instead of
+    ``ppo_micro_batch_size_per_gpu`` rows; each mini-batch's rows are also balanced over the data-parallel
+    ranks by tokens and each micro-batch is trimmed to its longest row (``trainer/token_batching.py``).
+    Needs pipeline_model_parallel_size=1; null: a fixed number of rows."""
 
     def __post_init__(self) -> None:
         # Store one spelling so the driver compares against one name.

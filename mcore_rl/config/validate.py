@@ -66,6 +66,7 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "parallel.tensor_model_parallel_size": _POSITIVE,
     "parallel.pipeline_model_parallel_size": _POSITIVE,
     "parallel.virtual_pipeline_model_parallel_size": _OPTIONAL_POSITIVE,
+    "algorithm.ppo_max_token_len_per_gpu": _OPTIONAL_POSITIVE,
     "parallel.data_parallel_size": _OPTIONAL_POSITIVE,
     "parallel.timeout_minutes": _POSITIVE,
     "rollout.tensor_model_parallel_size": _POSITIVE,

@@ -29,6 +29,7 @@ from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.trainer.batch import common_width
 from mcore_rl.trainer.losses import PolicyLossSettings
 from mcore_rl.trainer.memory import max_over_ranks
+from mcore_rl.trainer.token_batching import balanced_order, row_lengths, select_rows
 from mcore_rl.trainer.worker import HybridWorker
 from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
@@ -92,6 +93,9 @@ class UpdatePlan:
     """Sequences per forward/backward on one data-parallel rank."""
     on_nonfinite: str = "stop"
     """stop (raise, naming the step) or skip the update of a NaN/inf loss."""
+    token_budget: int | None = None
+    """Tokens per micro-batch (``algorithm.ppo_max_token_len_per_gpu``): rows balanced over data-parallel
+    ranks by tokens, micro-batches by the budget, trimmed; None: ``micro_batch_size`` rows."""
 
 
 class ActorGroup:
@@ -131,10 +135,13 @@ class ActorGroup:
 
     def update(self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan) -> UpdateStats:
         """One step's actor update; the stats of data-parallel rank 0's owner (already DP-reduced)."""
+        if plan.token_budget is not None:  # same mini-batches, rows dealt to the ranks by tokens
+            lengths = row_lengths(batch.response_mask).tolist()
+            batch = select_rows(batch, balanced_order(lengths, plan.num_mini_batches, self.num_dp_shards))
         shards = list(split_record(batch, self.num_dp_shards))
         rows_per_mini_batch = shards[0].tokens.shape[0] // plan.num_mini_batches
         micro = min(plan.micro_batch_size, max(rows_per_mini_batch, 1))
-        args = (settings, plan.num_mini_batches, plan.ppo_epochs, micro, plan.on_nonfinite)
+        args = (settings, plan.num_mini_batches, plan.ppo_epochs, micro, plan.on_nonfinite, plan.token_budget)
         results = self.backend.submit("update", shards, "dp", *args)()
         stats: UpdateStats = results[self._data_owners[0]]
         return stats

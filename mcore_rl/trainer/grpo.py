@@ -231,6 +231,7 @@ def update_plan(cfg: RunConfig) -> UpdatePlan:
         ppo_epochs=algo.ppo_epochs,
         micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
+        token_budget=algo.ppo_max_token_len_per_gpu,
     )
 
 

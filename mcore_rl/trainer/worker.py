@@ -29,6 +29,7 @@ from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
 from mcore_rl.trainer.critic import CriticHost
@@ -42,6 +43,7 @@ from mcore_rl.trainer.losses import (
 )
 from mcore_rl.trainer.memory import measured, phase_memory
 from mcore_rl.trainer.reward_model import RewardModelHost
+from mcore_rl.trainer.token_batching import budget_micro_batches, row_lengths, select_rows, trim_columns
 from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 
@@ -167,6 +169,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         ppo_epochs: int,
         micro_batch_size: int,
         on_nonfinite: str = "stop",
+        token_budget: int | None = None,
     ) -> UpdateStats | None:
         """PPO epochs over mini-batches (one optimizer step each) of this rank's shard; the step's stats,
         reduced over data-parallel ranks, on the owner."""
@@ -178,7 +181,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         for _ in range(ppo_epochs):
             for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
                 mini = _slice_rows(batch, rows)
-                metrics = self._optimizer_step(mini, settings, micro_batch_size, on_nonfinite)
+                metrics = self._optimizer_step(mini, settings, micro_batch_size, on_nonfinite, token_budget)
                 if metrics is None:
                     skipped += 1
                     continue
@@ -200,7 +203,12 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         )
 
     def _optimizer_step(
-        self, mini: TrainBatch, settings: PolicyLossSettings, micro_batch_size: int, on_nonfinite: str
+        self,
+        mini: TrainBatch,
+        settings: PolicyLossSettings,
+        micro_batch_size: int,
+        on_nonfinite: str,
+        token_budget: int | None = None,
     ) -> torch.Tensor | None:
         """One optimizer step on a mini-batch: [6] metrics (global), or None when skipped as non-finite."""
         ctx = self.ctx
@@ -209,7 +217,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
         micro: list[MicroBatch] = [
             PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part)
-            for part in _record_chunks(mini, micro_batch_size)
+            for part in _micro_parts(ctx, mini, micro_batch_size, token_budget)
         ]
         self.engine.zero_grad()
         loss_fn = policy_loss(settings, ctx, counts[0].clamp(min=1), counts[1].clamp(min=1))
@@ -365,6 +373,23 @@ def _row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
             f"micro-batches of {size} (pipeline schedules need equal micro-batches)"
         )
     return list(tensor.split(size))
+
+
+def _micro_parts(
+    ctx: ParallelContext, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
+) -> list[TrainBatch]:
+    """Micro-batches of a mini-batch: ``micro_batch_size`` rows each, or at most ``token_budget`` tokens each
+    and trimmed to their longest row (``token_batching.py``; pipeline schedules need equal shapes)."""
+    if token_budget is None:
+        return _record_chunks(mini, micro_batch_size)
+    if ctx.layout.pp > 1:
+        raise ValueError("algorithm.ppo_max_token_len_per_gpu needs pipeline_model_parallel_size=1")
+    lengths = row_lengths(mini.response_mask).tolist()
+    multiple = ctx.tp_size if ctx.layout.sp else 1
+    return [
+        select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple))
+        for rows in budget_micro_batches(lengths, token_budget)
+    ]
 
 
 def _slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:

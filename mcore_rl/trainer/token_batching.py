@@ -1,0 +1,129 @@
+"""Token-budget batching (verl's ``use_dynamic_bsz`` / ``balance_batch``), pure and tested on CPU.
+
+Rows of a rollout have very different lengths. Three things follow:
+
+- **balance**: each mini-batch's rows are dealt to the data-parallel ranks so that every rank gets the
+  same number of rows and about the same number of tokens (:func:`balanced_partitions`, greedy longest-first
+  with equal counts); mini-batch membership is kept, so the optimizer steps see the same rows;
+- **budget**: a rank's mini-batch is cut into micro-batches holding at most ``budget`` tokens each, counted
+  as rows x longest row (what the forward computes), instead of a fixed number of rows
+  (:func:`budget_micro_batches`);
+- **no padding**: each micro-batch is trimmed to its longest row (:func:`trim_columns`). The model is causal,
+  so the dropped right-padding columns change no kept position; the losses divide by counts all-reduced
+  over the whole mini-batch (``losses.py``), so how rows are grouped changes no loss, gradient or metric.
+
+On the Transformer-Engine path the rows of a micro-batch can instead be packed into one sequence with
+:func:`packed_seq_params` (``thd`` layout, cumulative lengths); that path needs TE's fused attention on a
+GPU and is not run by the CPU tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def row_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] columns each row needs: up to its last response token (mask position + 1), inclusive."""
+    positions = torch.arange(response_mask.shape[1])
+    last = torch.where(response_mask > 0, positions, -1).max(dim=1).values
+    return (last + 2).clamp(min=1, max=response_mask.shape[1])
+
+
+def balanced_partitions(lengths: Sequence[int], num_parts: int) -> list[list[int]]:
+    """Row indices split into ``num_parts`` parts of equal size with balanced length sums.
+
+    Longest row first, each to the lightest part that still has room (LPT with a cardinality limit): the
+    heaviest and lightest parts differ by at most the longest row. Indices inside a part are ascending.
+    """
+    if num_parts < 1 or len(lengths) % num_parts:
+        raise ValueError(f"{len(lengths)} rows do not split into {num_parts} equal parts")
+    room = len(lengths) // num_parts
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    sums = [0] * num_parts
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        part = min((p for p in range(num_parts) if len(parts[p]) < room), key=lambda p: (sums[p], p))
+        parts[part].append(row)
+        sums[part] += lengths[row]
+    return [sorted(p) for p in parts]
+
+
+def balanced_order(lengths: Sequence[int], num_mini_batches: int, num_ranks: int) -> list[int]:
+    """A row order of the step's batch that keeps every mini-batch's rows and balances them over the ranks.
+
+    The batch is split into ``num_ranks`` contiguous shards and mini-batch k is the k-th of
+    ``num_mini_batches`` contiguous slices of every shard (``ActorGroup.update``). In the returned order
+    the same split gives mini-batch k the same rows as before, dealt by :func:`balanced_partitions`.
+    """
+    num = len(lengths)
+    if num % (num_mini_batches * num_ranks):
+        raise ValueError(f"{num} rows do not split into {num_mini_batches} mini-batches x {num_ranks} ranks")
+    shard = num // num_ranks
+    size = shard // num_mini_batches
+    per_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+    for k in range(num_mini_batches):
+        rows = [r * shard + k * size + j for r in range(num_ranks) for j in range(size)]
+        for rank, part in enumerate(balanced_partitions([lengths[i] for i in rows], num_ranks)):
+            per_rank[rank].extend(rows[i] for i in part)
+    return [row for rows in per_rank for row in rows]
+
+
+def budget_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Rows grouped so that rows x longest row <= ``budget`` tokens per group (a longer row goes alone).
+
+    Rows are taken longest first, so each group holds rows of similar length (little padding); groups are
+    returned in that order with ascending indices inside.
+    """
+    if budget < 1:
+        raise ValueError(f"token budget {budget} must be positive")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        width = max(longest, lengths[row])
+        if current and (len(current) + 1) * width > budget:
+            groups.append(sorted(current))
+            current, longest = [], 0
+            width = lengths[row]
+        current.append(row)
+        longest = width
+    if current:
+        groups.append(sorted(current))
+    return groups
+
+
+def select_rows(record: T, rows: Sequence[int], width: int | None = None) -> T:
+    """The dataclass of [N, ...] tensors restricted to ``rows`` (and to ``width`` columns when given:
+    only [N, S] fields are cut, e.g. ``response_ids`` [N, T] are kept)."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    seq = record.tokens.shape[1]  # type: ignore[attr-defined]
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(record):  # type: ignore[arg-type]
+        value = getattr(record, field.name)[index]
+        if width is not None and value.dim() == 2 and value.shape[1] == seq:
+            value = value[:, :width]
+        values[field.name] = value
+    return type(record)(**values)
+
+
+def trim_columns(width: int, multiple: int) -> int:
+    """A micro-batch's width: its longest row, rounded up to ``multiple`` (TP with sequence parallelism)."""
+    return -(-width // multiple) * multiple
+
+
+def packed_seq_params(lengths: Sequence[int]) -> Any:
+    """megatron's ``PackedSeqParams`` for rows of ``lengths`` packed into one ``thd`` sequence (the TE path:
+    the rows attend only within themselves and positions restart per row). Not run on CPU."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int32), dim=0)
+    longest = max(lengths) if lengths else 0
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
