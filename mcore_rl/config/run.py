@@ -128,6 +128,12 @@ class TrainerConfig:
     overlap_stages: bool = True
     """PPO: after each rollout, start scoring, critic values and actor/reference log-probs together (they
     depend only on the rollout); False runs them one after another (a timing baseline: same numbers)."""
+    one_step_off: bool = False
+    """Generate the next step's rollout before this step's update, with the weights the update starts from
+    (verl's one-step-off data flow: a policy lag of 1, logged as ``policy_lag``). The PPO ratio's old
+    log-probs are recomputed by the current actor, so clipping is centred on the policy being updated; the
+    rollout/trainer mismatch this brings shows in ``token_mult_prob_error``. Colocated ranks run the two one
+    after the other; a resumed run regenerates the pending rollout (not bit-exact). False: on-policy."""
 
 
 @dataclass

@@ -65,13 +65,19 @@ class RLStep:
         self.plan = update_plan(cfg)
         self.reward_model: RewardModelGroup | None = None
         """Set by the trainer when ``reward_model.path`` is given: its score joins the rules'."""
+        self._pending: tuple[PromptBatch, RolloutBatch] | None = None
+        """One-step-off: the next step's prompts and their rollout, generated before this step's update."""
+        self.policy_lag = 0
+        """Steps between the weights that generated the last rollout and the actor's when it was trained."""
 
-    def run(self, prompts: PromptBatch, step: int) -> dict[str, float]:
-        """One RL step on ``prompts``; returns its metrics (the weights are synced for the next step)."""
+    def run(
+        self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None
+    ) -> dict[str, float]:
+        """One RL step on ``prompts``; returns its metrics (the weights are synced for the next step).
+
+        ``next_prompts`` (``trainer.one_step_off``): the next step's prompts, generated before this update."""
         cfg, timer = self.cfg, StageTimer()
-        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
-        with timer("generate"):
-            rollout = self.actors.generate(request, self.sampling(step))
+        rollout, lag = self.rollout_for(prompts, step, next_prompts, timer)
         with timer("score_and_log_probs"):
             wait_log_probs = self.actors.submit_log_probs(
                 rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
@@ -107,7 +113,32 @@ class RLStep:
             **step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n),
             **sync,
             **memory,
+            **self.lag_metrics(lag),
         }
+
+    def rollout_for(
+        self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None, timer: StageTimer
+    ) -> tuple[RolloutBatch, int]:
+        """This step's rollout and its policy lag in steps: generated now (0), or by the previous step before
+        its update (1). With ``next_prompts`` the next step's rollout is generated now, before the update."""
+        if self._pending is not None and self._pending[0] is prompts:
+            rollout, lag = self._pending[1], 1
+        else:
+            with timer("generate"):
+                rollout, lag = self.generate(prompts, step), 0
+        self._pending, self.policy_lag = None, lag
+        if next_prompts is not None:
+            with timer("generate_next"):
+                self._pending = (next_prompts, self.generate(next_prompts, step + 1))
+        return rollout, lag
+
+    def generate(self, prompts: PromptBatch, step: int) -> RolloutBatch:
+        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
+        return self.actors.generate(request, self.sampling(step))
+
+    def lag_metrics(self, lag: int) -> dict[str, float]:
+        """``policy_lag`` with ``trainer.one_step_off`` (on-policy runs log exactly what they did before)."""
+        return {"policy_lag": float(lag)} if self.cfg.trainer.one_step_off else {}
 
     def warm_started(self) -> None:
         """Called once the actor has changed before RL (the SFT warm start); the PPO step restarts its critic."""
@@ -257,5 +288,6 @@ def step_metrics(
         **vars(stats),
         **{f"time/{k}_s": v for k, v in seconds.items()},
         "time/step_s": step_s,
-        "tokens_per_s": tokens / max(seconds.get("generate", 0.0), 1e-9),
+        # one-step-off: this step generated the next rollout, of about as many tokens
+        "tokens_per_s": tokens / max(seconds.get("generate", 0.0) or seconds.get("generate_next", 0.0), 1e-9),
     }

@@ -30,7 +30,7 @@ from mcore_rl.trainer.batch import ProbAgreement, outcome_rewards, prob_agreemen
 from mcore_rl.trainer.critic import CriticGroup, CriticStats, ValueBatch
 from mcore_rl.trainer.grpo import RLStep, StageTimer, step_metrics
 from mcore_rl.trainer.kl_reward import KLRewardController, penalise
-from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+from mcore_rl.types import LogProbBatch, RolloutBatch, TrainBatch, UpdateStats
 
 
 @dataclass
@@ -71,9 +71,11 @@ class PPOStep(RLStep):
         ctrl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLRewardController(ctrl) if cfg.algorithm.use_kl_in_reward else None
 
-    def run(self, prompts: PromptBatch, step: int) -> dict[str, float]:
+    def run(
+        self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None
+    ) -> dict[str, float]:
         timer = StageTimer()
-        batch = self.prepare(prompts, step, timer)
+        batch = self.prepare(prompts, step, timer, next_prompts)
         with timer("critic_update"):
             critic_stats = self.critic.update(
                 ValueBatch(batch.rollout.tokens, batch.rollout.response_mask, batch.values, batch.returns),
@@ -96,14 +98,20 @@ class PPOStep(RLStep):
             "actor_frozen": float(frozen),
             **sync,
             **self.actors.phase_memory(),  # peaks per phase, max over ranks
+            **self.lag_metrics(self.policy_lag),
         }
 
-    def prepare(self, prompts: PromptBatch, step: int, timer: StageTimer | None = None) -> PPOBatch:
-        """Rollout, then scores, log-probs and values (concurrently), then token rewards and GAE."""
+    def prepare(
+        self,
+        prompts: PromptBatch,
+        step: int,
+        timer: StageTimer | None = None,
+        next_prompts: PromptBatch | None = None,
+    ) -> PPOBatch:
+        """Rollout (or the one generated before the last update: ``trainer.one_step_off``), then scores,
+        log-probs and values (concurrently), then token rewards and GAE."""
         cfg, timer = self.cfg, timer or StageTimer()
-        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
-        with timer("generate"):
-            rollout = self.actors.generate(request, self.sampling(step))
+        rollout, _ = self.rollout_for(prompts, step, next_prompts, timer)
         with timer("score_values_and_log_probs"):
             scores, log_probs, values = self.score_values_and_log_probs(rollout, prompts, timer)
         agreement = prob_agreement(

@@ -73,6 +73,8 @@ class Trainer:
         self.data = data
         self.total_steps = total_steps
         self.global_step = 0
+        self._prefetched: PromptBatch | None = None
+        """``trainer.one_step_off``: the next step's prompts, already drawn (their rollout is pending)."""
         self.records: list[dict[str, Any]] = []
 
     @classmethod
@@ -115,7 +117,10 @@ class Trainer:
                     self.step.warm_started()
             while self.global_step < self.total_steps and self.global_step != stop_after:
                 self.global_step += 1
-                metrics = self.step.run(self.data.loader.next_batch(), self.global_step)
+                prompts = self._prefetched if self._prefetched is not None else self.data.loader.next_batch()
+                one_step_off = cfg.trainer.one_step_off and self.global_step < self.total_steps
+                self._prefetched = self.data.loader.next_batch() if one_step_off else None
+                metrics = self.step.run(prompts, self.global_step, next_prompts=self._prefetched)
                 last = self.global_step == self.total_steps
                 if self.data.val is not None and _every(cfg.trainer.test_freq, self.global_step, last):
                     metrics["val_accuracy"] = self.step.evaluate(self.data.val)
