@@ -133,7 +133,8 @@ class TrainerConfig:
     (verl's one-step-off data flow: a policy lag of 1, logged as ``policy_lag``). The PPO ratio's old
     log-probs are recomputed by the current actor, so clipping is centred on the policy being updated; the
     rollout/trainer mismatch this brings shows in ``token_mult_prob_error``. Colocated ranks run the two one
-    after the other; a resumed run regenerates the pending rollout (not bit-exact). False: on-policy."""
+    after the other; the pending rollout is not checkpointed: a resumed run drops that batch and continues
+    with the next one. False: on-policy."""
 
 
 @dataclass
