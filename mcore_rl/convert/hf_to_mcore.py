@@ -227,3 +227,21 @@ def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
             raise
         commit_collective(output, ctx.rank, lambda: finish_checkpoint(staging, arch, dtype, options.hf_dir))
     return output.path
+
+
+def convert_in_this_process(options: HfToMcoreOptions) -> str:
+    """The whole conversion written by this process alone (the RL driver: it starts no process group);
+    returns the output path. In a world of one (an in-process run) the collective write is this rank's."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("convert_in_this_process runs outside a multi-rank world; use convert_hf_to_mcore")
+    arch, reader, dtype, output = prepare(options)
+    source = _ChunkSource(arch, reader, dtype, options.allow_nonfinite)
+    staging = output.begin()
+    try:
+        write_checkpoint(staging, arch, source, dtype, options.tp, options.pp)
+        finish_checkpoint(staging, arch, dtype, options.hf_dir)
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    return output.path

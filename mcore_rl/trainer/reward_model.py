@@ -55,6 +55,17 @@ def reward_model_arch(path: str) -> ModelArch:
     return arch_of_file(config_path)
 
 
+def reward_model_checkpoint(path: str, run_dir: str) -> str:
+    """``path`` when it is a converted checkpoint; else its conversion into ``run_dir/reward_model``, read
+    once by the driver, so that every rank then reads only its own shards (at any layout)."""
+    if is_model_checkpoint(path):
+        return path
+    from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_in_this_process
+
+    out = os.path.join(run_dir, "reward_model")
+    return convert_in_this_process(HfToMcoreOptions(path, out, overwrite=True))
+
+
 def reward_model_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The megatron full (TP=1) state of an HF folder: the body's maps, ``score`` as the value head."""
     from mcore_rl.convert.mapping import tensor_maps, to_full

@@ -30,7 +30,7 @@ from mcore_rl.trainer.actor_group import ActorGroup
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
 from mcore_rl.trainer.grpo import RLStep, update_plan
 from mcore_rl.trainer.ppo import PPOStep
-from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec
+from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec, reward_model_checkpoint
 from mcore_rl.trainer.run_log import RunLog
 
 
@@ -98,7 +98,8 @@ class Trainer:
             critic = build_critic_group(cfg, actors, total * plan.num_mini_batches * plan.ppo_epochs)
             step = PPOStep(cfg, actors, critic, data.tokenizer, scorer)
         if cfg.reward_model.path is not None:  # forward-only on the actor's ranks
-            spec = RewardModelSpec(cfg.reward_model.path, cfg.model.dtype, data.tokenizer.pad_token_id)
+            path = reward_model_checkpoint(cfg.reward_model.path, cfg.trainer.default_local_dir)
+            spec = RewardModelSpec(path, cfg.model.dtype, data.tokenizer.pad_token_id)
             step.reward_model = RewardModelGroup(actors.backend, spec)
         return cls(cfg, actors, step, data, total)
 

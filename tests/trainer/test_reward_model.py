@@ -128,3 +128,36 @@ def test_the_driver_combines_rule_and_model_rewards_with_their_weights(tmp_path)
     assert (combined - (0.5 * rules + 2.0 * model_scores)).abs().max() <= 2e-4
     assert 0 < rules.mean() < 1 and model_scores.std() > 0.1
     assert metrics["num_optimizer_steps"] == 1  # a whole GRPO step trains on the combined reward
+
+
+def test_the_trainer_converts_an_hf_reward_model_once_and_the_ranks_load_the_checkpoint(tmp_path) -> None:
+    """``reward_model.path`` = an HF folder: the driver converts it into ``<run>/reward_model`` (read once),
+    the ranks load that checkpoint, and a step runs with the model reward."""
+    import os
+
+    from mcore_rl.convert.score_head import has_score_head
+    from mcore_rl.engine.checkpoint import ModelCheckpointInfo
+    from mcore_rl.trainer.trainer import Trainer
+    from tests.trainer.common import MIXED_REWARD, tiny_run_config
+
+    folder = str(tmp_path / "rm")
+    _save_classifier(folder, "llama", vocab=14)
+    run = tmp_path / "run_dir"
+    overrides = [
+        MIXED_REWARD,
+        f"reward_model.path={folder}",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={run}",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+    ]
+    with Trainer.from_config(tiny_run_config(str(tmp_path / "data"), overrides), use_ray=False) as trainer:
+        trainer.fit()
+        records = [r for r in trainer.records if r["stage"] == "rl"]
+    info = ModelCheckpointInfo.read(str(run / "reward_model"))
+    assert info is not None and has_score_head(info.arch)
+    assert os.path.isfile(run / "reward_model" / "metadata.json")
+    assert info.extra["converted_from"] == os.path.abspath(folder)
+    assert len(records) == 1 and records[0]["num_optimizer_steps"] == 1
