@@ -14,7 +14,8 @@ the meaning is the same::
     algorithm:  adv_estimator, norm_adv_by_std_in_grpo, gamma, lam, use_kl_loss, kl_loss_coef,
                 kl_loss_type, use_kl_in_reward, kl_penalty, kl_ctrl {type, kl_coef, target_kl, horizon},
                 clip_ratio_low/high/c, loss_agg_mode, entropy_coeff, ppo_epochs,
-                ppo_mini_batch_size (prompts), ppo_micro_batch_size_per_gpu (sequences)
+                ppo_mini_batch_size (prompts), ppo_micro_batch_size_per_gpu (sequences),
+                ppo_max_token_len_per_gpu (token-budget micro-batches, balanced over DP)
     optim:      lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps, weight_decay,
                 adam_beta1/2, adam_eps, clip_grad, use_distributed_optimizer      (the RL stage)
     data:       train_files, val_files, test_files, prompt_key, reward_fn_key, max_prompt_length,
@@ -25,7 +26,7 @@ the meaning is the same::
     trainer:    project_name, experiment_name, total_epochs, total_training_steps, test_freq,
                 val_before_train, save_freq, resume_mode, resume_from_path, max_ckpt_to_keep,
                 default_local_dir, seed, nnodes, n_gpus_per_node, device, ray_address, num_cpus,
-                on_nonfinite_loss
+                on_nonfinite_loss, overlap_stages, one_step_off
     logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold
     sft:        enable, train_files, val_files, response_key, total_steps, train_batch_size,
                 micro_batch_size_per_gpu, max_length, optim {as optim}, test_freq, target_val_accuracy
@@ -34,7 +35,8 @@ the meaning is the same::
                 micro_batch_size_per_gpu, test_freq                     (``mcore-rl dpo``)
     critic:     model_path, colocate, parallel {as parallel, null: the actor's}, optim {as optim},
                 num_ranks, ppo_micro_batch_size_per_gpu, cliprange_value, warmup_steps  (PPO: adv_estimator=gae)
-    reward_model: path (HF *ForSequenceClassification), weight, rule_weight, micro_batch_size_per_gpu
+    reward_model: path (HF *ForSequenceClassification or its converted checkpoint), weight, rule_weight,
+                micro_batch_size_per_gpu
 
 Python API::
 
