@@ -50,9 +50,12 @@ class Backend(Protocol):
 class RayBackend:
     """A :class:`WorkerGroup` of :class:`HybridWorker` actors."""
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(self, group: WorkerGroup, owns_ray: bool = False) -> None:
         self.group = group
         self.infos = group.infos
+        self.owns_ray = owns_ray
+        """The driver started this local Ray for the run: shutting the group down stops Ray too, so a notebook
+        or a test that builds several trainers never inherits a stale session."""
 
     def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
         pending = (
@@ -64,6 +67,10 @@ class RayBackend:
 
     def shutdown(self) -> None:
         self.group.shutdown(graceful=True)
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
 
 
 class InProcessBackend:

@@ -90,7 +90,7 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     parallel = cfg.parallel.to_parallel_config(cfg.trainer.seed)
     backend: Backend
     if use_ray:
-        init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
+        started_ray = init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
         pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
         group = WorkerGroup.spawn(HybridWorker, cfg.world_size, parallel, pool=pool)
         group.owns_pool = True
@@ -98,8 +98,12 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
             group.infos = group.run("build", spec)  # now with the rollout coordinates
         except BaseException:
             group.shutdown()
+            if started_ray:
+                import ray
+
+                ray.shutdown()
             raise
-        backend = RayBackend(group)
+        backend = RayBackend(group, owns_ray=started_ray)
     else:
         if cfg.world_size != 1:
             raise ValueError(
