@@ -83,6 +83,19 @@ def _relation_to_input(real: str, given_input: str) -> str | None:
     return None
 
 
+def _allowed_place(given: str, flag: str, inputs: Sequence[str | None], what_to_give: str) -> str:
+    """The real path of ``given`` unless it is empty, protected, or tied to an input (one line naming ``flag``)."""
+    if not given or not given.strip():
+        raise OutputError(f"{flag} is empty (an unset shell variable?); {what_to_give}")
+    real = _real(given)
+    reason = _protected(real) or next(
+        (r for s in inputs if s and (r := _relation_to_input(real, s)) is not None), None
+    )
+    if reason is not None:
+        raise OutputError(f"{flag} {given} {reason}; choose another folder")
+    return real
+
+
 def _read_marker(folder: str) -> dict[str, Any] | None:
     """Our marker in ``folder`` (a regular file, not a link), or None."""
     path = os.path.join(folder, MARKER_FILE)
@@ -162,14 +175,7 @@ class OutputFolder:
         kind: str = "output",
     ) -> OutputFolder:
         """Check ``given`` against the rules of the module docstring; nothing is written."""
-        if not given or not given.strip():
-            raise OutputError(f"{flag} is empty (an unset shell variable?); give the folder to create")
-        real = _real(given)
-        reason = _protected(real) or next(
-            (r for s in inputs if s and (r := _relation_to_input(real, s)) is not None), None
-        )
-        if reason is not None:
-            raise OutputError(f"{flag} {given} {reason}; choose another folder")
+        real = _allowed_place(given, flag, inputs, "give the folder to create")
         parent, name = os.path.split(real)
         if not os.path.isdir(parent):
             raise OutputError(f"{flag} {given}: parent folder {parent} does not exist")
@@ -338,14 +344,7 @@ def claim_run_folder(given: str, *, flag: str, inputs: Sequence[str | None] = ()
     inside or containing an input, a symlink or a file), and an existing non-empty folder only when it carries
     our marker (an earlier run of ours, which a resume continues). A new or empty folder gets the marker.
     """
-    if not given or not given.strip():
-        raise OutputError(f"{flag} is empty (an unset shell variable?); give the run folder")
-    real = _real(given)
-    reason = _protected(real) or next(
-        (r for s in inputs if s and (r := _relation_to_input(real, s)) is not None), None
-    )
-    if reason is not None:
-        raise OutputError(f"{flag} {given} {reason}; choose another folder")
+    real = _allowed_place(given, flag, inputs, "give the run folder")
     if os.path.islink(real):
         raise OutputError(f"{flag} {given} is a symbolic link; give the folder it points to, or another")
     if os.path.lexists(real) and not os.path.isdir(real):
