@@ -9,11 +9,17 @@ sum divided by the global token count, see ``mcore_rl.algo``), and the engine ma
 it: megatron's per-token mode keeps the schedule from dividing by the number of micro-batches and DDP from
 averaging over DP, and our ``finalize`` skips megatron's division by the token count. The gradient is then
 exactly the gradient of the global loss, however the batch is split over DP ranks and micro-batches.
+
+A loss that reads log-probs at a few positions wraps itself in :class:`HeadLoss`: the last stage then skips
+megatron's output layer and the loss gets the final hidden states with this rank's vocab shard of the output
+weight (:class:`LMHeadInput`), so it projects only the positions it reads and the [tokens x vocab] logits are
+never materialised (the fused ``linear_logprob_entropy`` op streams vocab chunks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,6 +30,7 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.weights import load_full_state, unwrap
+from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 
 
@@ -64,6 +71,46 @@ class MicroBatch:
 
 # loss_fn(model_output [b, s, V/tp] or [b, s, 1], micro_batch) -> (loss scalar, metrics of detached tensors)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class LMHeadInput:
+    """What a :class:`HeadLoss` gets on the last pipeline stage instead of logits."""
+
+    hidden: torch.Tensor
+    """[b, s, h] final hidden states (after the final norm), every position on every TP rank; its gradient is
+    summed over TP in backward (each rank only sees its vocab shard)."""
+    weight: torch.Tensor
+    """[V_padded/tp, h] this rank's rows of the output layer (the embedding when they are tied)."""
+    ctx: ParallelContext
+    """The parallel layout (TP group and rank of the vocab shard)."""
+
+    def token_log_probs(
+        self, tokens: torch.Tensor, keep: torch.Tensor, vocab_size: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([b, s] log-prob of the next token, [b, s] entropy), computed only where ``keep`` [b, s] (bool) is
+        set and 0 elsewhere; differentiable w.r.t. the hidden states and the output weight."""
+        labels = torch.roll(tokens, -1, dims=1)  # the last column wraps around; never kept by a response mask
+        hidden = self.hidden[keep]
+        log_probs, entropy = linear_logprob_entropy(
+            hidden.to(self.weight.dtype),
+            self.weight,
+            labels[keep],
+            vocab_start=self.ctx.tp_rank * self.weight.shape[0],
+            vocab_size=vocab_size,
+            temperature=temperature,
+            tp_group=self.ctx.tp_group if self.ctx.tp_size > 1 else None,
+        )
+        zeros = torch.zeros(tokens.shape, dtype=log_probs.dtype, device=log_probs.device)
+        return zeros.masked_scatter(keep, log_probs), zeros.masked_scatter(keep, entropy)
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    """A loss over the final hidden states and the output weight (see the module docstring)."""
+
+    fn: Callable[[LMHeadInput, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    """(head input, micro-batch) -> (loss scalar, metrics of detached tensors), as :data:`LossFn`."""
 
 
 @dataclass(frozen=True)
@@ -175,9 +222,10 @@ class TrainEngine:
         self.optimizer.reload_model_params()
 
     def forward_backward(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool = False
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn | HeadLoss, forward_only: bool = False
     ) -> list[dict[str, torch.Tensor]]:
-        """Run the schedule over ``micro_batches``; returns the loss metrics (last pipeline stage only)."""
+        """Run the schedule over ``micro_batches``; returns the loss metrics (last pipeline stage only).
+        ``forward_only`` runs without autograd state."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not micro_batches:
@@ -191,9 +239,10 @@ class TrainEngine:
             )
         iterators = [iter(micro_batches) for _ in self.chunks]
         # Guarded: a rank that raises mid-schedule stops its peers' pipeline waits (mcore_rl.parallel.failure).
-        with self.ctx.guard("forward" if forward_only else "forward_backward"):
+        no_grad = torch.no_grad() if forward_only else nullcontext()
+        with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad:
             return get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, loss_fn),
+                forward_step_func=partial(_forward_step, self.ctx, loss_fn),
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(micro_batches),
@@ -213,7 +262,7 @@ class TrainEngine:
         return StepResult(bool(update_successful), float(grad_norm if grad_norm is not None else 0.0))
 
     def train_step(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn | HeadLoss
     ) -> tuple[StepResult, list[dict[str, torch.Tensor]]]:
         """zero grads -> forward/backward over all micro-batches -> optimizer step."""
         self.zero_grad()
@@ -221,13 +270,70 @@ class TrainEngine:
         return self.step(), metrics
 
 
-def _forward_step(loss_fn: LossFn, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+def _forward_step(
+    ctx: ParallelContext, loss_fn: LossFn | HeadLoss, data_iterator: Any, model: Any
+) -> tuple[torch.Tensor, Callable[..., Any]]:
     micro_batch: MicroBatch = next(data_iterator)
-    output = model(micro_batch.tokens, micro_batch.position_ids, None)
-    return output, partial(_loss_for_schedule, loss_fn, micro_batch)
+    gpt = unwrap(model)
+    if not isinstance(loss_fn, HeadLoss):
+        output = model(micro_batch.tokens, micro_batch.position_ids, None)
+        return output, partial(_loss_for_schedule, loss_fn, micro_batch)
+    if not gpt.post_process:  # an earlier stage or chunk: its output feeds the next one
+        return model(micro_batch.tokens, micro_batch.position_ids, None), _no_loss
+    with _skip_output_layer(gpt):
+        hidden = model(micro_batch.tokens, micro_batch.position_ids, None)  # [s(/tp with SP), b, h]
+    head = LMHeadInput(_full_hidden(hidden, ctx), _output_weight(gpt), ctx)
+    return hidden, partial(_head_loss_for_schedule, loss_fn, micro_batch, head)
+
+
+@contextmanager
+def _skip_output_layer(gpt: Any) -> Iterator[None]:
+    """The last stage's GPTModel returns its final hidden states: with ``post_process`` off, megatron's
+    ``_postprocess`` returns before the output layer (the final norm lives in the decoder block)."""
+    if gpt.config.mtp_num_layers:
+        raise ValueError("HeadLoss does not support multi-token prediction layers (mtp_num_layers)")
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = True
+
+
+def _full_hidden(hidden: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """[b, s, h] on every TP rank, as megatron's column-parallel output layer sees its input: gathered over
+    the sequence with SP; in backward the per-vocab-shard gradients are summed over TP either way."""
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if ctx.tp_size > 1:
+        if ctx.layout.sp:
+            hidden = gather_from_sequence_parallel_region(hidden, True, ctx.tp_group)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, ctx.tp_group)
+    return hidden.transpose(0, 1)
+
+
+def _output_weight(gpt: Any) -> torch.Tensor:
+    """This rank's output-layer rows; the word embedding when tied and both live on this stage."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+def _no_loss(output: torch.Tensor) -> tuple:
+    raise AssertionError("megatron asked a stage without the output layer for a loss")
 
 
 def _loss_for_schedule(loss_fn: LossFn, micro_batch: MicroBatch, output: torch.Tensor) -> tuple:
     loss, metrics = loss_fn(output, micro_batch)
     # The count only feeds megatron's logging; our finalize ignores it (see module docstring).
+    return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
+
+
+def _head_loss_for_schedule(
+    loss_fn: HeadLoss, micro_batch: MicroBatch, head: LMHeadInput, output: torch.Tensor
+) -> tuple:
+    loss, metrics = loss_fn.fn(head, micro_batch)
     return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics

@@ -111,7 +111,9 @@ def _reduce_over_tp(stats: Tensor, tp_group_name: str | None) -> Tensor:
     # A custom-op schema cannot carry a ProcessGroup, so the group travels by name, as in torch's functional
     # collectives, and is looked up here (the name's type is a NewType of str in recent torch).
     group = dist.distributed_c10d._resolve_process_group(cast(Any, tp_group_name))
-    new_max = stats[:, 0].contiguous()
+    # A copy, never a view: with one row, ``stats[:, 0]`` is already contiguous and ``.contiguous()`` would
+    # alias it, so the in-place all-reduce would overwrite the local max that the rebase below still needs.
+    new_max = stats[:, 0].clone()
     dist.all_reduce(new_max, op=dist.ReduceOp.MAX, group=group)
     s, w = _rebase(stats, new_max)
     sums = torch.stack([s, w, stats[:, 3]])

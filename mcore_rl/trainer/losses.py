@@ -4,6 +4,10 @@ Contract (see :mod:`mcore_rl.engine.train_engine`): each micro-batch returns its
 mini-batch loss, so the aggregation gets the global token / sequence counts (summed over micro-batches and
 data-parallel ranks by the worker). Metrics are returned as shares too (a masked mean times local tokens
 over global tokens), so summing them over micro-batches and DP ranks gives the global token mean.
+
+The actor's losses are :class:`HeadLoss` es: they project only the positions their mask reads (response tokens,
+SFT targets) through the fused LM-head + log-prob op, so no [tokens x vocab] logits exist; positions off the
+mask get log-prob and entropy 0, which the algorithms never read (``mcore_rl.algo`` zeroes them anyway).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.algo import LossAggregation, kl_loss, ppo_policy_loss
-from mcore_rl.engine.train_engine import LossFn, MicroBatch
+from mcore_rl.engine.train_engine import HeadLoss, LMHeadInput, MicroBatch
 from mcore_rl.ops import vocab_parallel_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import TrainBatch
@@ -24,6 +28,13 @@ class PolicyMicroBatch(MicroBatch):
     """A micro-batch of the actor: the model inputs plus its rows of the train batch."""
 
     train: TrainBatch | None = None
+
+
+@dataclass
+class LogProbMicroBatch(MicroBatch):
+    """A forward-only micro-batch: the model inputs plus the positions whose next-token log-prob is wanted."""
+
+    mask: torch.Tensor | None = None  # [b, s] float32 or bool, e.g. a rollout's response mask
 
 
 @dataclass
@@ -70,20 +81,20 @@ def token_log_probs(
     return log_probs.view(tokens.shape), entropy.view(tokens.shape)
 
 
-def log_prob_loss(ctx: ParallelContext, vocab_size: int, temperature: float) -> LossFn:
-    """Forward-only: the per-position log-probs and entropy as metrics, a zero loss."""
+def log_prob_loss(vocab_size: int, temperature: float) -> HeadLoss:
+    """Forward-only: the log-probs and entropy at the micro-batch's mask as [b, s] metrics, a zero loss."""
 
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        with torch.no_grad():
-            log_probs, entropy = token_log_probs(output.float(), mb.tokens, ctx, vocab_size, temperature)
-        return output.sum() * 0, {"log_probs": log_probs, "entropy": entropy}
+    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert isinstance(mb, LogProbMicroBatch) and mb.mask is not None
+        log_probs, entropy = head.token_log_probs(mb.tokens, mb.mask != 0, vocab_size, temperature)
+        return log_probs.sum() * 0, {"log_probs": log_probs, "entropy": entropy}
 
-    return loss_fn
+    return HeadLoss(loss_fn)
 
 
 def policy_loss(
-    settings: PolicyLossSettings, ctx: ParallelContext, global_tokens: torch.Tensor, global_seqs: torch.Tensor
-) -> LossFn:
+    settings: PolicyLossSettings, global_tokens: torch.Tensor, global_seqs: torch.Tensor
+) -> HeadLoss:
     """PPO-clip (+ KL to the reference, - entropy bonus) over response tokens; ``global_*`` are the
     mini-batch's counts over every micro-batch and data-parallel rank."""
     agg = LossAggregation(
@@ -94,13 +105,13 @@ def policy_loss(
     )
     token_mean = LossAggregation("token-mean", global_num_tokens=global_tokens)
 
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert isinstance(mb, PolicyMicroBatch) and mb.train is not None
         batch = mb.train
-        log_probs, entropy = token_log_probs(
-            output, mb.tokens, ctx, settings.vocab_size, settings.temperature
-        )
         mask = batch.response_mask
+        log_probs, entropy = head.token_log_probs(
+            mb.tokens, mask != 0, settings.vocab_size, settings.temperature
+        )
         pg = ppo_policy_loss(
             log_probs,
             batch.old_log_probs,
@@ -128,16 +139,16 @@ def policy_loss(
             loss = loss - settings.entropy_coeff * agg.aggregate(entropy, mask)
         return loss, metrics
 
-    return loss_fn
+    return HeadLoss(loss_fn)
 
 
-def sft_loss(ctx: ParallelContext, vocab_size: int, global_tokens: torch.Tensor) -> LossFn:
+def sft_loss(vocab_size: int, global_tokens: torch.Tensor) -> HeadLoss:
     """Token-mean negative log-likelihood of the target tokens (prompt positions masked out)."""
 
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert isinstance(mb, SFTMicroBatch) and mb.loss_mask is not None
-        log_probs, _ = token_log_probs(output, mb.tokens, ctx, vocab_size, 1.0)
+        log_probs, _ = head.token_log_probs(mb.tokens, mb.loss_mask != 0, vocab_size, 1.0)
         loss = -(log_probs * mb.loss_mask).sum() / global_tokens
         return loss, {"loss": loss.detach().clone()}
 
-    return loss_fn
+    return HeadLoss(loss_fn)

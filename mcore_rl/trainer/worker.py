@@ -34,6 +34,7 @@ from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
 from mcore_rl.trainer.critic import CriticHost
 from mcore_rl.trainer.losses import (
+    LogProbMicroBatch,
     PolicyLossSettings,
     PolicyMicroBatch,
     SFTMicroBatch,
@@ -141,11 +142,14 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
     ) -> LogProbBatch | None:
         """Actor (and reference) log-probs and actor entropy of ``batch``'s next tokens."""
         self._to_train()
-        tokens = _pad_width(
-            batch.tokens, self.ctx.tp_size if self.ctx.layout.sp else 1, self.spec.pad_token_id
-        )
-        micro = [_micro(t) for t in _row_chunks(tokens, micro_batch_size)]
-        loss = log_prob_loss(self.ctx, self.spec.arch.vocab_size, temperature)
+        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        masks = _pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
+        micro: list[MicroBatch] = [  # only the response positions are projected (0 elsewhere)
+            LogProbMicroBatch(t, _positions(t), mask=m)
+            for t, m in zip(_row_chunks(tokens, micro_batch_size), masks, strict=True)
+        ]
+        loss = log_prob_loss(self.spec.arch.vocab_size, temperature)
         actor = self.engine.forward_backward(micro, loss, forward_only=True)
         ref = self.reference.forward_backward(micro, loss, forward_only=True) if self.reference else []
         if not self._owns_training_result():
@@ -220,7 +224,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             for part in _micro_parts(ctx, mini, micro_batch_size, token_budget)
         ]
         self.engine.zero_grad()
-        loss_fn = policy_loss(settings, ctx, counts[0].clamp(min=1), counts[1].clamp(min=1))
+        loss_fn = policy_loss(settings, counts[0].clamp(min=1), counts[1].clamp(min=1))
         out = self.engine.forward_backward(micro, loss_fn)
         keys = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
         local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(5)
@@ -261,9 +265,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             for t, m in zip(_row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
         ]
         self.engine.zero_grad()
-        out = self.engine.forward_backward(
-            micro, sft_loss(ctx, self.spec.arch.vocab_size, count.clamp(min=1))
-        )
+        out = self.engine.forward_backward(micro, sft_loss(self.spec.arch.vocab_size, count.clamp(min=1)))
         self.scheduler.step(1)
         result = self.engine.step()
         loss = torch.tensor([sum(float(m["loss"]) for m in out)])

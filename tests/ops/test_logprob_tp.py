@@ -101,3 +101,27 @@ def test_tp2_equals_tp1_bf16(run_distributed) -> None:
 
 def test_tp2_equals_tp1_linear(impl: str, run_distributed) -> None:
     _check("linear", torch.float32, impl, run_distributed)
+
+
+def _one_row(tp: int, rank: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Both ops on a single row (a one-token response): its stats column is contiguous without a copy."""
+    d = _inputs(torch.float32)
+    width = PADDED // tp
+    rows, weight = slice(0, 1), d["weight"][rank * width : (rank + 1) * width]
+    common = {"vocab_start": rank * width, "vocab_size": VOCAB, "temperature": 0.7, "tp_group": group}
+    lp, ent = vocab_parallel_logprob_entropy(
+        d["logits"][rows, rank * width : (rank + 1) * width], d["targets"][rows], **common
+    )
+    lin_lp, lin_ent = linear_logprob_entropy(d["hidden"][rows], weight, d["targets"][rows], **common)
+    return [lp, ent, lin_lp, lin_ent]
+
+
+def _one_row_on_rank() -> list[torch.Tensor]:
+    return _one_row(2, dist.get_rank(), dist.group.WORLD)
+
+
+def test_tp2_one_row(run_distributed) -> None:
+    single = _one_row(1, 0, None)
+    for per_rank in run_distributed(_one_row_on_rank):
+        for got, want in zip(per_rank, single, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
