@@ -1,0 +1,227 @@
+"""One GRPO step, in-process: ours (hybrid engine + embedded rollout + TrainEngine + fused LM-head log-prob op)
+against a baseline step on the same machine, and against the machine's compute limit measured in the same run.
+
+Workload (issue 17): Llama h256, 4 layers, 8 heads MHA, intermediate 688, vocab 1000, fp32; 8 prompts x 4
+samples x 32 new tokens; one Adam step. Our step = sync weights -> generate -> old log-probs (forward only) ->
+policy update (one optimizer step). The baseline is TRL's ``GRPOTrainer`` when ``trl`` is importable; otherwise
+(the default: installing TRL here is not allowed to change torch) HF ``generate`` + a plain PyTorch GRPO step
+(logits -> log_softmax gather -> clipped ratio loss -> backward -> Adam), which is what TRL runs underneath.
+
+The compute limit is the step's matmul FLOPs divided by ``torch.mm``'s rate at the step's own GEMM shapes
+(decode shapes for generation, packed-sequence shapes for training), timed in this process. Rounds alternate
+which side runs first; the report gives medians and the min-max spread.
+
+    python bench/bench_grpo_step.py --rounds 8 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.bench_rollout import HF_CONFIG
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.rollout import SamplingParams
+from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.trainer.losses import (
+    LogProbMicroBatch,
+    PolicyLossSettings,
+    PolicyMicroBatch,
+    log_prob_loss,
+    policy_loss,
+)
+from mcore_rl.types import TrainBatch
+
+HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 256, 4, 8, 688, 1000
+
+
+def _hf_config() -> dict:
+    return {
+        **HF_CONFIG,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "intermediate_size": INTERMEDIATE,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+    }
+
+
+def _advantages(responses: torch.Tensor, group: int) -> torch.Tensor:
+    """[N] group-normalised rewards of a fixed toy reward (share of even token ids)."""
+    reward = (responses % 2 == 0).float().mean(dim=1).view(-1, group)
+    return ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).view(-1)
+
+
+def _flops(n: int, prompt: int, new: int) -> dict[str, float]:
+    """Matmul FLOPs of one step: linear layers, causal attention (QK^T + AV), the LM head where it runs."""
+    per_token = 2 * LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
+    seq = prompt + new
+
+    def attention(length: int) -> float:  # causal: sum over positions of 2 x 2 x t x h per layer
+        return 4.0 * LAYERS * HIDDEN * length * (length + 1) / 2
+
+    head = 2 * HIDDEN * VOCAB
+    generate = n * (seq * per_token + attention(seq) + new * head)
+    forward = n * (seq * per_token + attention(seq) + new * head)  # head only at response positions
+    return {"generate": generate, "train": 4 * forward}  # old log-probs (1x) + update (forward + 2x backward)
+
+
+def _gemm_rate(m: int, reps: int = 5) -> float:
+    """GFLOP/s of torch.mm over the step's linear shapes with ``m`` rows."""
+    shapes = [(HIDDEN, 3 * HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
+    mats = [(torch.randn(m, k), torch.randn(k, n)) for k, n in shapes]
+    flops = sum(2 * m * k * n for k, n in shapes)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for a, b in mats:
+            torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return flops / statistics.median(times) / 1e9
+
+
+class Ours:
+    """Our GRPO step on one in-process rank."""
+
+    def __init__(self, ctx: ParallelContext, args: argparse.Namespace) -> None:
+        self.arch = ModelArch.from_hf_config(_hf_config())
+        self.engine = TrainEngine.build(self.arch, ctx, optim=OptimizerConfig(lr=1e-6))
+        self.hybrid, self.rollout = build_local_hybrid(self.engine)
+        self.args = args
+        self.settings = PolicyLossSettings(vocab_size=VOCAB, temperature=1.0)
+
+    def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
+        args, t = self.args, [time.perf_counter()]
+        self.hybrid.to_rollout()
+        t.append(time.perf_counter())
+        params = SamplingParams(temperature=1.0, n=args.n, max_new_tokens=args.new_tokens, seed=seed)
+        out = self.rollout.generate(prompts.tolist(), params)
+        t.append(time.perf_counter())
+        self.hybrid.to_train()
+        p = prompts.shape[1]
+        tokens = torch.cat([prompts[out.prompt_index], out.token_ids], dim=1)
+        mask = torch.zeros(tokens.shape)
+        mask[:, p - 1 : p - 1 + args.new_tokens] = out.response_mask().float()
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        old = self.engine.forward_backward(
+            [LogProbMicroBatch(tokens, positions, mask=mask)], log_prob_loss(VOCAB, 1.0), forward_only=True
+        )
+        t.append(time.perf_counter())
+        adv = _advantages(out.token_ids, args.n)[:, None] * mask
+        batch = TrainBatch(tokens, mask, old[0]["log_probs"], adv, torch.zeros_like(mask))
+        micro: list[MicroBatch] = [PolicyMicroBatch(tokens, positions, train=batch)]
+        self.engine.zero_grad()
+        count = mask.sum()
+        self.engine.forward_backward(
+            micro, policy_loss(self.settings, count, torch.tensor(float(len(tokens))))
+        )
+        t.append(time.perf_counter())
+        self.engine.step()
+        t.append(time.perf_counter())
+        names = ("reshard", "generate", "old_log_probs", "forward_backward", "optimizer")
+        return {"step": t[-1] - t[0], **{k: b - a for k, a, b in zip(names, t[:-1], t[1:], strict=True)}}
+
+
+class Baseline:
+    """HF ``generate`` + a plain PyTorch GRPO step (TRL's computation with num_iterations=1)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = {k: v for k, v in _hf_config().items() if k not in ("architectures", "model_type")}
+        self.model = LlamaForCausalLM(LlamaConfig(**config))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-6)
+        self.args = args
+
+    def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
+        args, t = self.args, [time.perf_counter()]
+        torch.manual_seed(seed)
+        self.model.eval()
+        with torch.no_grad():
+            tokens = self.model.generate(
+                prompts.repeat_interleave(args.n, 0),
+                attention_mask=torch.ones(len(prompts) * args.n, prompts.shape[1], dtype=torch.long),
+                do_sample=True,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                pad_token_id=0,
+                top_k=0,
+            )
+        t.append(time.perf_counter())
+        self.model.train()
+        p = prompts.shape[1]
+        logits = self.model(tokens).logits[:, p - 1 : -1]  # TRL keeps the completion positions
+        logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, p:, None]).squeeze(-1)
+        adv = _advantages(tokens[:, p:], args.n)[:, None]
+        loss = -(torch.exp(logp - logp.detach()) * adv).mean()
+        loss.backward()
+        t.append(time.perf_counter())
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        t.append(time.perf_counter())
+        names = ("generate", "forward_backward", "optimizer")
+        return {"step": t[-1] - t[0], **{k: b - a for k, a, b in zip(names, t[:-1], t[1:], strict=True)}}
+
+
+def _summary(rows: list[dict[str, float]]) -> str:
+    return ", ".join(f"{k} {statistics.median(r[k] for r in rows):.3f}s" for k in rows[0])
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    prompts = torch.randint(1, VOCAB, (args.prompts, args.prompt_len))
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        ours, base = Ours(ctx, args), Baseline(args)
+        sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {
+            "ours": ours.step,
+            "baseline": base.step,
+        }
+        for fn in sides.values():  # warm-up
+            fn(prompts, 0)
+        rows: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+        for r in range(args.rounds):
+            for name in list(sides)[:: 1 if r % 2 == 0 else -1]:
+                rows[name].append(sides[name](prompts, r + 1))
+    n, seq = args.prompts * args.n, args.prompt_len + args.new_tokens
+    flops = _flops(n, args.prompt_len, args.new_tokens)
+    rate_decode, rate_train = _gemm_rate(n), _gemm_rate(n * seq)
+    limit_s = flops["generate"] / (rate_decode * 1e9) + flops["train"] / (rate_train * 1e9)
+    ratios = [b["step"] / o["step"] for o, b in zip(rows["ours"], rows["baseline"], strict=True)]
+    ours_s = statistics.median(r["step"] for r in rows["ours"])
+    print(f"workload: {n} sequences x ({args.prompt_len} + {args.new_tokens}) tokens, {args.threads} threads")
+    print(f"ours:     {_summary(rows['ours'])}")
+    print(
+        f"baseline: {_summary(rows['baseline'])}  (HF generate + plain PyTorch GRPO step; trl not installed)"
+    )
+    print(f"step FLOPs: generate {flops['generate'] / 1e9:.2f} G, train {flops['train'] / 1e9:.2f} G")
+    print(
+        f"torch.mm: {rate_decode:.1f} GFLOP/s at decode shapes, {rate_train:.1f} GFLOP/s at training shapes"
+    )
+    print(f"compute limit of the step: {limit_s:.3f}s")
+    print(f"ratio baseline/ours (per round): {_spread(ratios)}")
+    print(f"ours vs compute limit: {limit_s / ours_s:.0%} of the limit")
+
+
+if __name__ == "__main__":
+    main()
