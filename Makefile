@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint install test-vllm
+.PHONY: demo test test-sweep lint install test-vllm
 
 install: $(STAMP)
 
@@ -31,7 +31,11 @@ demo: $(STAMP)
 
 # Lint and type checks gate the suite: CI runs exactly this target.
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not sweep"
+
+# The widest generated matrices (e.g. every hybrid-engine feature x layout x rollout TP): minutes on 2 cores.
+test-sweep: $(STAMP)
+	$(PY) -m pytest tests -m sweep
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mcore_rl tests bench

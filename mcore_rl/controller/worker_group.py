@@ -34,6 +34,9 @@ class WorkerError(RuntimeError):
         self.method = method
 
 
+_PORT_ATTEMPTS = 3
+
+
 @dataclass(frozen=True)
 class Pending:
     """The in-flight results of one call on every rank (object refs in rank order)."""
@@ -65,13 +68,46 @@ class WorkerGroup:
         pool: ResourcePool | None = None,
         worker_args: Sequence[Any] = (),
         start_timeout_s: float = 300.0,
+        take_pool: bool = False,
     ) -> WorkerGroup:
         """Start one actor per rank on ``pool`` (default: a new pool sharing the cluster's CPUs), form the
-        torch.distributed world and build each rank's ParallelContext."""
+        torch.distributed world and build each rank's ParallelContext. ``take_pool``: the group owns the given
+        pool and removes it at shutdown, also when starting fails (no placement group outlives a failed run).
+
+        The rendezvous port is picked free on rank 0's node and bound a moment later by its TCPStore; another
+        process can take it in between, so a start that fails with EADDRINUSE is retried on a fresh port."""
+        owns_pool = pool is None or take_pool
+        pool = pool or ResourcePool.for_world(world_size)
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                group = cls._spawn_once(worker_cls, world_size, parallel, pool, worker_args, start_timeout_s)
+                group.owns_pool = owns_pool
+                return group
+            except WorkerError as err:
+                if attempt + 1 < _PORT_ATTEMPTS and "EADDRINUSE" in str(err):
+                    continue
+                if owns_pool:
+                    pool.remove()
+                raise
+            except BaseException:
+                if owns_pool:
+                    pool.remove()
+                raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _spawn_once(
+        cls,
+        worker_cls: type,
+        world_size: int,
+        parallel: ParallelConfig | None,
+        pool: ResourcePool,
+        worker_args: Sequence[Any],
+        start_timeout_s: float,
+    ) -> WorkerGroup:
+        """One attempt of :meth:`spawn`; a failure kills the actors and leaves the pool to the caller."""
         import ray
 
-        owns_pool = pool is None
-        pool = pool or ResourcePool.for_world(world_size)
         if pool.num_bundles < world_size:
             raise ValueError(f"pool has {pool.num_bundles} bundles, world_size {world_size} needs one each")
         threads = max(1, int(pool.cpus_per_bundle))
@@ -85,7 +121,7 @@ class WorkerGroup:
             ).remote(rank, world_size, threads, *worker_args)
             for rank in range(world_size)
         ]
-        group = cls(actors, pool, owns_pool)
+        group = cls(actors, pool, owns_pool=False)
         try:
             first = Pending("rendezvous_address", [actors[0].rendezvous_address.remote()])
             address, port = group.get(first, timeout_s=start_timeout_s)[0]

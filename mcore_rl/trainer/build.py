@@ -56,8 +56,7 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
     parallel = (cfg.critic.parallel or cfg.parallel).to_parallel_config(cfg.trainer.seed)
     ranks = cfg.critic.num_ranks
     pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    group = WorkerGroup.spawn(CriticWorker, ranks, parallel, pool=pool)
-    group.owns_pool = True
+    group = WorkerGroup.spawn(CriticWorker, ranks, parallel, pool=pool, take_pool=True)
     try:
         group.infos = group.run("build", spec)
         critic = CriticGroup(RayBackend(group), actors=actors.backend)
@@ -92,8 +91,14 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     if use_ray:
         started_ray = init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
         pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-        group = WorkerGroup.spawn(HybridWorker, cfg.world_size, parallel, pool=pool)
-        group.owns_pool = True
+        try:
+            group = WorkerGroup.spawn(HybridWorker, cfg.world_size, parallel, pool=pool, take_pool=True)
+        except BaseException:
+            if started_ray:  # nothing of this run may outlive its failure
+                import ray
+
+                ray.shutdown()
+            raise
         try:
             group.infos = group.run("build", spec)  # now with the rollout coordinates
         except BaseException:

@@ -14,8 +14,9 @@ def ray_session() -> Iterator[None]:
 
     from mcore_rl.controller import RayConfig, init_ray
 
-    # 4 logical CPUs so that a 4-rank group fits on a 2-core machine (its ranks share the cores).
-    started = init_ray(RayConfig(num_cpus=4, object_store_memory_bytes=128 << 20))
-    yield
-    if started:
+    if ray.is_initialized():  # a failed earlier module must not leave its placement groups to this one
         ray.shutdown()
+    # 4 logical CPUs so that a 4-rank group fits on a 2-core machine (its ranks share the cores).
+    init_ray(RayConfig(num_cpus=4, object_store_memory_bytes=128 << 20))
+    yield
+    ray.shutdown()

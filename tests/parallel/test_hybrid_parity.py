@@ -299,6 +299,7 @@ def test_rollout_log_probs_equal_actor_log_probs(run_distributed, layout, group)
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize(("layout", "group"), SWEEP, ids=[name for name, _ in SWEEP])
 def test_every_feature_on_every_layout(run_distributed, layout, group):
     check_layout(run_distributed(run_layout, train_layouts()[layout], group, world_size=WORLD))

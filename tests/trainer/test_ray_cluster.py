@@ -34,7 +34,8 @@ ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 def ray_head() -> Iterator[str]:
     import ray
 
-    assert not ray.is_initialized(), "another test module left Ray running"
+    if ray.is_initialized():  # connect to our head below, not to a session an earlier module left
+        ray.shutdown()
     port, temp = free_local_port(), tempfile.mkdtemp(prefix="rayhead_", dir="/tmp")
     command = [
         os.path.join(os.path.dirname(sys.executable), "ray"),
