@@ -18,6 +18,7 @@ from mcore_rl.config.model import OptimConfig
 from mcore_rl.data.preference import PreferenceBatch
 from mcore_rl.dpo.loss import METRICS, DPOLossSettings, PairMicroBatch, dpo_pair_loss, sequence_log_prob_loss
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.parallel.context import ParallelContext
@@ -221,29 +222,6 @@ def frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
     config = chunks[0].config
     config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
     return TrainEngine(engine.ctx, engine.arch, chunks, None, config)
-
-
-def lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> Any:
-    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay = max(optim.lr_decay_steps or total_steps, optim.lr_warmup_steps + 1)
-    for optimizer in engine.optimizers:  # megatron's groups carry their own bounds
-        for group in optimizer.param_groups:
-            group["max_lr"], group["min_lr"] = optim.lr, optim.min_lr
-    return OptimizerParamScheduler(
-        engine.optimizer,
-        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=optim.lr_warmup_steps,
-        lr_decay_steps=decay,
-        lr_decay_style=optim.lr_decay_style,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=decay,
-        wd_incr_style="constant",
-    )
 
 
 def shard_indices(

@@ -29,6 +29,7 @@ from mcore_rl.config.model import OptimConfig
 from mcore_rl.controller.dispatch import RankInfo, data_owners, num_dp_shards, split_record
 from mcore_rl.controller.worker import Worker
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.train_engine import LossFn, MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
@@ -135,7 +136,7 @@ class Critic:
     """The critic on one rank (see the module docstring); every method is collective over the layout."""
 
     def __init__(self, ctx: ParallelContext, spec: CriticSpec, init_from: TrainEngine | None = None) -> None:
-        from mcore_rl.trainer.worker import _hf_full_state, _lr_scheduler
+        from mcore_rl.trainer.worker import _hf_full_state
 
         self.ctx, self.spec = ctx, spec
         options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
@@ -144,7 +145,7 @@ class Critic:
             self.load_body(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
         elif init_from is not None:
             self.init_from(init_from)
-        self.scheduler = _lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
+        self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
 
     def init_from(self, actor: TrainEngine) -> None:
         """The actor's current transformer weights into the critic body (same layout); the head is kept."""

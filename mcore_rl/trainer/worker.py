@@ -25,6 +25,7 @@ from mcore_rl.controller.worker import Worker
 from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
@@ -93,7 +94,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         elif spec.hf_path is not None:
             self.engine.load_full_state(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
         self.reference = _frozen_copy(self.engine, options) if spec.with_reference else None
-        self.scheduler = _lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
+        self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
         self.hybrid, self.rollout = build_local_hybrid(self.engine, spec.rollout_tp, spec.hybrid)
         return self.rank_info()
 
@@ -250,7 +251,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             optimizer.config.clip_grad = optim.clip_grad
             for group in optimizer.param_groups:
                 group["betas"], group["eps"] = (optim.adam_beta1, optim.adam_beta2), optim.adam_eps
-        self.scheduler = _lr_scheduler(self.engine, optim, total_optimizer_steps)
+        self.scheduler = lr_scheduler(self.engine, optim, total_optimizer_steps)
 
     def sft_update(self, batch: SFTBatch, micro_batch_size: int) -> dict[str, float] | None:
         """One supervised optimizer step on this rank's shard; the DP-global loss and grad norm on the owner."""
@@ -335,29 +336,6 @@ def _frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
     config = chunks[0].config
     config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
     return TrainEngine(engine.ctx, engine.arch, chunks, None, config)
-
-
-def _lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> Any:
-    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay = max(optim.lr_decay_steps or total_steps, optim.lr_warmup_steps + 1)
-    for optimizer in engine.optimizers:  # the groups carry their own bounds (TrainEngine set min = max)
-        for group in optimizer.param_groups:
-            group["max_lr"], group["min_lr"] = optim.lr, optim.min_lr
-    return OptimizerParamScheduler(
-        engine.optimizer,
-        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=optim.lr_warmup_steps,
-        lr_decay_steps=decay,
-        lr_decay_style=optim.lr_decay_style,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=decay,
-        wd_incr_style="constant",
-    )
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
