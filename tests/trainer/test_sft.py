@@ -13,28 +13,15 @@ from mcore_rl.cli import main
 from mcore_rl.config import ConfigError
 from mcore_rl.trainer.sft import fit_sft, sft_config
 from mcore_rl.trainer.trainer import Trainer
-from tests.trainer.common import tiny_run_config
+from tests.trainer.common import demo_recipe_overrides, tiny_run_config
 
 
 def _overrides(data: str, run: str) -> list[str]:
     return [
-        "data.generate=null",
-        f"data.train_files=[{data}/train.jsonl]",
-        f"data.val_files=[{data}/val.jsonl]",
-        f"data.test_files=[{data}/test.jsonl]",
-        f"sft.train_files=[{data}/sft.jsonl]",
-        f"model.tokenizer_path={data}/tokenizer",
-        "model.hf_config.hidden_size=64",
-        "model.hf_config.intermediate_size=96",
-        "data.train_batch_size=4",
-        "rollout.n=4",
-        "algorithm.ppo_micro_batch_size_per_gpu=8",
+        *demo_recipe_overrides(data, run),
         "sft.train_batch_size=16",
         "sft.micro_batch_size_per_gpu=8",
         "sft.optim.lr_warmup_steps=0",
-        "logging.progress_bar=false",
-        "logging.plot=false",
-        f"trainer.default_local_dir={run}",
     ]
 
 

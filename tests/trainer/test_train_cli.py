@@ -6,7 +6,7 @@ import json
 import os
 
 from mcore_rl.cli import main
-from tests.trainer.common import tiny_run_config
+from tests.trainer.common import demo_recipe_overrides, tiny_run_config
 
 
 def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_path, capsys) -> None:
@@ -14,17 +14,7 @@ def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_pa
     tiny_run_config(data)  # writes the small demo splits and the tokenizer
     run = str(tmp_path / "run")
     overrides = [
-        "data.generate=null",
-        f"data.train_files=[{data}/train.jsonl]",
-        f"data.val_files=[{data}/val.jsonl]",
-        f"data.test_files=[{data}/test.jsonl]",
-        f"sft.train_files=[{data}/sft.jsonl]",
-        f"model.tokenizer_path={data}/tokenizer",
-        "model.hf_config.hidden_size=64",
-        "model.hf_config.intermediate_size=96",
-        "data.train_batch_size=4",
-        "rollout.n=4",
-        "algorithm.ppo_micro_batch_size_per_gpu=8",
+        *demo_recipe_overrides(data, run),
         "trainer.total_training_steps=2",
         "trainer.test_freq=1",
         "sft.total_steps=4",
@@ -32,8 +22,7 @@ def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_pa
         "sft.train_batch_size=16",
         "sft.micro_batch_size_per_gpu=8",
         "logging.tensorboard=true",
-        "logging.progress_bar=false",
-        f"trainer.default_local_dir={run}",
+        "logging.plot=true",  # the tiny-run defaults turn it off; this test reads the PNG
     ]
     assert main(["train", "recipes/demo_cpu.yaml", *overrides, "--in-process"]) == 0
     out = capsys.readouterr().out
