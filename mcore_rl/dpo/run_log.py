@@ -6,13 +6,12 @@ The RL trainer's ``RunLog`` is built around reward curves; this one reads TRL's 
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from typing import Any
 
 from mcore_rl.config import LoggingConfig
+from mcore_rl.trainer.run_log import emit_record
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +48,7 @@ class DPORunLog:
     def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"stage": stage, "step": step, **metrics}
-        self.records.append(record)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(f"{stage}/{key}", value, step)
+        self.records.append(emit_record(self._jsonl, self._tb, stage, step, metrics))
         if self._bar is not None and stage == TRAIN:
             self._bar.update(step - self._bar.n)
             shown = {"loss": "loss", "acc": "rewards/accuracies", "margin": "rewards/margins"}

@@ -14,6 +14,20 @@ from mcore_rl.config import LoggingConfig
 log = logging.getLogger(__name__)
 
 
+def emit_record(jsonl: Any, tb: Any, stage: str, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """``{"stage", "step", **metrics}`` appended to the open JSONL file (flushed, so a crash keeps it) and its
+    finite numbers to TensorBoard as ``stage/key``; either sink may be None. Returns the record."""
+    record = {"stage": stage, "step": step, **metrics}
+    if jsonl is not None:
+        jsonl.write(json.dumps(record) + "\n")
+        jsonl.flush()
+    if tb is not None:
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                tb.add_scalar(f"{stage}/{key}", value, step)
+    return record
+
+
 class RunLog:
     """Writes records of ``{"stage": ..., "step": ..., metrics...}``; :meth:`close` draws the plot."""
 
@@ -39,15 +53,7 @@ class RunLog:
             self._bar = tqdm(total=total_steps, desc=progress_stage, unit="step", mininterval=2.0)
 
     def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
-        record = {"stage": stage, "step": step, **metrics}
-        self.records.append(record)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(f"{stage}/{key}", value, step)
+        self.records.append(emit_record(self._jsonl, self._tb, stage, step, metrics))
         if self._bar is not None and stage == self.progress_stage:
             self._bar.update(step - self._bar.n)
             shown = {k: f"{metrics[k]:.3f}" for k in ("reward", "loss", "val_accuracy") if k in metrics}
