@@ -2,8 +2,11 @@
 against a baseline step on the same machine, and against the machine's compute limit measured in the same run.
 
 Workload (issue 17): Llama h256, 4 layers, 8 heads MHA, intermediate 688, vocab 1000, fp32; 8 prompts x 4
-samples x 32 new tokens; one Adam step. Our step = sync weights -> generate -> old log-probs (forward only) ->
-policy update (one optimizer step). The baseline is TRL's ``GRPOTrainer`` when ``trl`` is importable; otherwise
+samples x 32 new tokens; one Adam step. Our step = sync weights -> generate -> policy update (one optimizer
+step), with verl's on-policy shortcut as ``algorithm.recompute_old_log_probs=auto`` takes it here: the old
+log-probs are the update's own forward's, detached. ``ours_always`` is the same step with the separate
+old-log-prob forward pass (``recompute_old_log_probs=always``, the step before issue 17's shortcut), timed in
+the same rounds on the same engine; ``--no-always`` leaves it out. The baseline is TRL's ``GRPOTrainer`` when ``trl`` is importable; otherwise
 (the default: installing TRL here is not allowed to change torch) HF ``generate`` + a plain PyTorch GRPO step
 (logits -> log_softmax gather -> clipped ratio loss -> backward -> Adam), which is what TRL runs underneath.
 
@@ -17,6 +20,8 @@ which side runs first; the report gives medians and the min-max spread.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -60,8 +65,9 @@ def _advantages(responses: torch.Tensor, group: int) -> torch.Tensor:
     return ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).view(-1)
 
 
-def _flops(n: int, prompt: int, new: int) -> dict[str, float]:
-    """Matmul FLOPs of one step: linear layers, causal attention (QK^T + AV), the LM head where it runs."""
+def _flops(n: int, prompt: int, new: int, recompute: bool = False) -> dict[str, float]:
+    """Matmul FLOPs of one step: linear layers, causal attention (QK^T + AV), the LM head where it runs;
+    ``recompute``: with the separate old-log-prob forward."""
     per_token = 2 * LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
     seq = prompt + new
 
@@ -71,7 +77,8 @@ def _flops(n: int, prompt: int, new: int) -> dict[str, float]:
     head = 2 * HIDDEN * VOCAB
     generate = n * (seq * per_token + attention(seq) + new * head)
     forward = n * (seq * per_token + attention(seq) + new * head)  # head only at response positions
-    return {"generate": generate, "train": 4 * forward}  # old log-probs (1x) + update (forward + 2x backward)
+    # update (forward + 2x backward), plus the old log-probs' forward (1x) when recomputed
+    return {"generate": generate, "train": (4 if recompute else 3) * forward}
 
 
 def _gemm_rate(m: int, reps: int = 5) -> float:
@@ -98,7 +105,8 @@ class Ours:
         self.args = args
         self.settings = PolicyLossSettings(vocab_size=VOCAB, temperature=1.0)
 
-    def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
+    def step(self, prompts: torch.Tensor, seed: int, recompute: bool = False) -> dict[str, float]:
+        """One step; ``recompute`` runs the separate old-log-prob forward (else the on-policy shortcut)."""
         args, t = self.args, [time.perf_counter()]
         self.hybrid.to_rollout()
         t.append(time.perf_counter())
@@ -111,18 +119,20 @@ class Ours:
         mask = torch.zeros(tokens.shape)
         mask[:, p - 1 : p - 1 + args.new_tokens] = out.response_mask().float()
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        old = self.engine.forward_backward(
-            [LogProbMicroBatch(tokens, positions, mask=mask)], log_prob_loss(VOCAB, 1.0), forward_only=True
-        )
+        settings, old_log_probs = dataclasses.replace(self.settings, on_policy=True), None
+        if recompute:
+            micro_old: list[MicroBatch] = [LogProbMicroBatch(tokens, positions, mask=mask)]
+            old = self.engine.forward_backward(micro_old, log_prob_loss(VOCAB, 1.0), forward_only=True)
+            settings, old_log_probs = self.settings, old[0]["log_probs"]
         t.append(time.perf_counter())
         adv = _advantages(out.token_ids, args.n)[:, None] * mask
-        batch = TrainBatch(tokens, mask, old[0]["log_probs"], adv, torch.zeros_like(mask))
+        unread = torch.full(mask.shape, math.nan)  # the shortcut's loss never reads the old log-probs
+        old_or_unread = unread if old_log_probs is None else old_log_probs
+        batch = TrainBatch(tokens, mask, old_or_unread, adv, torch.zeros_like(mask))
         micro: list[MicroBatch] = [PolicyMicroBatch(tokens, positions, train=batch)]
         self.engine.zero_grad()
         count = mask.sum()
-        self.engine.forward_backward(
-            micro, policy_loss(self.settings, count, torch.tensor(float(len(tokens))))
-        )
+        self.engine.forward_backward(micro, policy_loss(settings, count, torch.tensor(float(len(tokens)))))
         t.append(time.perf_counter())
         self.engine.step()
         t.append(time.perf_counter())
@@ -187,6 +197,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument(
+        "--no-always", action="store_true", help="leave out ours_always (the separate old-log-prob pass)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -197,11 +210,14 @@ def main() -> None:
             "ours": ours.step,
             "baseline": base.step,
         }
+        if not args.no_always:
+            sides["ours_always"] = lambda p, seed: ours.step(p, seed, recompute=True)
         for fn in sides.values():  # warm-up
             fn(prompts, 0)
         rows: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
-        for r in range(args.rounds):
-            for name in list(sides)[:: 1 if r % 2 == 0 else -1]:
+        for r in range(args.rounds):  # the order rotates, so that each side runs first in some rounds
+            names = list(sides)
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 rows[name].append(sides[name](prompts, r + 1))
     n, seq = args.prompts * args.n, args.prompt_len + args.new_tokens
     flops = _flops(n, args.prompt_len, args.new_tokens)
@@ -220,6 +236,10 @@ def main() -> None:
     )
     print(f"compute limit of the step: {limit_s:.3f}s")
     print(f"ratio baseline/ours (per round): {_spread(ratios)}")
+    if "ours_always" in rows:
+        print(f"ours_always: {_summary(rows['ours_always'])}  (recompute_old_log_probs=always)")
+        shortcut = [a["step"] / o["step"] for o, a in zip(rows["ours"], rows["ours_always"], strict=True)]
+        print(f"ratio ours_always/ours, the shortcut's speed-up (per round): {_spread(shortcut)}")
     print(f"ours vs compute limit: {limit_s / ours_s:.0%} of the limit")
 
 

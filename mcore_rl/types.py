@@ -101,3 +101,14 @@ class UpdateStats:
     """Optimizer steps taken (mini-batches x epochs), skipped ones excluded."""
     num_skipped: int
     """Updates skipped because the loss was NaN/inf (``on_nonfinite_loss=skip``)."""
+
+
+@dataclass
+class OnPolicyUpdate:
+    """An update of one optimizer step whose old log-probs are its own forward's, detached (verl's on-policy
+    shortcut, ``algorithm.recompute_old_log_probs=auto``): its stats and what that forward computed."""
+
+    stats: UpdateStats
+    actor_log_probs: Tensor
+    """[N, S] float32: the actor's log-prob of the next token before the step (the weights that generated the
+    rollout), 0 off the response mask; rows in the update batch's order (owner ranks only)."""

@@ -15,7 +15,8 @@ the meaning is the same::
                 kl_loss_type, use_kl_in_reward, kl_penalty, kl_ctrl {type, kl_coef, target_kl, horizon},
                 clip_ratio_low/high/c, loss_agg_mode, entropy_coeff, ppo_epochs,
                 ppo_mini_batch_size (prompts), ppo_micro_batch_size_per_gpu (sequences),
-                ppo_max_token_len_per_gpu (token-budget micro-batches, balanced over DP)
+                ppo_max_token_len_per_gpu (token-budget micro-batches, balanced over DP),
+                recompute_old_log_probs (auto: verl's on-policy shortcut, always)
     optim:      lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps, weight_decay,
                 adam_beta1/2, adam_eps, clip_grad, use_distributed_optimizer      (the RL stage)
     data:       train_files, val_files, test_files, prompt_key, reward_fn_key, max_prompt_length,

@@ -260,6 +260,14 @@ class AlgorithmConfig:
     ``ppo_micro_batch_size_per_gpu`` rows; each mini-batch's rows are also balanced over the data-parallel
     ranks by tokens and each micro-batch is trimmed to its longest row (``trainer/token_batching.py``).
     Needs pipeline_model_parallel_size=1; null: a fixed number of rows."""
+    recompute_old_log_probs: str = "auto"
+    """The actor's forward pass for the PPO ratio's old log-probs before the update. auto (verl's on-policy
+    shortcut): skipped when the update is one optimizer step (``ppo_epochs=1``, ``ppo_mini_batch_size =
+    data.train_batch_size``) on a rollout of the current weights (not a ``trainer.one_step_off`` lagged
+    one) and nothing else reads them first (not ``use_kl_in_reward``; the PPO step always keeps the pass):
+    the old log-probs are then the update's own forward log-probs, detached (ratio 1), and
+    ``token_mult_prob_error`` is taken from that forward. always: run the pass every step (same numbers,
+    one actor forward more per step)."""
 
     def __post_init__(self) -> None:
         # Store one spelling so the driver compares against one name.

@@ -44,6 +44,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_penalty": _KL_NAMES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.loss_agg_mode": LOSS_AGG_MODES,
+    "algorithm.recompute_old_log_probs": ("auto", "always"),
     "optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "sft.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from mcore_rl.config.model import OptimConfig
 from mcore_rl.controller.dispatch import (
     RankInfo,
@@ -31,7 +33,14 @@ from mcore_rl.trainer.losses import PolicyLossSettings
 from mcore_rl.trainer.memory import max_over_ranks
 from mcore_rl.trainer.token_batching import balanced_order, row_lengths, select_rows
 from mcore_rl.trainer.worker import HybridWorker
-from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+from mcore_rl.types import (
+    LogProbBatch,
+    OnPolicyUpdate,
+    RolloutBatch,
+    RolloutRequest,
+    TrainBatch,
+    UpdateStats,
+)
 
 
 class Backend(Protocol):
@@ -140,18 +149,63 @@ class ActorGroup:
 
         return collect
 
+    def submit_ref_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int
+    ) -> Callable[[], torch.Tensor]:
+        """Start the reference's log-prob pass alone (the on-policy shortcut with the KL loss); call the
+        result to wait for the [N, S] log-probs."""
+        shards = list(split_record(batch, self.num_dp_shards))
+        micro = min(micro_batch_size, shards[0].num_sequences)
+        wait = self.backend.submit("ref_log_probs", shards, "dp", temperature, micro)
+
+        def collect() -> torch.Tensor:
+            results = wait()
+            return torch.cat([results[i] for i in self._data_owners])
+
+        return collect
+
     def update(self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan) -> UpdateStats:
         """One step's actor update; the stats of data-parallel rank 0's owner (already DP-reduced)."""
-        if plan.token_budget is not None:  # same mini-batches, rows dealt to the ranks by tokens
-            lengths = row_lengths(batch.response_mask).tolist()
-            batch = select_rows(batch, balanced_order(lengths, plan.num_mini_batches, self.num_dp_shards))
-        shards = list(split_record(batch, self.num_dp_shards))
+        shards, _ = self._update_shards(batch, plan)
         rows_per_mini_batch = shards[0].tokens.shape[0] // plan.num_mini_batches
         micro = min(plan.micro_batch_size, max(rows_per_mini_batch, 1))
         args = (settings, plan.num_mini_batches, plan.ppo_epochs, micro, plan.on_nonfinite, plan.token_budget)
         results = self.backend.submit("update", shards, "dp", *args)()
         stats: UpdateStats = results[self._data_owners[0]]
         return stats
+
+    def update_on_policy(
+        self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan
+    ) -> OnPolicyUpdate:
+        """One optimizer step whose old log-probs are its own forward's (``batch.old_log_probs`` is not read;
+        ``plan`` must be one mini-batch, one epoch): the stats of data-parallel rank 0's owner and the
+        forward's [N, S] actor log-probs, the owners' shards joined back into ``batch``'s row order."""
+        if plan.num_mini_batches != 1 or plan.ppo_epochs != 1:
+            raise ValueError(
+                f"update_on_policy: one optimizer step only, got {plan.num_mini_batches} mini-batches x "
+                f"{plan.ppo_epochs} epochs"
+            )
+        shards, order = self._update_shards(batch, plan)
+        micro = min(plan.micro_batch_size, max(shards[0].tokens.shape[0], 1))
+        args = (settings, micro, plan.on_nonfinite, plan.token_budget)
+        results = self.backend.submit("update_on_policy", shards, "dp", *args)()
+        owned: list[OnPolicyUpdate] = [results[i] for i in self._data_owners]
+        log_probs = torch.cat([r.actor_log_probs for r in owned])
+        if order is not None:  # row j of the shards is the batch's row order[j]
+            log_probs = log_probs[torch.argsort(torch.as_tensor(order))]
+        return OnPolicyUpdate(owned[0].stats, log_probs)
+
+    def _update_shards(
+        self, batch: TrainBatch, plan: UpdatePlan
+    ) -> tuple[list[TrainBatch], list[int] | None]:
+        """The data-parallel shards of an update, and with a token budget the row order they were cut from
+        (the same mini-batches, rows dealt to the ranks by tokens)."""
+        order = None
+        if plan.token_budget is not None:
+            lengths = row_lengths(batch.response_mask).tolist()
+            order = balanced_order(lengths, plan.num_mini_batches, self.num_dp_shards)
+            batch = select_rows(batch, order)
+        return list(split_record(batch, self.num_dp_shards)), order
 
     def set_optim(self, optim: OptimConfig, total_optimizer_steps: int) -> None:
         """New optimizer hyper-parameters and LR schedule, same optimizer state (SFT -> RL)."""

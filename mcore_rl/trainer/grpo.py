@@ -6,6 +6,11 @@
                                                                                                 │
     next step ◄── actors.sync_weights (hybrid engine reshard) ◄── actors.update (PPO epochs) ◄──┘
 
+On-policy shortcut (``algorithm.recompute_old_log_probs=auto``, verl's ``on_policy`` branch): when the update
+is one optimizer step on a rollout of the current weights, ``actors.log_probs`` runs for the reference alone
+(KL loss) or not at all; the update's own forward gives the old log-probs (detached: ratio 1) and the
+trainer log-probs of the agreement check.
+
 Every arrow carries a typed record (``mcore_rl/types.py``); each worker call moves whole shards. The
 standing health check is NeMo-RL's ``token_mult_prob_error`` between the rollout engine's log-probs and
 the trainer's (1.000000 with our engines); above ``logging.token_mult_prob_error_threshold`` it warns with
@@ -16,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
-from mcore_rl.config import RunConfig
+from mcore_rl.config import AlgorithmConfig, RunConfig
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.prompts import PromptBatch
 from mcore_rl.data.tokenizer import Tokenizer
@@ -36,6 +42,7 @@ from mcore_rl.trainer.worker import NonFiniteLossError
 from mcore_rl.types import RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StageTimer:
@@ -78,17 +85,12 @@ class RLStep:
         ``next_prompts`` (``trainer.one_step_off``): the next step's prompts, generated before this update."""
         cfg, timer = self.cfg, StageTimer()
         rollout, lag = self.rollout_for(prompts, step, next_prompts, timer)
+        recompute = recompute_old_log_probs(cfg.algorithm, self.plan, lag)
         with timer("score_and_log_probs"):
-            wait_log_probs = self.actors.submit_log_probs(
-                rollout, cfg.rollout.temperature, cfg.algorithm.ppo_micro_batch_size_per_gpu
-            )
+            wait_log_probs = self.submit_log_probs(rollout, recompute)
             with timer("score"):
                 scores = self.training_scores(rollout, prompts)
-            log_probs = wait_log_probs()
-        agreement = prob_agreement(
-            rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
-        )
-        self.check_agreement(agreement, rollout, step)
+            old_log_probs, ref_log_probs = wait_log_probs()
         advantages = compute_advantages(
             cfg.algorithm.adv_estimator,
             scores,
@@ -97,24 +99,52 @@ class RLStep:
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
             gamma=cfg.algorithm.gamma,
         )
-        batch = TrainBatch(
-            rollout.tokens,
-            rollout.response_mask,
-            log_probs.actor_log_probs,
-            advantages,
-            log_probs.ref_log_probs,
-        )
+        batch = TrainBatch(rollout.tokens, rollout.response_mask, old_log_probs, advantages, ref_log_probs)
         with timer("update"):
-            stats = self.update(batch, step)
+            stats, trainer_log_probs = self.update_for(batch, step, recompute)
+        agreement = prob_agreement(rollout.rollout_log_probs, trainer_log_probs, rollout.response_mask)
+        self.check_agreement(agreement, rollout, step)
         with timer("sync"):
             sync = self.actors.sync_weights()
         memory = self.actors.phase_memory()  # peaks per phase, max over ranks
         return {
             **step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n),
+            "old_log_probs_recomputed": float(recompute),
             **sync,
             **memory,
             **self.lag_metrics(lag),
         }
+
+    def submit_log_probs(
+        self, rollout: RolloutBatch, recompute: bool
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Start the forward passes the update needs before it; the result waits for ([N, S] old log-probs,
+        [N, S] reference log-probs, zeros without a reference). On the on-policy shortcut only the reference
+        runs (when the KL loss reads it) and the old log-probs are NaN: the update computes its own and never
+        reads these, and a NaN would make any read fail loudly as a non-finite loss."""
+        args = (rollout, self.cfg.rollout.temperature, self.cfg.algorithm.ppo_micro_batch_size_per_gpu)
+        if recompute:
+            wait = self.actors.submit_log_probs(*args)
+
+            def both() -> tuple[torch.Tensor, torch.Tensor]:
+                log_probs = wait()
+                return log_probs.actor_log_probs, log_probs.ref_log_probs
+
+            return both
+        unread = torch.full(rollout.response_mask.shape, math.nan)
+        if not self.loss.use_kl_loss:
+            zeros = torch.zeros(rollout.response_mask.shape)
+            return lambda: (unread, zeros)
+        wait_ref = self.actors.submit_ref_log_probs(*args)
+        return lambda: (unread, wait_ref())
+
+    def update_for(self, batch: TrainBatch, step: int, recompute: bool) -> tuple[UpdateStats, torch.Tensor]:
+        """The actor update and the [N, S] trainer log-probs of the rollout before it: the recomputed old
+        log-probs, or on the shortcut those of the update's own forward."""
+        if recompute:
+            return self.update(batch, step), batch.old_log_probs
+        result = _named_nonfinite(step, lambda: self.actors.update_on_policy(batch, self.loss, self.plan))
+        return result.stats, result.actor_log_probs
 
     def rollout_for(
         self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None, timer: StageTimer
@@ -161,15 +191,7 @@ class RLStep:
 
     def update(self, batch: TrainBatch, step: int) -> UpdateStats:
         """The actor update; a NaN/inf loss stops the run naming the step (nothing was applied)."""
-        try:
-            return self.actors.update(batch, self.loss, self.plan)
-        except (NonFiniteLossError, WorkerError) as err:
-            if "NaN/inf loss" not in str(err):
-                raise
-            raise NonFiniteLossError(
-                f"step {step}: NaN/inf loss, the update was not applied (trainer.on_nonfinite_loss=skip "
-                f"skips such updates): {str(err).splitlines()[0][:300]}"
-            ) from err
+        return _named_nonfinite(step, lambda: self.actors.update(batch, self.loss, self.plan))
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step
@@ -224,6 +246,32 @@ class RLStep:
             threshold,
             worst,
         )
+
+
+def _named_nonfinite(step: int, update: Callable[[], T]) -> T:
+    """Run ``update``; its NaN/inf-loss error (nothing was applied) comes back naming the step."""
+    try:
+        return update()
+    except (NonFiniteLossError, WorkerError) as err:
+        if "NaN/inf loss" not in str(err):
+            raise
+        raise NonFiniteLossError(
+            f"step {step}: NaN/inf loss, the update was not applied (trainer.on_nonfinite_loss=skip "
+            f"skips such updates): {str(err).splitlines()[0][:300]}"
+        ) from err
+
+
+def recompute_old_log_probs(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) -> bool:
+    """Whether the step runs the actor's old-log-prob pass (``algorithm.recompute_old_log_probs``). auto
+    skips it only where it provably equals the update's own forward: one optimizer step (one epoch, one
+    mini-batch) on a rollout of the weights being updated (policy lag 0), and no in-reward KL reading the
+    actor's log-probs before the update."""
+    mode = algo.recompute_old_log_probs
+    if mode not in ("auto", "always"):
+        raise ValueError(f"algorithm.recompute_old_log_probs={mode!r}: choose auto or always")
+    one_step = plan.ppo_epochs == 1 and plan.num_mini_batches == 1
+    on_policy = one_step and policy_lag == 0 and not algo.use_kl_in_reward
+    return mode == "always" or not on_policy
 
 
 def _rows(rollout: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:

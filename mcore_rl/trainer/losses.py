@@ -62,6 +62,12 @@ class PolicyLossSettings:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    on_policy: bool = False
+    """The old log-probs are this forward's own, detached (``TrainBatch.old_log_probs`` is not read): the
+    ratio is exactly 1 and its gradient the policy gradient. Valid only for one optimizer step on a rollout
+    of the current weights, and because our models run without dropout (``engine/model.py``): this
+    train-mode forward is then the function the forward-only pass it replaces computes. The loss also
+    returns its ``log_probs`` [b, s] as a metric."""
 
 
 def token_log_probs(
@@ -112,9 +118,10 @@ def policy_loss(
         log_probs, entropy = head.token_log_probs(
             mb.tokens, mask != 0, settings.vocab_size, settings.temperature
         )
+        old_log_probs = log_probs.detach() if settings.on_policy else batch.old_log_probs
         pg = ppo_policy_loss(
             log_probs,
-            batch.old_log_probs,
+            old_log_probs,
             batch.advantages,
             mask,
             clip_ratio_low=settings.clip_ratio_low,
@@ -131,6 +138,8 @@ def policy_loss(
             "entropy": token_mean.aggregate(entropy.detach(), mask),
             "kl_loss": torch.zeros(()),
         }
+        if settings.on_policy:
+            metrics["log_probs"] = log_probs.detach()
         if settings.use_kl_loss:
             kl = kl_loss(log_probs, batch.ref_log_probs, mask, settings.kl_loss_type, agg)
             loss = loss + settings.kl_loss_coef * kl

@@ -46,7 +46,14 @@ from mcore_rl.trainer.losses import (
 from mcore_rl.trainer.memory import measured, phase_memory
 from mcore_rl.trainer.reward_model import RewardModelHost
 from mcore_rl.trainer.token_batching import budget_micro_batches, row_lengths, select_rows, trim_columns
-from mcore_rl.types import LogProbBatch, RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
+from mcore_rl.types import (
+    LogProbBatch,
+    OnPolicyUpdate,
+    RolloutBatch,
+    RolloutRequest,
+    TrainBatch,
+    UpdateStats,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -143,27 +150,42 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
     ) -> LogProbBatch | None:
         """Actor (and reference) log-probs and actor entropy of ``batch``'s next tokens."""
         self._to_train()
-        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
-        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
-        masks = _pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
-        micro: list[MicroBatch] = [  # only the response positions are projected (0 elsewhere)
-            LogProbMicroBatch(t, _positions(t), mask=m)
-            for t, m in zip(_row_chunks(tokens, micro_batch_size), masks, strict=True)
-        ]
+        micro = self._log_prob_micro_batches(batch, micro_batch_size)
         loss = log_prob_loss(self.spec.arch.vocab_size, temperature)
         actor = self.engine.forward_backward(micro, loss, forward_only=True)
         ref = self.reference.forward_backward(micro, loss, forward_only=True) if self.reference else []
         if not self._owns_training_result():
             return None
         width = batch.tokens.shape[1]
-        log_probs = torch.cat([m["log_probs"] for m in actor])[:, :width]
+        log_probs = _joined(actor, "log_probs", width)
         return LogProbBatch(
             actor_log_probs=log_probs,
-            entropy=torch.cat([m["entropy"] for m in actor])[:, :width],
-            ref_log_probs=torch.cat([m["log_probs"] for m in ref])[:, :width]
-            if ref
-            else torch.zeros_like(log_probs),
+            entropy=_joined(actor, "entropy", width),
+            ref_log_probs=_joined(ref, "log_probs", width) if ref else torch.zeros_like(log_probs),
         )
+
+    @measured("log_probs")  # the same forward-only phase, run for the reference alone
+    def ref_log_probs(
+        self, batch: RolloutBatch, temperature: float, micro_batch_size: int
+    ) -> torch.Tensor | None:
+        """[N, S] the reference policy's log-probs of ``batch``'s next tokens: what the KL loss needs when
+        the on-policy shortcut skips the actor's pass."""
+        if self.reference is None:
+            raise RuntimeError("ref_log_probs(): no reference policy was built (algorithm.use_kl_loss=false)")
+        self._to_train()
+        micro = self._log_prob_micro_batches(batch, micro_batch_size)
+        loss = log_prob_loss(self.spec.arch.vocab_size, temperature)
+        ref = self.reference.forward_backward(micro, loss, forward_only=True)
+        return _joined(ref, "log_probs", batch.tokens.shape[1]) if self._owns_training_result() else None
+
+    def _log_prob_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[MicroBatch]:
+        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        masks = _pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
+        return [  # only the response positions are projected (0 elsewhere)
+            LogProbMicroBatch(t, _positions(t), mask=m)
+            for t, m in zip(_row_chunks(tokens, micro_batch_size), masks, strict=True)
+        ]
 
     @measured("update")
     def update(
@@ -178,24 +200,64 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
     ) -> UpdateStats | None:
         """PPO epochs over mini-batches (one optimizer step each) of this rank's shard; the step's stats,
         reduced over data-parallel ranks, on the owner."""
+        plan = (num_mini_batches, ppo_epochs, micro_batch_size, on_nonfinite, token_budget)
+        return self._update(batch, settings, *plan)[0]
+
+    @measured("update")
+    def update_on_policy(
+        self,
+        batch: TrainBatch,
+        settings: PolicyLossSettings,
+        micro_batch_size: int,
+        on_nonfinite: str = "stop",
+        token_budget: int | None = None,
+    ) -> OnPolicyUpdate | None:
+        """One optimizer step on this rank's shard whose old log-probs are its own forward's, detached
+        (``batch.old_log_probs`` is not read); on the owner the stats and that forward's log-probs of the
+        shard's rows, in their order."""
+        on_policy = dataclasses.replace(settings, on_policy=True)
+        stats, log_probs = self._update(batch, on_policy, 1, 1, micro_batch_size, on_nonfinite, token_budget)
+        if stats is None or log_probs is None:
+            return None
+        return OnPolicyUpdate(stats, log_probs)
+
+    def _update(
+        self,
+        batch: TrainBatch,
+        settings: PolicyLossSettings,
+        num_mini_batches: int,
+        ppo_epochs: int,
+        micro_batch_size: int,
+        on_nonfinite: str,
+        token_budget: int | None,
+    ) -> tuple[UpdateStats | None, torch.Tensor | None]:
+        """(stats, [N, S] forward log-probs when ``settings.on_policy``) on the owner, (None, None) elsewhere."""
+        if settings.on_policy and num_mini_batches * ppo_epochs != 1:
+            raise ValueError(
+                "on-policy update (old log-probs from its own forward): needs one optimizer step, got "
+                f"{num_mini_batches} mini-batches x {ppo_epochs} epochs"
+            )
         self._to_train()
-        pad = self.ctx.tp_size if self.ctx.layout.sp else 1
+        width, pad = batch.tokens.shape[1], self.ctx.tp_size if self.ctx.layout.sp else 1
         batch = _pad_record(batch, pad, self.spec.pad_token_id)
         sums = torch.zeros(6)  # pg_loss, kl_loss, entropy, clip_frac, approx_kl, grad_norm
         steps = skipped = 0
+        log_probs = None
         for _ in range(ppo_epochs):
             for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
                 mini = _slice_rows(batch, rows)
-                metrics = self._optimizer_step(mini, settings, micro_batch_size, on_nonfinite, token_budget)
+                metrics, log_probs = self._optimizer_step(
+                    mini, settings, micro_batch_size, on_nonfinite, token_budget
+                )
                 if metrics is None:
                     skipped += 1
                     continue
                 sums += metrics
                 steps += 1
         if not self._owns_training_result():
-            return None
+            return None, None
         pg, kl, entropy, clip, approx_kl, grad_norm = (sums / max(steps, 1)).tolist()
-        return UpdateStats(
+        stats = UpdateStats(
             pg_loss=pg,
             kl_loss=kl,
             entropy=entropy,
@@ -206,6 +268,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             num_optimizer_steps=steps,
             num_skipped=skipped,
         )
+        return stats, None if log_probs is None else log_probs[:, :width]
 
     def _optimizer_step(
         self,
@@ -214,19 +277,23 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         micro_batch_size: int,
         on_nonfinite: str,
         token_budget: int | None = None,
-    ) -> torch.Tensor | None:
-        """One optimizer step on a mini-batch: [6] metrics (global), or None when skipped as non-finite."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One optimizer step on a mini-batch: [6] metrics (global), or None when skipped as non-finite; and
+        with ``settings.on_policy`` the forward's [rows, S] log-probs on the last stage (even when skipped)."""
         ctx = self.ctx
         mask = mini.response_mask
         counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float()])
         dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
+        parts = _micro_parts(ctx, mini, micro_batch_size, token_budget)
         micro: list[MicroBatch] = [
-            PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part)
-            for part in _micro_parts(ctx, mini, micro_batch_size, token_budget)
+            PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part) for _, part in parts
         ]
         self.engine.zero_grad()
         loss_fn = policy_loss(settings, counts[0].clamp(min=1), counts[1].clamp(min=1))
         out = self.engine.forward_backward(micro, loss_fn)
+        log_probs = (
+            _at_rows(out, [rows for rows, _ in parts], mask.shape) if settings.on_policy and out else None
+        )
         keys = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
         local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(5)
         bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
@@ -234,7 +301,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if bad.item():
             self.engine.zero_grad()
             if on_nonfinite == "skip":
-                return None
+                return None, log_probs
             raise NonFiniteLossError(
                 f"rank {ctx.rank}: NaN/inf loss {local.tolist()}; the update was not applied"
             )
@@ -242,7 +309,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         result = self.engine.step()
         if out:
             dist.all_reduce(local, group=ctx.dp_group)
-        return torch.cat([local, torch.tensor([result.grad_norm])])
+        return torch.cat([local, torch.tensor([result.grad_norm])]), log_probs
 
     def set_optim(self, optim: OptimConfig, total_optimizer_steps: int) -> None:
         """Continue with the same optimizer state under new hyper-parameters and a fresh LR schedule
@@ -357,19 +424,39 @@ def _row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 def _micro_parts(
     ctx: ParallelContext, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
-) -> list[TrainBatch]:
-    """Micro-batches of a mini-batch: ``micro_batch_size`` rows each, or at most ``token_budget`` tokens each
-    and trimmed to their longest row (``token_batching.py``; pipeline schedules need equal shapes)."""
+) -> list[tuple[list[int], TrainBatch]]:
+    """Micro-batches of a mini-batch, each with its rows of the mini-batch: ``micro_batch_size`` rows each,
+    or at most ``token_budget`` tokens each and trimmed to their longest row (``token_batching.py``;
+    pipeline schedules need equal shapes)."""
     if token_budget is None:
-        return _record_chunks(mini, micro_batch_size)
+        size = micro_batch_size
+        return [
+            (list(range(i * size, i * size + part.tokens.shape[0])), part)
+            for i, part in enumerate(_record_chunks(mini, size))
+        ]
     if ctx.layout.pp > 1:
         raise ValueError("algorithm.ppo_max_token_len_per_gpu needs pipeline_model_parallel_size=1")
     lengths = row_lengths(mini.response_mask).tolist()
     multiple = ctx.tp_size if ctx.layout.sp else 1
     return [
-        select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple))
+        (rows, select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple)))
         for rows in budget_micro_batches(lengths, token_budget)
     ]
+
+
+def _at_rows(out: list[dict[str, torch.Tensor]], rows: list[list[int]], shape: torch.Size) -> torch.Tensor:
+    """[N, S]: each micro-batch's ``log_probs`` metric put back at its rows of the mini-batch (token-budget
+    micro-batches hold rows out of order, trimmed to fewer columns)."""
+    full = torch.zeros(shape)
+    for metrics, index in zip(out, rows, strict=True):
+        part = metrics["log_probs"]
+        full[index, : part.shape[1]] = part.float()
+    return full
+
+
+def _joined(out: list[dict[str, torch.Tensor]], key: str, width: int) -> torch.Tensor:
+    """The micro-batches' [b, s] ``key`` metrics stacked in row order and cut to ``width`` columns."""
+    return torch.cat([m[key] for m in out])[:, :width]
 
 
 def _slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
