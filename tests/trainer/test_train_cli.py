@@ -36,7 +36,8 @@ def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_pa
     assert sft[-1]["loss"] < sft[0]["loss"] and "val_accuracy" in sft[1]
     rl = [r for r in records if r["stage"] == "rl"]
     assert all("val_accuracy" in r and abs(r["token_mult_prob_error"] - 1) < 1e-5 for r in rl)
-    phases = ("generate", "log_probs", "update", "sync")
+    phases = ("generate", "update", "sync")  # the demo recipe takes the on-policy shortcut: no log_probs pass
+    assert all(r["old_log_probs_recomputed"] == 0.0 and "memory/log_probs_rss_bytes" not in r for r in rl)
     assert all(r[f"memory/{p}_rss_bytes"] > 50e6 for r in rl for p in phases)  # memory per phase in JSONL
     assert os.path.getsize(os.path.join(run, "logs", "reward.png")) > 1000
     assert any(
