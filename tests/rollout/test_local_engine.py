@@ -9,6 +9,7 @@ import torch
 from mcore_rl.engine.rollout import (
     FINISH_LENGTH,
     FINISH_STOP,
+    LocalRolloutConfig,
     LocalRolloutEngine,
     RolloutEngine,
     SamplingParams,
@@ -197,3 +198,70 @@ def test_bf16_engine_tracks_fp32(family):
     assert float((low - reference).abs().max()) < 0.03 * float(reference.abs().max())
     out = bf16.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=0))
     assert out.log_probs.dtype == torch.float32 and bool(torch.isfinite(out.log_probs).all())
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_stop_check_interval_keeps_outputs_exact(interval):
+    """Checking for stopped rows only every few steps (what accelerators do, to avoid a host sync per step)
+    leaves finished rows decoding in the batch for a while: their outputs must stay padded, and every
+    recorded log-prob must still equal the full recompute."""
+    arch = tiny_arch("llama")
+    engine = make_engine(arch, random_full_state(arch, seed=5), stop_check_interval=interval)
+    stops = tuple(range(0, arch.vocab_size, 12))
+    params = SamplingParams(max_new_tokens=12, n=3, stop_token_ids=stops, seed=9, pad_token_id=249)
+    out = engine.generate(PROMPTS, params)
+    assert 0 < out.finish_reasons.count(FINISH_STOP) < out.num_sequences
+    for row, length, reason in zip(
+        out.token_ids.tolist(), out.lengths.tolist(), out.finish_reasons, strict=True
+    ):
+        first_stop = next((t for t, token in enumerate(row) if token in stops), None)
+        assert length == (params.max_new_tokens if first_stop is None else first_stop + 1)
+        assert reason == (FINISH_LENGTH if first_stop is None else FINISH_STOP)
+        assert row[length:] == [249] * (params.max_new_tokens - length)
+    mask = out.response_mask()
+    assert (out.log_probs[~mask] == 0).all() and (out.log_probs[mask] < 0).all()
+    assert _max_recompute_diff(engine, out, PROMPTS, params.temperature) < 1e-5
+    again = engine.generate(PROMPTS, params)
+    assert torch.equal(out.token_ids, again.token_ids) and torch.equal(out.log_probs, again.log_probs)
+
+
+def test_kv_cache_kept_across_calls_never_leaks_stale_values():
+    """The engine keeps its KV cache between calls and grows it when a call needs more: a call on a cache
+    whose every slot holds NaN from before gives exactly what a fresh engine gives."""
+    arch = tiny_arch("mistral")  # sliding window: decode steps skip early columns
+    full = random_full_state(arch, seed=6)
+    kept = make_engine(arch, full)
+    calls = [
+        (PROMPTS, SamplingParams(max_new_tokens=9, n=2, seed=1)),
+        (PROMPTS[:3], SamplingParams(max_new_tokens=6, n=3, seed=2, stop_token_ids=range(0, 250, 9))),
+        (PROMPTS * 3, SamplingParams(max_new_tokens=15, n=2, seed=3)),  # more rows and columns: grows
+        (PROMPTS[1:3], SamplingParams(max_new_tokens=6, n=3, seed=4)),
+    ]
+    for prompts, params in calls:
+        if kept._cache is not None:
+            with torch.inference_mode():  # the cache was made under generate()'s inference mode
+                for buf in kept._cache.keys + kept._cache.values:
+                    buf.fill_(float("nan"))
+        out, fresh = kept.generate(prompts, params), make_engine(arch, full).generate(prompts, params)
+        if params.stop_token_ids:  # rows left the batch: their cache rows were compacted
+            assert 0 < out.finish_reasons.count(FINISH_STOP) < out.num_sequences
+        assert torch.equal(out.token_ids, fresh.token_ids)
+        assert torch.equal(out.log_probs, fresh.log_probs)
+    kept.sleep()
+    assert kept._cache is None
+
+
+def test_reference_decode_ops_match_recompute(monkeypatch):
+    """With the compiled kernels overridden, decode steps run ``ops.decode``'s pure-PyTorch references (the
+    path of bf16, GPUs and builds without the extension) and still match the full recompute."""
+    monkeypatch.setenv("MCORE_RL_FORCE_REFERENCE", "1")
+    arch = tiny_arch("qwen2")
+    engine = make_engine(arch, random_full_state(arch, seed=7))
+    params = SamplingParams(temperature=0.9, n=2, max_new_tokens=10, seed=8)
+    out = engine.generate(PROMPTS, params)
+    assert _max_recompute_diff(engine, out, PROMPTS, params.temperature) < 1e-5
+
+
+def test_local_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="stop_check_interval"):
+        LocalRolloutConfig(stop_check_interval=0)

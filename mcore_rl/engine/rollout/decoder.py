@@ -10,11 +10,11 @@ tests/rollout).
 Performance on CPU: fused ``qkv``/``gate_up`` projections, weights stored column-major so every projection
 of a multi-token forward (prefill, recompute) is one NN gemm (``addmm`` folds in the residual at TP1), keys
 cached transposed, and sequences left-padded in the cache so each decode step writes one cache column for the
-whole batch. A decode step (one token per sequence) runs the fused kernels of :mod:`mcore_rl.ops.decode` in
-fp32 on CPU: each projection through a copy of its weight packed into column panels (built when weights
-change; it doubles the projection weights' memory, a price the CPU engine pays for ~1.3x faster GEMMs on a
-few rows), RMSNorm and SiLU-gate in one pass each, and rotary + cache write + GQA attention in one kernel.
-bench/bench_rollout.py measures the result against ``transformers`` ``generate``.
+whole batch. A decode step (one token per sequence, :meth:`RolloutDecoder.decode`) runs the fused kernels of
+:mod:`mcore_rl.ops.decode` in fp32 on CPU: RMSNorm and SiLU-gate in one pass each, rotary + cache write + GQA
+attention in one kernel, and the projections through MKL's GEMM, or on CPUs without AVX-512 through a copy of
+each weight packed into column panels (see :func:`_panels_pay`). bench/bench_rollout.py measures the result
+against ``transformers`` ``generate``.
 
 The rollout layout (tensor names and shapes of one TP rank) is defined in ``rollout/layout.py``.
 """
@@ -22,6 +22,7 @@ The rollout layout (tensor names and shapes of one TP rank) is defined in ``roll
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,16 +67,37 @@ class _LayerWeights(NamedTuple):
 
 
 class _Step(NamedTuple):
-    """What every layer of one forward pass shares."""
+    """What every layer of one multi-token forward pass (prefill, recompute) shares."""
 
     batch: int
     seq: int
-    cos: Tensor  # [b or 1, s, 1, rotary_dim]; fp32 for a decode step, else the model dtype
+    cos: Tensor  # [b or 1, s, 1, rotary_dim] in the model dtype
     sin: Tensor  # [b or 1, s, 1, rotary_dim], signed (see _rope_tables)
-    masked: Tensor | None  # several tokens: [b or 1, 1, 1, s, key_len] bool, True = hidden
-    first_visible: Tensor | None  # decode step: [b] first cache column each row may see
+    masked: Tensor | None  # [b or 1, 1, 1, s, key_len] bool, True = hidden
     rows: slice  # cache rows of the batch
     column: int  # cache column of the first token
+
+
+class _DecodeOps(NamedTuple):
+    """The pointwise and attention kernels of one decode step (see ``ops/decode.py`` for their contracts)."""
+
+    rms_norm: Callable[..., Tensor]
+    silu_mul: Callable[..., Tensor]
+    attention: Callable[..., Tensor]
+
+
+def _decode_ops(device: torch.device, dtype: torch.dtype) -> _DecodeOps:
+    """The compiled kernels called directly when they apply (CPU fp32, extension loaded, no reference
+    override), else ``ops.decode``'s wrappers, which fall back to the references.
+
+    Resolved once per step: the wrappers' per-call checks (an environment read and a contiguity test of every
+    input) cost a few microseconds each, ~20 times a step. Every decode-step input is contiguous by
+    construction, and the kernels reject one that is not rather than computing garbage.
+    """
+    if fused.packing_enabled(device, dtype):
+        ops = torch.ops.mcore_rl
+        return _DecodeOps(ops.rms_norm, ops.silu_mul, ops.decode_attention)
+    return _DecodeOps(fused.rms_norm, fused.silu_mul, fused.decode_attention)
 
 
 @dataclass
@@ -86,6 +108,10 @@ class KVCache:
     Keys are stored transposed so that ``q @ K`` reads them as a plain (not transposed) gemm operand, which
     halves the decode-step score matmul on CPU. Buffers are zero-initialised so that never-written slots
     are finite (a masked score gets probability 0, but 0 * NaN would still poison the context).
+
+    A cache may be larger than a forward needs (more rows, more columns): forwards address rows from 0 and
+    columns by index, and only read columns they or an earlier forward of the same generation wrote, so a
+    cache can be reused across waves and calls without clearing it.
     """
 
     keys: list[Tensor]
@@ -111,6 +137,10 @@ class KVCache:
     def max_len(self) -> int:
         return self.values[0].shape[2]
 
+    @property
+    def rows(self) -> int:
+        return self.values[0].shape[0]
+
     def _used(self, used_len: int) -> list[Tensor]:
         """Views of every buffer restricted to columns [0, used_len)."""
         return [k[..., :used_len] for k in self.keys] + [v[:, :, :used_len] for v in self.values]
@@ -132,6 +162,20 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return rms_norm_spelled_out(x, weight, eps)
+
+
+def _panels_pay(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode-step projections run on packed panels rather than MKL's GEMM.
+
+    The panel kernel is built for AVX2; MKL repacks the weight on every call but runs AVX-512 where the CPU
+    has it. Measured at the rollout's shapes (hidden 256, one thread): with AVX-512, MKL does 1.0-1.1x the
+    kernel's FLOP/s at 1-4 rows and 1.5-2x at 16-128; capped at AVX2 (``MKL_ENABLE_INSTRUCTIONS=AVX2``) the
+    kernel is 1.1-1.2x faster at 4-8 rows and level beyond. So panels (and the second copy of the weights
+    they cost) only where ATen itself runs without AVX-512.
+    """
+    if not fused.packing_enabled(device, dtype):
+        return False
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 class RolloutDecoder:
@@ -233,13 +277,13 @@ class RolloutDecoder:
         return x
 
     def _projection(self, weight_t: Tensor) -> _Projection:
-        packed = fused.packing_enabled(weight_t.device, weight_t.dtype)
+        packed = _panels_pay(weight_t.device, weight_t.dtype)
         return _Projection(weight_t, fused.pack_panels(weight_t) if packed else None)
 
     @staticmethod
     def _linear(x: Tensor, proj: _Projection, add: Tensor | None, decoding: bool) -> Tensor:
-        """``add + x @ weight_t``: a decode step's few rows run our packed small-batch kernel (MKL's GEMM
-        re-packs the weight on every call); longer forwards keep ATen's GEMM, bitwise what megatron computes."""
+        """``add + x @ weight_t``: a decode step's few rows run our packed small-batch kernel where it pays
+        (:func:`_panels_pay`); everything else ATen's GEMM, bitwise what megatron computes."""
         if decoding and proj.panels is not None:
             return fused.decode_linear(x, proj.panels, proj.weight_t.shape[1], add)
         return torch.mm(x, proj.weight_t) if add is None else torch.addmm(add, x, proj.weight_t)
@@ -286,9 +330,34 @@ class RolloutDecoder:
         return self.logits(hidden.view(b, s, -1)[:, -1])
 
     def decode(self, tokens: Tensor, column: int, pad: Tensor | None, cache: KVCache) -> Tensor:
-        """One new token per cache row [b], all in cache ``column`` -> fp32 logits [b, vocab]."""
-        hidden = self._forward(tokens[:, None], column, pad, cache, slice(0, tokens.shape[0]))
-        return self.logits(hidden, decoding=True)
+        """One new token per cache row [b], all in cache ``column`` -> fp32 logits [b, vocab].
+
+        The generation loop's hot path, kept to one call per block: RMSNorm, projection, fused rotary + cache
+        write + attention, projection (+ residual), RMSNorm, projection, SiLU-gate, projection (+ residual).
+        """
+        b = tokens.shape[0]
+        ops = _decode_ops(self.device, self.dtype)
+        cos, sin = self._decode_rope(b, column, pad)
+        first = self._first_visible(b, column, pad)
+        eps, heads, scale = self.arch.norm_eps, self.num_heads, self.scale
+        x = self._embed(tokens)
+        for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
+            if keys.shape[0] != b:  # rows [0, b) of the cache hold the batch
+                keys, values = keys.narrow(0, 0, b), values.narrow(0, 0, b)
+            qkv = self._linear(ops.rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias, True)
+            context = ops.attention(qkv, cos, sin, keys, values, column, first, heads, scale)
+            x = self._project_add(x, context, layer.o_proj, decoding=True)
+            gate_up = self._linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
+            x = self._project_add(x, ops.silu_mul(gate_up), layer.down, decoding=True)
+        return self.logits(x, decoding=True)
+
+    def _decode_rope(self, b: int, column: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
+        """fp32 cos and signed sin [b or 1, rotary_dim] at each row's position ``column - pad``."""
+        cos_table, sin_table = self._rope_tables(column + 1)
+        if pad is None:  # every row at position == column: one row of the tables, shared by the batch
+            return cos_table.narrow(0, column, 1), sin_table.narrow(0, column, 1)
+        positions = (column - pad).clamp_min_(0)
+        return cos_table[positions], sin_table[positions]
 
     def full_logits(self, tokens: Tensor) -> Tensor:
         """No-cache recompute of whole (unpadded) sequences: tokens [b, s] -> fp32 logits [b, s, vocab]."""
@@ -321,7 +390,7 @@ class RolloutDecoder:
     ) -> Tensor:
         """tokens [b, s] for cache columns [column, column + s) -> hidden [b * s, hidden] before the final
         norm; their keys and values are written into cache ``rows``. Activations stay 2-D (token-major) so
-        every projection is a single plain gemm."""
+        every projection is a single plain gemm. Prefill and recompute; a decode step runs :meth:`decode`."""
         b, s = tokens.shape
         cos_table, sin_table = self._rope_tables(column + s)
         if pad is None:  # every row at position == column: a slice of the tables, shared by the batch
@@ -329,16 +398,13 @@ class RolloutDecoder:
         else:
             positions = (torch.arange(column, column + s, device=tokens.device) - pad[:, None]).clamp_min_(0)
             cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
-        if s == 1:  # the fused decode op takes fp32 tables and a per-row first visible column
-            step = _Step(b, s, cos, sin, None, self._first_visible(b, column, pad), rows, column)
-        else:
-            if self.dtype != torch.float32:
-                cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-            step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), None, rows, column)
+        if self.dtype != torch.float32:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), rows, column)
         x = self._embed(tokens.reshape(-1))
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             x = self._attention_block(layer, x, step, keys, values)
-            x = self._mlp_block(layer, x, decoding=s == 1)
+            x = self._mlp_block(layer, x)
         return x
 
     def _first_visible(self, b: int, column: int, pad: Tensor | None) -> Tensor | None:
@@ -371,26 +437,10 @@ class RolloutDecoder:
     def _attention_block(
         self, layer: _LayerWeights, x: Tensor, step: _Step, keys: Tensor, values: Tensor
     ) -> Tensor:
-        # narrow() rather than tensor[...] indexing: this runs for every layer of every decode step, and
-        # Python-side index parsing costs more than the tiny copies themselves.
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.arch.head_dim
         b, s, column, first_row = step.batch, step.seq, step.column, step.rows.start
-        h = self._norm(x, layer.input_norm, s == 1)
-        qkv = self._linear(h, layer.qkv, layer.qkv_bias, s == 1)
-        if s == 1:  # one fused op: rotary, cache write, attention
-            rot = self.arch.rotary_dim
-            context = fused.decode_attention(
-                qkv,
-                step.cos.view(-1, rot),
-                step.sin.view(-1, rot),
-                keys.narrow(0, first_row, b),
-                values.narrow(0, first_row, b),
-                column,
-                step.first_visible,
-                nh,
-                self.scale,
-            )
-            return self._project_add(x, context, layer.o_proj, decoding=True)
+        h = _rms_norm(x, layer.input_norm, self.arch.norm_eps)
+        qkv = self._linear(h, layer.qkv, layer.qkv_bias, decoding=False)
         qk = rotate_signed_halves(
             qkv.narrow(1, 0, (nh + nkv) * hd).view(b, s, nh + nkv, hd), step.cos, step.sin
         )
@@ -431,12 +481,10 @@ class RolloutDecoder:
         context = torch.bmm(probs, values.reshape(b * nkv, key_len, hd))  # [b * kv, group * s, hd]
         return context.view(b, nkv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b * s, nh * hd)
 
-    def _mlp_block(self, layer: _LayerWeights, x: Tensor, decoding: bool) -> Tensor:
-        gate_up = self._linear(self._norm(x, layer.post_norm, decoding), layer.gate_up, None, decoding)
-        if decoding:
-            return self._project_add(x, fused.silu_mul(gate_up), layer.down, decoding)
+    def _mlp_block(self, layer: _LayerWeights, x: Tensor) -> Tensor:
+        gate_up = self._linear(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.gate_up, None, False)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._project_add(x, F.silu(gate) * up, layer.down, decoding)
+        return self._project_add(x, F.silu(gate) * up, layer.down, decoding=False)
 
     def _norm(self, x: Tensor, weight: Tensor, decoding: bool) -> Tensor:
         """RMSNorm: a decode step (a few rows) runs the fused kernel; longer forwards keep the ATen spelling

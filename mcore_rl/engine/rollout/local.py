@@ -6,11 +6,14 @@ One ``generate`` call::
       -> waves of prompts, each sized so that B_w * n * (longest prompt + max_new_tokens) cache slots fit
       -> prefill: left-padded prompts, once per prompt (chunks of at most ``max_prefill_tokens``)
       -> copy each prompt's cache rows n times (n samples share one prefill)
-      -> loop: sample (same generator on every TP rank) -> record -> drop finished rows -> decode one token
+      -> loop: sample (same generator on every TP rank) -> record -> drop finished rows (every
+         ``stop_check_interval`` steps) -> decode one token
       -> GenerationOutput, prompt-major
 
-Finished rows leave the batch at once (their cache rows are compacted away), so the decode cost follows the
-number of live sequences. The loop has no per-sequence Python work: everything is a batched tensor op.
+Finished rows leave the batch at the next check (their cache rows are compacted away), so the decode cost
+follows the number of live sequences. The loop has no per-sequence Python work: everything is a batched
+tensor op. The KV cache is allocated once and kept while the engine is awake (``sleep`` frees it): waves and
+calls reuse it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ class LocalRolloutConfig:
     run in successive waves."""
     max_prefill_tokens: int = 1 << 14
     """Padded prompt tokens per prefill forward; bounds the [rows, heads, len, len] attention scores."""
+    stop_check_interval: int | None = None
+    """Decode steps between checks for sequences that hit a stop token (a device-to-host sync), which then
+    leave the batch. Between checks finished rows keep decoding, their outputs masked; outputs are
+    deterministic for a given value. None: 1 on CPU (the check is free, dropping rows at once saves
+    compute), 8 on accelerators (a sync per step would stall the device queue behind Python)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -51,6 +59,9 @@ class LocalRolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        interval = self.stop_check_interval
+        if interval is not None and (not isinstance(interval, int) or interval < 1):
+            raise ValueError(f"stop_check_interval must be a positive integer or None, got {interval!r}")
 
 
 @dataclass
@@ -84,6 +95,7 @@ class LocalRolloutEngine:
         self._loaded: set[str] = set()
         self._asleep: set[str] = set()
         self._weights_released = False
+        self._cache: KVCache | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     @property
@@ -104,9 +116,10 @@ class LocalRolloutEngine:
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: the KV cache is freed and the weights move to host memory (kept); level 2: the weights
-        are discarded too. The KV cache only lives inside ``generate``, so there is nothing else to free."""
+        are discarded too."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
+        self._cache = None
         if level == 2:
             self.decoder.release()
             self._loaded.clear()
@@ -187,6 +200,30 @@ class LocalRolloutEngine:
         per_wave = max(1, self.config.max_cache_tokens // (per_sequence * params.n))
         return [(i, min(i + per_wave, len(prompts))) for i in range(0, len(prompts), per_wave)]
 
+    def _cache_for(self, rows: int, max_len: int) -> KVCache:
+        """A KV cache of at least ``rows`` x ``max_len`` slots: the one kept from earlier waves and calls when
+        it is large enough (see ``KVCache``: stale contents are never read), else a new one, grown in both
+        dimensions at once unless that would exceed ``max_cache_tokens``. Allocating per call costs more
+        than the copies it avoids: fresh pages fault in as the zeros are written."""
+        if self._cache is not None:
+            if self._cache.rows >= rows and self._cache.max_len >= max_len:
+                return self._cache
+            grown = max(rows, self._cache.rows), max(max_len, self._cache.max_len)
+            if grown[0] * grown[1] <= self.config.max_cache_tokens:
+                rows, max_len = grown
+            self._cache = None  # free the old buffers before allocating the new ones
+        arch = self.arch
+        self._cache = KVCache.allocate(
+            arch.num_layers,
+            rows,
+            self.decoder.num_kv_heads,
+            max_len,
+            arch.head_dim,
+            self.config.dtype,
+            self.device,
+        )
+        return self._cache
+
     def _prefill(
         self, prompts: Sequence[Sequence[int]], width: int, cache: KVCache
     ) -> tuple[Tensor, Tensor | None]:
@@ -220,36 +257,66 @@ class LocalRolloutEngine:
         n, max_new = params.n, params.max_new_tokens
         width = max(len(p) for p in prompts)
         num = len(prompts) * n
-        cache = KVCache.allocate(
-            self.arch.num_layers,
-            num,
-            self.decoder.num_kv_heads,
-            width + max_new,
-            self.arch.head_dim,
-            self.config.dtype,
-            self.device,
-        )
+        cache = self._cache_for(num, width + max_new)
         logits, pad = self._prefill(prompts, width, cache)
         if n > 1:
             cache.repeat_rows(len(prompts), n, width)
             logits = logits.repeat_interleave(n, 0)
             pad = None if pad is None else pad.repeat_interleave(n)
         rows = torch.arange(first_row, first_row + num, device=self.device)  # output row of each cache row
+        running: Tensor | None = None  # [rows] bool: still running; None until stop ids were checked
+        interval = self._stop_check_interval()
         for step in range(max_new):
             tokens, log_probs = sample_tokens(logits, params, generator)
-            out.token_ids[rows, step] = tokens
-            out.log_probs[rows, step] = log_probs
-            if stop_ids.numel():
-                done = torch.isin(tokens, stop_ids)
-                if bool(done.any()):
-                    out.lengths[rows[done]] = step + 1
-                    out.stopped[rows[done]] = True
-                    keep = torch.nonzero(~done).squeeze(1)
-                    if keep.numel() == 0 or step + 1 == max_new:
-                        return
+            running = _record(out, rows, running, step, tokens, log_probs, stop_ids, params.pad_token_id)
+            if step + 1 == max_new:
+                return
+            if running is not None and (step + 1) % interval == 0:
+                keep = torch.nonzero(running).squeeze(1)  # the loop's only host sync
+                if keep.numel() == 0:
+                    return
+                if keep.numel() < rows.numel():
                     cache.keep_rows(keep, width + step)  # only the columns written so far move
                     rows, tokens = rows[keep], tokens[keep]
                     pad = None if pad is None else pad[keep]
-            if step + 1 == max_new:
-                return
+                running = None
             logits = self.decoder.decode(tokens, width + step, pad, cache)
+
+    def _stop_check_interval(self) -> int:
+        interval = self.config.stop_check_interval
+        if interval is not None:
+            return interval
+        return 1 if self.device.type == "cpu" else 8
+
+
+def _record(
+    out: _Outputs,
+    rows: Tensor,
+    running: Tensor | None,
+    step: int,
+    tokens: Tensor,
+    log_probs: Tensor,
+    stop_ids: Tensor,
+    pad_id: int,
+) -> Tensor | None:
+    """Writes the batch's ``step`` into output ``rows`` -> which rows still run after it (None: no stop ids).
+
+    Rows that stopped earlier stay in the batch until the next check (``stop_check_interval``) and keep
+    decoding, but their outputs keep the pad id and 0. Rows stopping now get their length with a ``where``,
+    not a host sync.
+    """
+    if running is not None:
+        tokens_out = torch.where(running, tokens, pad_id)
+        log_probs = torch.where(running, log_probs, 0.0)
+    else:
+        tokens_out = tokens
+    out.token_ids[rows, step] = tokens_out
+    out.log_probs[rows, step] = log_probs
+    if stop_ids.numel() == 0:
+        return None
+    done = torch.isin(tokens, stop_ids)
+    if running is not None:
+        done &= running
+    out.lengths[rows] = torch.where(done, step + 1, out.lengths[rows])
+    out.stopped[rows] = out.stopped[rows] | done
+    return ~done if running is None else running & ~done

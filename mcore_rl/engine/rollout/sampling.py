@@ -81,6 +81,24 @@ def sample_tokens(
     if params.temperature != 1.0:
         z = z / params.temperature
     candidates, ids = filtered_candidates(z, params.top_k, params.top_p)
+    if ids is None:
+        return _draw_unfiltered(z, generator)
     choice = draw(candidates, generator)
-    tokens = choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
+    tokens = ids.gather(-1, choice[:, None]).squeeze(-1)
     return tokens, z.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def _draw_unfiltered(z: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """:func:`draw` over the whole vocab and the log-probs, sharing one ``exp(z - max)`` pass.
+
+    The common RL case (no top-k / top-p) runs once per decode step: ``softmax`` + ``logsumexp`` would
+    exponentiate the vocab twice. The CDF is left unnormalised (the draw scales ``u`` by its total instead),
+    and ``log(total)`` is the log-sum-exp, summed in float64.
+    """
+    top = z.amax(dim=-1, keepdim=True)  # [n, 1]
+    cdf = torch.cumsum((z - top).exp_(), dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(z.shape[0], 1, generator=generator, dtype=torch.float64, device=z.device)
+    tokens = torch.searchsorted(cdf, u * total, right=True).squeeze(1).clamp_max_(z.shape[1] - 1)
+    log_probs = (z.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log().squeeze(-1)
+    return tokens, log_probs.float()
