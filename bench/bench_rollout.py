@@ -1,26 +1,32 @@
 """Rollout throughput: our embedded engine vs ``transformers`` ``generate`` on the same tiny Llama, same batch.
 
 Both sample at temperature 1 with no top-k/top-p and no EOS, so both produce exactly
-``batch * new_tokens`` tokens; the same weights are loaded into both. Runs alternate (HF, ours, HF, ...)
-and the best of each is kept, so the printed ratio is meaningful even on a busy machine; both wall-clock and
-process CPU time are reported. One torch thread by default: on a small shared machine a second OpenMP thread
-mostly waits for a core (set ``--threads`` to the free cores of a dedicated machine).
-
-The gap narrows as the batch grows: both engines then spend most of a decode step in GEMMs at near peak
-FLOP/s and in reading the KV cache, and per-op overhead (where ours saves most) matters less. Measured on the
-2-core CI machine, hidden 256: 3.9x at batch 4, 2.35x at batch 16 (the default), 1.9x at batch 64.
+``batch * n * new_tokens`` tokens; the same weights are loaded into both. Runs alternate (HF, ours, HF, ...)
+so that load from other processes hits both alike; the report gives medians and the min-max spread of tok/s
+(wall clock) and the ratio of the medians.
 
     python bench/bench_rollout.py [--batch 16] [--n 1] [--prompt-len 32] [--new-tokens 128] [--threads 1]
+    python bench/bench_rollout.py --grid [--kv-heads 8]   # the issue-17 table, under ~5 minutes
 
 ``--n`` samples per prompt (RL's group sampling): HF repeats each prompt ``n`` times (``num_return_sequences``);
-ours prefills each prompt once and copies its KV cache rows.
+ours prefills each prompt once and copies its KV cache rows. ``--grid`` varies one setting at a time around
+batch 32 (8 prompts x 4 samples), 64 new tokens: batch 8/32/128 sequences, 16/64/256 new tokens, 1 and 2
+threads; ``--kv-heads 8`` is issue 17's MHA model (the default keeps GQA with 4 KV heads). To compare two
+versions of the engine, run the same command with ``PYTHONPATH`` pointing at each source tree (from a
+directory outside both), back to back.
+
+Measured 2026-11-30 on the 2-core CI machine (AVX-512), ``--grid --grid-threads 1 --kv-heads 8``, ours / HF:
+2.74x at 8 sequences, 2.49x at 32, 2.13x at 128 (64 new tokens); 2.40x at 16 new tokens, 2.85x at 256
+(32 sequences); the engine before the decode-step rework (packed AVX2 panels, per-call cache) gave 1.43-2.00x
+in the same cells. Two-thread cells were not measurable that day: another job held one core.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -64,12 +70,111 @@ def hf_to_rollout(model: torch.nn.Module, arch: ModelArch) -> dict[str, torch.Te
     return out
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one call. On a shared machine the CPU time excludes the
-    time other processes held the core, so its ratio is the steadier one."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+@dataclass(frozen=True)
+class Cell:
+    """One measured setting."""
+
+    prompts: int
+    n: int
+    new_tokens: int
+    threads: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompts * self.n * self.new_tokens
+
+
+# --grid: one setting varied at a time around 8 prompts x 4 samples, 64 new tokens, so the whole table stays
+# under ~5 minutes on two cores (the full 3 x 3 x 2 product would take ~4x longer).
+def grid(threads: list[int]) -> list[Cell]:
+    return [
+        Cell(prompts, 4, new, t)
+        for t in threads
+        for prompts, new in ((2, 64), (8, 64), (32, 64), (8, 16), (8, 256))
+    ]
+
+
+class Bench:
+    """The two engines on one model, and a timed, interleaved comparison of one cell."""
+
+    def __init__(self, hidden: int, kv_heads: int, prompt_len: int) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = {
+            **HF_CONFIG,
+            "hidden_size": hidden,
+            "intermediate_size": hidden * 688 // 256,
+            "num_key_value_heads": kv_heads,
+        }
+        hf_config = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+        torch.manual_seed(0)
+        self.model = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
+        self.arch = ModelArch.from_hf_config(config)
+        self.engine = LocalRolloutEngine(self.arch)
+        self.engine.load_weights(hf_to_rollout(self.model, self.arch).items())
+        self.prompt_len = prompt_len
+
+    def greedy_agrees(self) -> bool:
+        """Same weights, same function: greedy continuations must agree (a sanity check, not timed)."""
+        prompts = torch.randint(0, self.arch.vocab_size, (2, self.prompt_len))
+        ours = self.engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=8))
+        with torch.inference_mode():
+            hf = self.model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                max_new_tokens=8,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return bool((hf[:, self.prompt_len :] == ours.token_ids).all())
+
+    def measure(self, cell: Cell, repeats: int) -> dict[str, list[float]]:
+        """tok/s of each side over ``repeats`` interleaved runs (after one warm-up each)."""
+        torch.set_num_threads(cell.threads)
+        prompts = torch.randint(0, self.arch.vocab_size, (cell.prompts, self.prompt_len))
+        params = SamplingParams(temperature=1.0, n=cell.n, max_new_tokens=cell.new_tokens, seed=0)
+
+        def run_hf() -> None:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=cell.new_tokens,
+                    min_new_tokens=cell.new_tokens,
+                    num_return_sequences=cell.n,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            assert out.shape == (cell.prompts * cell.n, self.prompt_len + cell.new_tokens)
+
+        def run_ours() -> None:
+            out = self.engine.generate(prompts.tolist(), params)
+            assert int(out.lengths.sum()) == cell.tokens
+
+        sides = {"hf": run_hf, "ours": run_ours}
+        for fn in sides.values():
+            fn()
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(repeats):
+            for name, fn in sides.items():
+                start = time.perf_counter()
+                fn()
+                rates[name].append(cell.tokens / (time.perf_counter() - start))
+        return rates
+
+
+def _row(cell: Cell, rates: dict[str, list[float]]) -> str:
+    hf, ours = statistics.median(rates["hf"]), statistics.median(rates["ours"])
+    spread = "  ".join(f"{min(rates[k]):6.0f}-{max(rates[k]):<6.0f}" for k in ("hf", "ours"))
+    return (
+        f"{cell.prompts * cell.n:5d} {cell.new_tokens:5d} {cell.threads:3d} | {hf:8.0f} {ours:8.0f} "
+        f"{ours / hf:6.2f}x | {spread}"
+    )
 
 
 def main() -> None:
@@ -81,77 +186,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (MLP width scales with it)")
+    parser.add_argument("--kv-heads", type=int, default=HF_CONFIG["num_key_value_heads"])
+    parser.add_argument("--grid", action="store_true", help="the issue-17 table (prompt length 16)")
+    parser.add_argument(
+        "--grid-threads",
+        default="1,2",
+        help="thread counts of --grid; drop 2 on a machine where another job holds a core (each op then "
+        "waits for the descheduled OpenMP thread, and both sides' runs take minutes)",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = {**HF_CONFIG, "hidden_size": args.hidden, "intermediate_size": args.hidden * 688 // 256}
-    hf_config = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    model = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
-    arch = ModelArch.from_hf_config(config)
-    engine = LocalRolloutEngine(arch)
-    engine.load_weights(hf_to_rollout(model, arch).items())
-
-    prompts = torch.randint(0, arch.vocab_size, (args.batch, args.prompt_len))
-    params = SamplingParams(temperature=1.0, n=args.n, max_new_tokens=args.new_tokens, seed=0)
-
-    def run_hf() -> None:
-        with torch.inference_mode():
-            out = model.generate(
-                prompts,
-                attention_mask=torch.ones_like(prompts),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens,
-                num_return_sequences=args.n,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out.shape == (args.batch * args.n, args.prompt_len + args.new_tokens)
-
-    def run_ours() -> None:
-        out = engine.generate(prompts.tolist(), params)
-        assert int(out.lengths.sum()) == args.batch * args.n * args.new_tokens
-
-    # Same weights, same function: greedy continuations must agree (a sanity check, not timed).
-    greedy = engine.generate(prompts[:2].tolist(), SamplingParams(temperature=0.0, max_new_tokens=8))
-    with torch.inference_mode():
-        hf_greedy = model.generate(
-            prompts[:2],
-            attention_mask=torch.ones_like(prompts[:2]),
-            do_sample=False,
-            max_new_tokens=8,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    agree = bool((hf_greedy[:, args.prompt_len :] == greedy.token_ids).all())
-
-    run_hf(), run_ours()  # warm-up
-    hf_times, ours_times = [], []
-    for _ in range(args.repeats):  # interleaved so that machine load hits both alike
-        hf_times.append(timed(run_hf))
-        ours_times.append(timed(run_ours))
-    tokens = args.batch * args.n * args.new_tokens
+    if args.grid:
+        args.prompt_len, args.repeats = 16, min(args.repeats, 3)
+    if args.grid:
+        cells = grid([int(t) for t in args.grid_threads.split(",")])
+    else:
+        cells = [Cell(args.batch, args.n, args.new_tokens, args.threads)]
+    bench = Bench(args.hidden, args.kv_heads, args.prompt_len)
+    arch = bench.arch
     print(
         f"model: hidden {arch.hidden_size}, {arch.num_layers} layers, {arch.num_attention_heads} heads / "
-        f"{arch.num_query_groups} kv, vocab {arch.vocab_size}, fp32; torch threads {args.threads}"
+        f"{arch.num_query_groups} kv, vocab {arch.vocab_size}, fp32; prompt {args.prompt_len} tokens, "
+        f"temperature 1, {args.repeats} interleaved runs per cell; greedy outputs agree with HF: "
+        f"{bench.greedy_agrees()}"
     )
-    print(
-        f"batch {args.batch} x n {args.n} x prompt {args.prompt_len} + {args.new_tokens} new tokens, temperature 1, "
-        f"best of {args.repeats}; greedy outputs agree with HF: {agree}"
-    )
-    for i, clock in enumerate(("wall", "cpu")):
-        hf_s = min(t[i] for t in hf_times)
-        ours_s = min(t[i] for t in ours_times)
-        print(
-            f"[{clock:4}] transformers generate {tokens / hf_s:8.0f} tok/s | mcore_rl local engine "
-            f"{tokens / ours_s:8.0f} tok/s | speed-up {hf_s / ours_s:5.2f}x (target >= 2x)"
-        )
+    print("  seq   new thr |  HF tok/s  ours tok/s ratio | spread HF        spread ours")
+    for cell in cells:
+        print(_row(cell, bench.measure(cell, args.repeats)), flush=True)
 
 
 if __name__ == "__main__":
