@@ -42,6 +42,11 @@ class ModelConfig:
     """Load the weights from ``path``; False starts from random weights of the same architecture."""
     dtype: str = "float32"
     """Parameter dtype of the actor: float32, bfloat16 or float16."""
+    scaled_output_init: bool = True
+    """Random init only (no weights loaded): megatron's, which draws the attention and MLP output
+    projections at ``initializer_range / sqrt(2 x layers)``; false draws every linear layer at
+    ``initializer_range``, as transformers initialises Llama and Qwen2. On a 2-layer model the scaled init
+    made SFT stall for hundreds of steps on some seeds (see recipes/demo_cpu.yaml)."""
 
     def hf_config_dict(self) -> dict[str, Any]:
         """The effective ``config.json``: the folder's (when ``path`` is set) updated by ``hf_config``."""

@@ -57,9 +57,10 @@ class DataConfig:
     drop_last: bool = True
     """Drop an epoch's last incomplete batch (every step then has ``train_batch_size`` prompts)."""
     generate: str | None = None
-    """A built-in task ('arithmetic') whose generator writes the files named by ``train_files``,
-    ``val_files``, ``test_files``, ``sft.train_files`` and the tokenizer at ``model.tokenizer_path`` when
-    they are missing (see :mod:`mcore_rl.data.demo_task`); None: the files must exist."""
+    """A built-in task ('arithmetic'; 'arithmetic_reversed' writes the answers least-significant digit
+    first) whose generator writes the files named by ``train_files``, ``val_files``, ``test_files``,
+    ``sft.train_files`` and the tokenizer at ``model.tokenizer_path`` when they are missing (see
+    :mod:`mcore_rl.data.demo_task`); None: the files must exist."""
 
 
 @dataclass

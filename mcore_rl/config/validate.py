@@ -48,7 +48,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "sft.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
     "critic.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
-    "data.generate": (None, "arithmetic"),
+    "data.generate": (None, "arithmetic", "arithmetic_reversed"),
     "reward.on_error": ("zero", "raise"),
     "reward.gsm8k_method": ("strict", "flexible"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),

@@ -1,4 +1,10 @@
-"""The synthetic demo task: ``aaa+bbb=`` -> the plain sum, with a 14-symbol character tokenizer.
+"""The synthetic demo task: ``aaa+bbb=`` -> the sum, with a 14-symbol character tokenizer.
+
+The sum is written plainly (``123+456=`` -> ``579``) or reversed, least-significant digit first (``975``).
+Reversed, every output digit depends only on two input digits and the carry just produced, so a small
+model learns all digit positions at a similar pace; written plainly, the first digit already needs the whole
+carry chain (whether the sum reaches 1000), which a tiny model learns late and unevenly (Lee et al. 2023,
+"Teaching Arithmetic to Small Transformers", measured the same for addition).
 
 Small enough for a randomly initialised 0.5M-parameter Llama to learn on two CPU cores (see
 shared/notes/demo-calibration.md), and checkable by an exact-match rule, so the same task serves
@@ -48,13 +54,18 @@ class AdditionProblem:
     answer: str
 
 
-def make_problems(count: int, seed: int, digits: int = 3) -> list[AdditionProblem]:
+def make_problems(count: int, seed: int, digits: int = 3, reverse: bool = False) -> list[AdditionProblem]:
+    """``count`` problems drawn from ``seed``; ``reverse`` writes each answer least-significant digit first
+    (the prompts are the same either way)."""
     rng = random.Random(seed)
     top = 10**digits
     problems = []
     for _ in range(count):
         a, b = rng.randrange(top), rng.randrange(top)
-        problems.append(AdditionProblem(f"{a:0{digits}d}+{b:0{digits}d}=", str(a + b)))
+        answer = str(a + b)
+        problems.append(
+            AdditionProblem(f"{a:0{digits}d}+{b:0{digits}d}=", answer[::-1] if reverse else answer)
+        )
     return problems
 
 

@@ -4,7 +4,8 @@ prompts, a tokenizer and rewards the way a real run does.
 Written files (each where the config names it; ``.parquet`` or ``.jsonl`` by suffix):
 
 * train / validation / held-out test prompts: ``prompt`` is one user message ``"123+456="``,
-  ``data_source`` is :data:`DATA_SOURCE` (scored by exact match), ``reward_model.ground_truth`` the sum;
+  ``data_source`` is :data:`DATA_SOURCE` (scored by exact match), ``reward_model.ground_truth`` the sum
+  (``579``; reversed, ``975``, for the task ``arithmetic_reversed``: see :mod:`mcore_rl.data.arithmetic`);
 * SFT examples: the same columns plus ``response`` (the sum), for the warm start;
 * a tokenizer folder: ``tokenizer.json`` (a character-level WordLevel model with the ids of
   :class:`~mcore_rl.data.arithmetic.CharTokenizer`: PAD 0, EOS 1) and ``tokenizer_config.json`` whose
@@ -12,7 +13,7 @@ Written files (each where the config names it; ``.parquet`` or ``.jsonl`` by suf
 
 Validation and test prompts never appear among the training or SFT prompts.
 
-    python -m mcore_rl.data.demo_task OUT_DIR [--format jsonl]
+    python -m mcore_rl.data.demo_task OUT_DIR [--format jsonl] [--reversed]
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ DATA_SOURCE = "mcore_rl/arithmetic"
 SPLIT_SIZES = {"test": 1000, "val": 200, "train": 20_000, "sft": 40_000}
 """Rows per split; the held-out test and validation sets match the old demo's."""
 PAD_TOKEN, EOS_TOKEN = "<pad>", "</s>"
+TASKS = {"arithmetic": False, "arithmetic_reversed": True}
+"""``data.generate`` names -> whether the answers are written least-significant digit first."""
 
 
 def write_tokenizer(folder: str) -> None:
@@ -70,22 +73,26 @@ def rows(problems: list[AdditionProblem], split: str, with_response: bool = Fals
     return out
 
 
-def splits(seed: int, sizes: dict[str, int] | None = None) -> dict[str, list[AdditionProblem]]:
+def splits(
+    seed: int, sizes: dict[str, int] | None = None, reverse: bool = False
+) -> dict[str, list[AdditionProblem]]:
     """Problems per split; training and SFT prompts exclude every validation and test prompt."""
     sizes = {**SPLIT_SIZES, **(sizes or {})}
-    test = make_problems(sizes["test"], seed=10_000 + seed)
-    val = make_problems(sizes["val"], seed=20_000 + seed)
+    test = make_problems(sizes["test"], seed=10_000 + seed, reverse=reverse)
+    val = make_problems(sizes["val"], seed=20_000 + seed, reverse=reverse)
     held_out = {p.prompt for p in test + val}
     out = {"test": test, "val": val}
     for offset, name in ((30_000, "train"), (40_000, "sft")):
-        pool = make_problems(sizes[name] + len(held_out), seed=offset + seed)
+        pool = make_problems(sizes[name] + len(held_out), seed=offset + seed, reverse=reverse)
         out[name] = [p for p in pool if p.prompt not in held_out][: sizes[name]]
     return out
 
 
-def write_demo_dataset(paths: dict[str, str], seed: int, sizes: dict[str, int] | None = None) -> None:
+def write_demo_dataset(
+    paths: dict[str, str], seed: int, sizes: dict[str, int] | None = None, reverse: bool = False
+) -> None:
     """Write the splits named in ``paths`` (keys: train, val, test, sft, tokenizer) to those paths."""
-    problems = splits(seed, sizes)
+    problems = splits(seed, sizes, reverse)
     for split, path in paths.items():
         if split == "tokenizer":
             write_tokenizer(path)
@@ -97,8 +104,9 @@ def prepare_data(cfg: RunConfig) -> list[str]:
     """Run ``cfg.data.generate`` for the files the config names that are missing; returns those written."""
     if cfg.data.generate is None:
         return []
-    if cfg.data.generate != "arithmetic":
-        raise ValueError(f"data.generate={cfg.data.generate!r}: unknown task; known: arithmetic")
+    if cfg.data.generate not in TASKS:
+        raise ValueError(f"data.generate={cfg.data.generate!r}: unknown task; known: {', '.join(TASKS)}")
+    reverse = TASKS[cfg.data.generate]
     wanted = {
         "train": cfg.data.train_files[:1],
         "val": cfg.data.val_files[:1],
@@ -111,8 +119,33 @@ def prepare_data(cfg: RunConfig) -> list[str]:
         return os.path.isfile(os.path.join(path, "tokenizer.json") if split == "tokenizer" else path)
 
     missing = {split: paths[0] for split, paths in wanted.items() if paths and not present(split, paths[0])}
-    write_demo_dataset(missing, cfg.data.seed)
+    for split in ("test", "sft"):  # files kept from an earlier run must hold this task's answers
+        if wanted[split] and split not in missing:
+            check_task(wanted[split][0], cfg.data.generate, reverse)
+    write_demo_dataset(missing, cfg.data.seed, reverse=reverse)
     return list(missing.values())
+
+
+def check_task(path: str, task: str, reverse: bool) -> None:
+    """Refuse an existing generated file whose first row answers the other way round (a data folder kept
+    from a run of the other task would otherwise train and score against the wrong answers)."""
+    from mcore_rl.data.rows import read_rows
+
+    first = next(read_rows(path), None)
+    try:
+        row = first[1]  # type: ignore[index]
+        messages = row["prompt"]
+        prompt = str(messages[0]["content"] if isinstance(messages, list) else messages)
+        a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+        found = str(row["reward_model"]["ground_truth"])
+    except (TypeError, KeyError, IndexError, ValueError):
+        return  # not this task's rows at all: the data loader names the bad row and column
+    expected = str(a + b)[::-1] if reverse else str(a + b)
+    if found != expected:
+        raise ValueError(
+            f"data.generate={task}: {path} holds another task's answers ({prompt}{found}, expected "
+            f"{expected}); name other data files for this task or remove that file"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--reversed", action="store_true", help="answers least-significant digit first")
     args = parser.parse_args(argv)
     paths = {s: os.path.join(args.out_dir, f"{s}.{args.format}") for s in ("train", "val", "test", "sft")}
-    write_demo_dataset({**paths, "tokenizer": os.path.join(args.out_dir, "tokenizer")}, args.seed)
+    write_demo_dataset(
+        {**paths, "tokenizer": os.path.join(args.out_dir, "tokenizer")}, args.seed, reverse=args.reversed
+    )
     print(f"wrote {', '.join(sorted(paths.values()))} and {args.out_dir}/tokenizer")
     return 0
 

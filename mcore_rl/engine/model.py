@@ -36,6 +36,9 @@ class ModelOptions:
     """Longest prompt+response the model will see; defaults to the HF ``max_position_embeddings``."""
     recompute_activations: bool = False
     """Full-layer activation recomputation (trades compute for memory on long sequences)."""
+    scaled_output_init: bool = True
+    """megatron's random init of the attention and MLP output projections at ``std / sqrt(2 x layers)``;
+    False: at ``std`` like every other linear layer (transformers' Llama init)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -65,6 +68,10 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         extra["batch_p2p_comm"] = False
     if arch.sliding_window is not None:
         extra["window_size"] = (arch.sliding_window - 1, 0)
+    if not options.scaled_output_init:
+        from megatron.core.utils import init_method_normal
+
+        extra["output_layer_init_method"] = init_method_normal(arch.initializer_range)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

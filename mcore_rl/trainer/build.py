@@ -28,6 +28,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         optim=cfg.optim,
         total_optimizer_steps=total_optimizer_steps,
         dtype=cfg.model.dtype,
+        scaled_output_init=cfg.model.scaled_output_init,
         rollout_tp=cfg.rollout.tensor_model_parallel_size,
         hybrid=cfg.rollout.hybrid.to_hybrid_config(),
         with_reference=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,

@@ -84,6 +84,8 @@ class WorkerSpec:
     """An HF model folder (safetensors) to start from, read whole on every rank (small models; convert large
     ones with ``mcore-rl convert hf-to-mcore`` and use ``load_dir``). Neither: the seeded random init."""
     pad_token_id: int = 0
+    scaled_output_init: bool = True
+    """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
 
 
 class HybridWorker(CriticHost, RewardModelHost, Worker):
@@ -94,7 +96,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         """Collective: engines, hybrid switch, reference copy and LR schedule; returns the rank's coordinates."""
         ctx = self.ctx
         self.spec = spec
-        options = ModelOptions(dtype=getattr(torch, spec.dtype))
+        options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
         if spec.load_dir is not None:
             self.engine.load_model(spec.load_dir)

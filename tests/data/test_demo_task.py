@@ -68,3 +68,62 @@ def test_command_line_writes_jsonl(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ]
     first = (tmp_path / "sft.jsonl").read_text().splitlines()[0]
     assert '"data_source": "mcore_rl/arithmetic"' in first and '"response": ' in first
+
+
+def _task_config(folder: Path, task: str) -> list[str]:
+    return [
+        f"data.generate={task}",
+        *(f"data.{split}_files=[{folder}/{split}.jsonl]" for split in ("train", "val", "test")),
+        f"sft.train_files=[{folder}/sft.jsonl]",
+        f"model.tokenizer_path={folder}/tokenizer",
+    ]
+
+
+def test_reversed_task_writes_answers_least_significant_digit_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for split, size in SMALL.items():
+        monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
+    plain = load_config(RECIPE, _task_config(tmp_path / "plain", "arithmetic"))
+    reversed_ = load_config(RECIPE, _task_config(tmp_path / "rev", "arithmetic_reversed"))
+    assert len(demo_task.prepare_data(plain)) == len(demo_task.prepare_data(reversed_)) == 5
+    tok = load_tokenizer(reversed_.model.tokenizer_path or "")
+    for cfg, flip in ((plain, False), (reversed_, True)):
+        for dataset in (
+            PromptDataset.from_files(cfg.data.test_files, tok, cfg.data),
+            SFTDataset.from_files(cfg.sft.train_files, tok, cfg.data, cfg.sft),
+        ):
+            for record in dataset.records[:20]:
+                a, b = tok.decode(list(record.prompt_ids))[:-1].split("+")
+                total = str(int(a) + int(b))
+                truth = getattr(record, "ground_truth", None) or tok.decode(list(record.response_ids))
+                assert truth == (total[::-1] if flip else total)
+    # the prompts are the same problems either way: only the answers' digit order differs
+    same = PromptDataset.from_files(plain.data.test_files, tok, plain.data).records
+    flipped = PromptDataset.from_files(reversed_.data.test_files, tok, reversed_.data).records
+    assert [r.prompt_ids for r in same] == [r.prompt_ids for r in flipped]
+
+
+def test_generated_files_of_the_other_task_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for split, size in SMALL.items():
+        monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
+    demo_task.prepare_data(load_config(RECIPE, _task_config(tmp_path, "arithmetic")))
+    before = {p: p.read_bytes() for p in tmp_path.glob("*.jsonl")}
+    with pytest.raises(
+        ValueError, match=r"data\.generate=arithmetic_reversed: .*test\.jsonl holds another task"
+    ):
+        demo_task.prepare_data(load_config(RECIPE, _task_config(tmp_path, "arithmetic_reversed")))
+    assert {p: p.read_bytes() for p in tmp_path.glob("*.jsonl")} == before  # nothing rewritten
+
+
+def test_command_line_writes_the_reversed_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for split, size in SMALL.items():
+        monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
+    assert demo_task.main([str(tmp_path), "--format", "jsonl", "--reversed"]) == 0
+    import json
+
+    row = json.loads((tmp_path / "sft.jsonl").read_text().splitlines()[0])
+    a, b = row["prompt"][0]["content"][:-1].split("+")
+    assert row["response"] == row["reward_model"]["ground_truth"] == str(int(a) + int(b))[::-1]

@@ -122,3 +122,31 @@ def test_local_spec_is_used_without_transformer_engine():
 def test_model_options_validate_dtype():
     with pytest.raises(ValueError, match=r"dtype must be torch\.float32 or torch\.bfloat16"):
         ModelOptions(dtype=torch.float16)
+
+
+def _init_weights(parallel: dict) -> dict[str, dict[str, torch.Tensor]]:
+    arch = tiny_arch("llama")
+    out = {}
+    for scaled in (True, False):
+        with ParallelContext.initialize(ParallelConfig(seed=7, **parallel)) as ctx:
+            chunks = build_model_chunks(arch, ctx, ModelOptions(scaled_output_init=scaled))
+            out["scaled" if scaled else "plain"] = gather_full_state(chunks, arch, ctx)
+    return out
+
+
+@pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
+def test_plain_init_draws_output_projections_at_the_full_std(run_distributed, parallel):
+    """``scaled_output_init=False`` (transformers' Llama init) changes only the scale of the attention and
+    MLP output projections: the same draws, sqrt(2 x layers) larger; every other tensor is identical."""
+    for result in run_distributed(_init_weights, parallel):
+        scaled, plain = result["scaled"], result["plain"]
+        arch = tiny_arch("llama")
+        factor = (2 * arch.num_layers) ** 0.5
+        outputs = [k for k in scaled if k.endswith(("linear_proj.weight", "linear_fc2.weight"))]
+        assert len(outputs) == 2 * arch.num_layers
+        for key in scaled:
+            if key in outputs:
+                torch.testing.assert_close(plain[key], scaled[key] * factor, rtol=1e-5, atol=0)
+                assert abs(float(plain[key].std()) / arch.initializer_range - 1) < 0.1
+            else:
+                assert torch.equal(plain[key], scaled[key]), key
