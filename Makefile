@@ -25,7 +25,7 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
 	command -v shellcheck >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq shellcheck) || true
 	touch $(STAMP)
 
-# The main job through the single-controller Ray driver (the old single-process loop: `mcore-rl demo`).
+# The main job through the single-controller Ray driver.
 demo: $(STAMP)
 	$(PY) -m mcore_rl.cli train recipes/demo_cpu.yaml
 

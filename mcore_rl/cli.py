@@ -17,7 +17,6 @@ from mcore_rl.io.errors import Interrupted
 
 # subcommand -> module providing ``add_arguments(parser)`` and ``run(args) -> int``, and its one-line help.
 SUBCOMMANDS = {
-    "demo": ("mcore_rl.demo", "the tiny CPU demo run (see README)"),
     "convert": ("mcore_rl.convert.cli", "convert checkpoints between Hugging Face and megatron-core formats"),
     "config": ("mcore_rl.config.cli", "show the resolved run config of a recipe with key=value overrides"),
     "plan": ("mcore_rl.planner.cli", "per-GPU memory of a run's phases, whether it fits, a layout that does"),

@@ -108,8 +108,8 @@ class DPOTrainer:
         try:
             with ctx.guard("preparing the run folder"):  # rank 0's refusal stops its peers, naming it
                 if ctx.rank == 0:
+                    claim_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
                     prepare_preference_data(cfg)
-                    claim_run_folders(cfg)
                     save_config(cfg, cfg.trainer.default_local_dir)
                 dist.barrier()
             data = load_dpo_data(cfg)

@@ -85,8 +85,8 @@ class Trainer:
         if isinstance(config, RunConfig) and overrides:
             raise ValueError("overrides apply to a recipe path; set the fields of a RunConfig directly")
         cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+        claim_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
         prepare_data(cfg)
-        claim_run_folders(cfg)
         save_config(cfg, cfg.trainer.default_local_dir)
         data = load_run_data(cfg)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)

@@ -40,6 +40,14 @@ from tests.convert.bad_inputs import (
     to_mcore,
 )
 
+RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "demo_cpu.yaml")
+
+
+def train(*overrides: str) -> list[str]:
+    """``mcore-rl train`` of the main job's recipe with ``overrides``, in this process."""
+    return ["train", RECIPE, *overrides, "--in-process"]
+
+
 CASES = [
     # First: they need a process without a torch.distributed world (later cases may leave one behind).
     # --- launcher environment --------------------------------------------------------------------------------
@@ -372,17 +380,18 @@ CASES = [
     ),
     _c("hf-config-from-missing", lambda ws: to_hf(ws, "--hf-config-from", ws.p("nope")), "--hf-config-from"),
     _c("unknown-flag", lambda ws: to_hf(ws, "--frobnicate"), "--frobnicate", code=2),
-    # --- demo flags --------------------------------------------------------------------------------------------
-    _c("demo-sft-steps-zero", lambda ws: ["demo", "--sft-steps", "0"], "--sft-steps", code=2),
-    _c("demo-target-above-1", lambda ws: ["demo", "--sft-target", "1.5"], "--sft-target", code=2),
-    _c("demo-lr-nan", lambda ws: ["demo", "--sft-lr", "nan"], "--sft-lr", code=2),
-    _c("demo-grpo-seconds-negative", lambda ws: ["demo", "--grpo-seconds", "-1"], "--grpo-seconds", code=2),
-    _c("demo-batch-word", lambda ws: ["demo", "--batch-size", "many"], "--batch-size", code=2),
-    _c("demo-out-empty", lambda ws: ["demo", "--out", ""], "--out is empty"),
-    _c("demo-out-cwd", lambda ws: ["demo", "--out", "."], "current directory"),
+    # --- the main job's CLI (mcore-rl train) --------------------------------------------------------------------
     _c(
-        "demo-out-not-ours",
-        lambda ws: (existing(ws), ["demo", "--out", ws.p("out")])[1],
+        "train-sft-target-above-1",
+        lambda ws: train("sft.target_val_accuracy=1.5"),
+        "sft.target_val_accuracy",
+    ),
+    _c("train-lr-word", lambda ws: train("optim.lr=many"), "optim.lr"),
+    _c("train-unknown-key", lambda ws: train("optim.frobnicate=1"), "optim.frobnicate"),
+    _c("train-out-cwd", lambda ws: train("trainer.default_local_dir=."), "current directory"),
+    _c(
+        "train-out-not-ours",
+        lambda ws: (existing(ws), train(f"trainer.default_local_dir={ws.p('out')}"))[1],
         "not written by mcore_rl",
     ),
 ]

@@ -42,7 +42,8 @@ def test_prepare_data_writes_what_the_recipe_names(tmp_path: Path, monkeypatch: 
         "="
     )  # the chat template adds nothing
     a, b = text[:-1].split("+")
-    assert record.ground_truth == str(int(a) + int(b))
+    assert cfg.data.generate == "arithmetic_reversed"  # the main job's task: least-significant digit first
+    assert record.ground_truth == str(int(a) + int(b))[::-1]
     assert tok.decode([*chars.encode("579"), chars.EOS, chars.PAD]) == "579"
 
     sft = SFTDataset.from_files(cfg.sft.train_files, tok, cfg.data, cfg.sft)
