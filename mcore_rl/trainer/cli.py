@@ -35,6 +35,6 @@ def run(args: argparse.Namespace) -> int:
         line += f", {_pct(summary['test_after_sft'])} after {summary['sft_steps']} SFT steps"
     print(f"{line}, {_pct(after)} after {trainer.global_step} RL steps")
     if after is not None and "test_after_sft" in summary:
-        print(f"RL gain over the SFT checkpoint: {after - summary['test_after_sft']:+.1%}")
+        print(f"RL gain over the SFT checkpoint: {100 * (after - summary['test_after_sft']):+.1f} points")
     print(f"logs: {log_dir} (metrics.jsonl{', reward.png' if summary.get('plot') else ''})")
     return 0
