@@ -160,6 +160,9 @@ class Trainer:
             target = sft.target_val_accuracy
             if target is not None and metrics.get("val_accuracy", -1.0) >= target:
                 break
+        # The SFT weights into the rollout engine: RL's first step generates from them even when no
+        # validation or test set has synced them (found by a run with neither).
+        self.actors.sync_weights()
         return step
 
     # --- run checkpoints ------------------------------------------------------------------------------------

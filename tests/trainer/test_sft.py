@@ -59,6 +59,7 @@ def test_sft_lowers_the_loss_and_rl_starts_from_its_model(data, tmp_path) -> Non
         f"model.path={summary.model_dir}",
         "sft.enable=false",
         "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
     ]
     with Trainer.from_config("recipes/demo_cpu.yaml", rl_overrides, use_ray=False) as rl:
         start = _weights(rl)
@@ -123,3 +124,24 @@ def test_the_sft_loss_is_the_mean_nll_of_response_tokens_only(data) -> None:
     assert loss == pytest.approx(float(-(log_probs * mask).sum() / mask.sum()), rel=1e-5)
     every_position = -(log_probs[:, :-1]).mean()
     assert abs(loss - float(every_position)) > 1e-3  # the prompt positions would change it
+
+
+def test_rl_after_a_warm_start_without_validation_or_test_samples_from_the_sft_weights(
+    data, tmp_path
+) -> None:
+    """Nothing but the warm start itself syncs the SFT weights into the rollout engine here (no validation
+    or test set to evaluate): RL's first step must still generate from them, and agree with the trainer."""
+    run = str(tmp_path / "run")
+    overrides = [
+        *_overrides(data, run),
+        "sft.total_steps=3",
+        "sft.test_freq=100",
+        "data.val_files=[]",
+        "data.test_files=[]",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=-1",
+    ]
+    with Trainer.from_config("recipes/demo_cpu.yaml", overrides, use_ray=False) as trainer:
+        trainer.fit()
+        rl = [r for r in trainer.records if r["stage"] == "rl"]
+    assert len(rl) == 1 and abs(rl[0]["token_mult_prob_error"] - 1) < 1e-5
