@@ -133,3 +133,49 @@ def test_head_loss_equals_logits_path(run_distributed, case):
         for key, diff in r.items():
             if not key.endswith("scale"):
                 assert diff <= 1e-5, f"{key}: {r}"
+
+
+def _replicated_norms_after_head_loss_training() -> dict[str, float]:
+    """Max |rank r - rank 0| of every TP-replicated norm weight after three HeadLoss training steps at TP2."""
+    import torch.distributed as dist
+
+    from mcore_rl.engine.arch import ModelArch
+    from mcore_rl.trainer.losses import SFTMicroBatch, sft_loss
+
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 14,
+        "hidden_size": 128,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32,
+        "tie_word_embeddings": True,
+    }
+    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+        engine = TrainEngine.build(ModelArch.from_hf_config(hf), ctx, optim=OptimizerConfig(lr=1e-2))
+        tokens = torch.randint(2, 14, (4, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.zeros(4, 12)
+        mask[:, 6:11] = 1
+        batch = SFTMicroBatch(tokens, torch.arange(12).expand(4, 12), loss_mask=mask)
+        for _ in range(3):
+            engine.train_step([batch], sft_loss(14, mask.sum()))
+        gaps = {}
+        for name, param in engine.models[0].named_parameters():
+            if "norm" in name:
+                rank0 = param.detach().clone()
+                dist.broadcast(rank0, src=dist.get_process_group_ranks(ctx.tp_group)[0], group=ctx.tp_group)
+                gaps[name] = float((param.detach() - rank0).abs().max())
+        return gaps
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (session 4): under HeadLoss at TP2 the final norm's weight drifts apart between TP "
+    "ranks (0.03 after 3 steps at lr 1e-2; the other norms stay equal); a TP1 rollout replica on TP rank 1 "
+    "then disagrees with the trainer (token_mult_prob_error 1.002-1.003 in recipes/demo_cpu_tp2.yaml)",
+)
+def test_tp_replicated_norms_stay_equal_under_head_loss_training(run_distributed):
+    for gaps in run_distributed(_replicated_norms_after_head_loss_training, world_size=2):
+        assert gaps and max(gaps.values()) == 0.0, gaps
