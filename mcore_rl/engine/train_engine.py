@@ -302,17 +302,32 @@ def _skip_output_layer(gpt: Any) -> Iterator[None]:
 def _full_hidden(hidden: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """[b, s, h] on every TP rank, as megatron's column-parallel output layer sees its input: gathered over
     the sequence with SP; in backward the per-vocab-shard gradients are summed over TP either way."""
-    from megatron.core.tensor_parallel import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     if ctx.tp_size > 1:
         if ctx.layout.sp:
             hidden = gather_from_sequence_parallel_region(hidden, True, ctx.tp_group)
         else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, ctx.tp_group)
+            hidden = _SumGradOverTP.apply(hidden, ctx.tp_group)
     return hidden.transpose(0, 1)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group. megatron's
+    ``copy_to_tensor_model_parallel_region`` does the same only for a contiguous gradient: it all-reduces
+    ``grad.contiguous()`` and returns ``grad``, so a strided one (ours arrives through the transpose above)
+    came back unsummed, each rank training on its own vocab shard's share (the final norm drifted apart)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _output_weight(gpt: Any) -> torch.Tensor:
