@@ -23,6 +23,9 @@ from mcore_rl.controller.dispatch import RankInfo, shard_of_rank
 from mcore_rl.controller.resources import ResourcePool
 from mcore_rl.parallel.context import ParallelConfig
 
+ROOT_CAUSE_WAIT_S = 3.0
+"""How long a rank's error waits for the other ranks' results, in case one of them died (the cause)."""
+
 
 class WorkerError(RuntimeError):
     """A worker raised or died; the message names the rank, the method and carries its traceback."""
@@ -173,8 +176,9 @@ class WorkerGroup:
                 try:
                     results[rank_of[ref]] = ray.get(ref)
                 except (RayTaskError, RayActorError, GetTimeoutError) as err:
+                    rank, cause = _root_cause(rank_of[ref], err, waiting, rank_of)
                     self.shutdown()
-                    raise WorkerError(rank_of[ref], method, str(err)) from None
+                    raise WorkerError(rank, method, str(cause)) from None
         return results
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -207,3 +211,24 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown(graceful=exc[0] is None)
+
+
+def _root_cause(
+    rank: int, err: Exception, waiting: list[Any], rank_of: dict[Any, int]
+) -> tuple[int, Exception]:
+    """The failure to report: a peer's error often arrives first when a rank dies (its gloo pairs reset), so
+    a rank that died (kill -9, OOM) within a few seconds is named instead, being the cause."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if isinstance(err, RayActorError) or not waiting:
+        return rank, err
+    ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=ROOT_CAUSE_WAIT_S)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as died:
+            return rank_of[ref], died
+        except Exception:  # another consequence of the same failure
+            continue
+    return rank, err
