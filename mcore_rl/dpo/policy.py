@@ -42,6 +42,8 @@ class PolicySpec:
     with_reference: bool
     """Keep a frozen copy of the initial policy (False: precomputed or reference-free)."""
     dtype: str = "float32"
+    scaled_output_init: bool = True
+    """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
     pad_token_id: int = 0
     on_nonfinite: str = "stop"
     """stop (raise, naming the step) or skip (drop the update)."""
@@ -63,7 +65,7 @@ class DPOPolicy:
     ) -> DPOPolicy:
         """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation) and
         the reference, a frozen copy of it."""
-        options = ModelOptions(dtype=getattr(torch, spec.dtype))
+        options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
         engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
         if full_state is not None:
             engine.load_full_state(full_state)

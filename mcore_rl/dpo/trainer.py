@@ -282,6 +282,7 @@ def policy_spec(cfg: RunConfig, total_steps: int, pad_token_id: int) -> PolicySp
         micro_batch_pairs=dpo.micro_batch_size_per_gpu,
         with_reference=not (dpo.reference_free or dpo.precompute_ref_log_probs),
         dtype=cfg.model.dtype,
+        scaled_output_init=cfg.model.scaled_output_init,
         pad_token_id=pad_token_id,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
     )

@@ -31,3 +31,11 @@ def test_multi_rank_recipe_resolves() -> None:
     cfg = load_config("recipes/dpo_demo_cpu_tp2pp2.yaml")
     assert cfg.world_size == 4 and cfg.parallel.pipeline_model_parallel_size == 2
     assert cfg.dpo.train_files == load_config("recipes/dpo_demo_cpu.yaml").dpo.train_files
+
+
+def test_the_policy_is_initialised_as_the_model_section_says() -> None:
+    from mcore_rl.dpo.trainer import policy_spec
+
+    for scaled in (True, False):
+        cfg = load_config("recipes/dpo_demo_cpu.yaml", [f"model.scaled_output_init={str(scaled).lower()}"])
+        assert policy_spec(cfg, total_steps=1, pad_token_id=0).scaled_output_init is scaled
