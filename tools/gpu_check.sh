@@ -25,7 +25,14 @@ set -uo pipefail
 out=${OUT:-/tmp}
 exec > >(tee "$out/gpu_check.log") 2>&1
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    # pytest's wheels travel too, installed only where the image lacks pytest; a wheel is a zip, so an
+    # image without pip still gets them
+    wheels=$(ls .whl/*.whl | grep -v -e pytest -e pluggy -e iniconfig)
+    python3 -c "import pytest" 2>/dev/null || wheels="$wheels $(ls .whl/{pytest,pluggy,iniconfig}-*.whl)"
+    for w in $wheels; do
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null ||
+            python3 -m zipfile -e "$w" /tmp/site || exit 1
+    done
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
@@ -33,7 +40,7 @@ nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 echo "== build"
 time python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-python3 -c "import mcore_rl._C as c; assert c.WITH_CUDA, 'built without CUDA kernels'; print('CUDA kernels built')"
+python3 -c "import torch, mcore_rl._C as c; assert c.WITH_CUDA, 'built without CUDA kernels'; print('CUDA kernels built')"
 status=0
 echo "== nvcc sm_80 / sm_90"
 timeout 300 python3 -m pytest tests/ops/test_cuda.py -k compiles -q -p no:cacheprovider || status=1

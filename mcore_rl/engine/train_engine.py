@@ -66,7 +66,15 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, s] int64
     position_ids: torch.Tensor  # [b, s] int64
     extras: dict[str, Any] = field(default_factory=dict)
-    """Loss inputs (labels, masks, advantages, ...), on the engine's device."""
+    """Loss inputs (labels, masks, advantages, ...); tensors among them follow the batch to the engine's
+    device."""
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with its tensors on ``device`` (itself where they already are: the CPU case)."""
+        if self.tokens.device == device:
+            return self
+        extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
+        return MicroBatch(self.tokens.to(device), self.position_ids.to(device), extras)
 
 
 # loss_fn(model_output [b, s, V/tp] or [b, s, 1], micro_batch) -> (loss scalar, metrics of detached tensors)
@@ -189,6 +197,10 @@ class TrainEngine:
                 use_distributed_optimizer=optim.use_distributed_optimizer,
             ),
             chunks,
+            # megatron asks for gloo DP groups by default; ParallelContext builds them only on gloo worlds
+            # (an NCCL world failed here on the first GPU run: "Intra partial data parallel group is not
+            # initialized")
+            use_gloo_process_groups=ctx.device.type == "cpu",
         )
         return cls(ctx, arch, chunks, optimizer, config)
 
@@ -230,6 +242,8 @@ class TrainEngine:
 
         if not micro_batches:
             raise ValueError("micro_batches is empty")
+        # Callers build batches on the CPU; the first GPU run failed in the embedding on cpu token ids.
+        micro_batches = [mb.to(self.ctx.device) for mb in micro_batches]
         for chunk in self.chunks:
             chunk.train(not forward_only)
         seq_length = max(mb.tokens.shape[1] for mb in micro_batches)

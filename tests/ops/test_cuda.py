@@ -77,7 +77,7 @@ def test_cuda_end_to_end_matches_cpu() -> None:
     targets = torch.randint(0, 2990, (300,), generator=gen)
     results = []
     for device in ("cpu", "cuda"):
-        x = logits.to(device).requires_grad_()
+        x = logits.to(device, copy=True).requires_grad_()  # a fresh leaf: the CPU pass must not alias logits
         lp, ent = vocab_parallel_logprob_entropy(x, targets.to(device), vocab_start=0, vocab_size=2990)
         (lp + 0.5 * ent).sum().backward()
         results.append([t.detach().cpu() for t in (lp, ent, x.grad)])
