@@ -10,13 +10,15 @@ the meaning is the same::
                 timeout_minutes                                   (training layout: actor and reference)
     rollout:    name, tensor_model_parallel_size, n, temperature, top_p, top_k,
                 response_length (= data.max_response_length), stop_token_ids, gpu_memory_utilization,
-                val_kwargs {temperature, top_p, top_k, n}, hybrid {offload_*, sleep_level, bucket_bytes, ...}
+                val_kwargs {temperature, top_p, top_k, n}, hybrid {offload_*, sleep_level, bucket_bytes, ...},
+                colocate, num_ranks                  (false: a rollout pool of its own, for one_step_off)
     algorithm:  adv_estimator, norm_adv_by_std_in_grpo, gamma, lam, use_kl_loss, kl_loss_coef,
                 kl_loss_type, use_kl_in_reward, kl_penalty, kl_ctrl {type, kl_coef, target_kl, horizon},
                 clip_ratio_low/high/c, loss_agg_mode, entropy_coeff, ppo_epochs,
                 ppo_mini_batch_size (prompts), ppo_micro_batch_size_per_gpu (sequences),
                 ppo_max_token_len_per_gpu (token-budget micro-batches, balanced over DP),
-                recompute_old_log_probs (auto: verl's on-policy shortcut, always)
+                recompute_old_log_probs (auto: verl's on-policy shortcut, always),
+                rollout_is_threshold (truncated importance weights of lagged rollouts)
     optim:      lr, min_lr, lr_warmup_steps, lr_decay_style, lr_decay_steps, weight_decay,
                 adam_beta1/2, adam_eps, clip_grad, use_distributed_optimizer      (the RL stage)
     data:       train_files, val_files, test_files, prompt_key, reward_fn_key, max_prompt_length,

@@ -175,6 +175,13 @@ class RolloutConfig:
     """Sampling for validation and the held-out test."""
     hybrid: HybridSection = field(default_factory=HybridSection)
     """Memory handling of the train <-> rollout switch."""
+    colocate: bool = True
+    """True: the rollout engines live in the actor's processes and get its weights through the hybrid
+    engine's reshard (HybridFlow's colocated placement). False: a rollout pool of ``num_ranks`` ranks of
+    its own (``name=local``), sent the actor's weights after each update; with ``trainer.one_step_off`` the
+    next rollout then runs on that pool while the actor updates (verl's one-step-off placement)."""
+    num_ranks: int = 1
+    """Ranks of the rollout pool (``colocate=false``): ``num_ranks / tensor_model_parallel_size`` replicas."""
 
     def sampling_params(
         self, eos_token_id: int, pad_token_id: int, seed: int | None, validation: bool = False
@@ -273,6 +280,13 @@ class AlgorithmConfig:
     the old log-probs are then the update's own forward log-probs, detached (ratio 1), and
     ``token_mult_prob_error`` is taken from that forward. always: run the pass every step (same numbers,
     one actor forward more per step)."""
+    rollout_is_threshold: float | None = 2.0
+    """Truncated importance sampling of lagged rollouts (``trainer.one_step_off``, policy lag 1): each response
+    token's policy loss is weighted by ``min(pi_old / pi_rollout, rollout_is_threshold)`` (detached), where
+    pi_old is the recomputed old log-prob of the actor being updated and pi_rollout the log-prob of the
+    weights that sampled it: the samples come from the policy one update before the one PPO's ratio is
+    centred on (decoupled PPO; verl's ``rollout_is``, TIS). Logged as ``rollout_is/*``. null: no correction.
+    On-policy rollouts (lag 0) are never weighted."""
 
     def __post_init__(self) -> None:
         # Store one spelling so the driver compares against one name.

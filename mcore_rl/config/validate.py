@@ -124,6 +124,8 @@ RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "critic.cliprange_value": _NON_NEGATIVE,
     "critic.warmup_steps": _NON_NEGATIVE,
     "critic.num_ranks": _POSITIVE,
+    "rollout.num_ranks": _POSITIVE,
+    "algorithm.rollout_is_threshold": ("> 1 or null", lambda v: v is None or v > 1),
     "reward_model.micro_batch_size_per_gpu": _POSITIVE,
     "algorithm.lam": ("in [0, 1]", lambda v: 0 <= v <= 1),
 }
@@ -309,6 +311,14 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")
     problems += _critic_problems(cfg)
+    rollout = cfg.rollout
+    if not rollout.colocate and rollout.num_ranks % rollout.tensor_model_parallel_size:
+        problems.append(
+            f"rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide "
+            f"rollout.num_ranks={rollout.num_ranks} (the rollout pool, rollout.colocate=false)"
+        )
+    if not rollout.colocate and rollout.name != "local":
+        problems.append(f"rollout.colocate=false runs the local engine on its own pool, not {rollout.name}")
     for prefix, optim in (
         ("optim", cfg.optim),
         ("sft.optim", cfg.sft.optim),
