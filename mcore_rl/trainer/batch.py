@@ -151,3 +151,32 @@ def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
         )
     size = num_rows // num_mini_batches
     return [slice(i * size, (i + 1) * size) for i in range(num_mini_batches)]
+
+
+@dataclass(frozen=True)
+class ImportanceWeights:
+    """Truncated importance weights of a lagged rollout (TIS) and how much truncation they needed."""
+
+    weights: Tensor
+    """[N, S] float32: ``min(exp(old - rollout log-prob), threshold)`` on response tokens, 0 elsewhere."""
+    metrics: dict[str, float]
+    """rollout_is/{mean, max_raw, truncated_frac} over response tokens."""
+
+
+def truncated_importance_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, threshold: float
+) -> ImportanceWeights:
+    """Weights that turn a policy-gradient estimate from samples of the rollout policy into one for the policy
+    whose log-probs are ``old_log_probs`` (the PPO ratio's centre), truncated at ``threshold`` to bound the
+    variance (Ionides 2008; verl's ``rollout_is`` in token/truncate mode). No gradient flows through them."""
+    mask = response_mask > 0
+    log_ratio = torch.where(mask, old_log_probs.detach() - rollout_log_probs, 0.0)
+    raw = log_ratio.exp()
+    weights = torch.where(mask, raw.clamp(max=threshold), 0.0)
+    tokens = mask.sum().clamp(min=1)
+    metrics = {
+        "rollout_is/mean": float(weights.sum() / tokens),
+        "rollout_is/max_raw": float(torch.where(mask, raw, 0.0).max()),
+        "rollout_is/truncated_frac": float((mask & (raw > threshold)).sum() / tokens),
+    }
+    return ImportanceWeights(weights, metrics)

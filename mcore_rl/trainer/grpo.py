@@ -35,7 +35,12 @@ from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.actor_group import ActorGroup, UpdatePlan
-from mcore_rl.trainer.batch import ProbAgreement, compute_advantages, prob_agreement
+from mcore_rl.trainer.batch import (
+    ProbAgreement,
+    compute_advantages,
+    prob_agreement,
+    truncated_importance_weights,
+)
 from mcore_rl.trainer.losses import PolicyLossSettings
 from mcore_rl.trainer.reward_model import RewardModelGroup
 from mcore_rl.trainer.worker import NonFiniteLossError
@@ -99,6 +104,7 @@ class RLStep:
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
             gamma=cfg.algorithm.gamma,
         )
+        advantages, is_metrics = self.lag_correction(advantages, old_log_probs, rollout, lag)
         batch = TrainBatch(rollout.tokens, rollout.response_mask, old_log_probs, advantages, ref_log_probs)
         with timer("update"):
             stats, trainer_log_probs = self.update_for(batch, step, recompute)
@@ -113,7 +119,24 @@ class RLStep:
             **sync,
             **memory,
             **self.lag_metrics(lag),
+            **is_metrics,
         }
+
+    def lag_correction(
+        self, advantages: torch.Tensor, old_log_probs: torch.Tensor, rollout: RolloutBatch, lag: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages of a lagged rollout times truncated importance weights
+        (``algorithm.rollout_is_threshold``), and their metrics; on-policy rollouts come back unchanged.
+
+        Weighting the advantage is verl's TIS exactly: for a weight w >= 0 PPO's per-token loss satisfies
+        ``l(w * A, ratio) = w * l(A, ratio)`` (clip and dual-clip choices depend on the sign of A only), so the
+        policy-gradient term is weighted and the KL and entropy terms are not."""
+        threshold = self.cfg.algorithm.rollout_is_threshold
+        if lag == 0 or threshold is None:
+            return advantages, {}
+        mask = rollout.response_mask
+        tis = truncated_importance_weights(old_log_probs, rollout.rollout_log_probs, mask, threshold)
+        return advantages * tis.weights, tis.metrics
 
     def submit_log_probs(
         self, rollout: RolloutBatch, recompute: bool

@@ -51,8 +51,8 @@ class PPOBatch:
     """[N, S] float32: GAE advantages, whitened over the response tokens."""
     returns: torch.Tensor
     """[N, S] float32: GAE returns (raw advantages + values), the critic's targets."""
-    kl_metrics: dict[str, float]
-    """kl_in_reward/{coef, mean_kl} when ``use_kl_in_reward``, else empty."""
+    extra_metrics: dict[str, float]
+    """kl_in_reward/{coef, mean_kl} with ``use_kl_in_reward``; rollout_is/* on a lagged rollout."""
 
 
 class PPOStep(RLStep):
@@ -94,7 +94,7 @@ class PPOStep(RLStep):
         return {
             **metrics,
             **_critic_metrics(critic_stats, batch),
-            **batch.kl_metrics,
+            **batch.extra_metrics,
             "actor_frozen": float(frozen),
             **sync,
             **self.actors.phase_memory(),  # peaks per phase, max over ranks
@@ -111,7 +111,7 @@ class PPOStep(RLStep):
         """Rollout (or the one generated before the last update: ``trainer.one_step_off``), then scores,
         log-probs and values (concurrently), then token rewards and GAE."""
         cfg, timer = self.cfg, timer or StageTimer()
-        rollout, _ = self.rollout_for(prompts, step, next_prompts, timer)
+        rollout, lag = self.rollout_for(prompts, step, next_prompts, timer)
         with timer("score_values_and_log_probs"):
             scores, log_probs, values = self.score_values_and_log_probs(rollout, prompts, timer)
         agreement = prob_agreement(
@@ -132,6 +132,10 @@ class PPOStep(RLStep):
             rewards = kl.rewards
             kl_metrics = {"kl_in_reward/coef": kl.kl_coef, "kl_in_reward/mean_kl": kl.mean_kl}
         gae = compute_gae_advantages(rewards, values, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
+        # the critic's targets stay unweighted; only the actor's policy gradient is corrected for the lag
+        advantages, is_metrics = self.lag_correction(
+            gae.advantages.float(), log_probs.actor_log_probs, rollout, lag
+        )
         return PPOBatch(
             rollout,
             scores,
@@ -139,9 +143,9 @@ class PPOStep(RLStep):
             agreement,
             values,
             rewards,
-            gae.advantages.float(),
+            advantages,
             gae.returns.float(),
-            kl_metrics,
+            {**kl_metrics, **is_metrics},
         )
 
     def score_values_and_log_probs(

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mcore_rl.algo import compute_grpo_advantages, compute_rloo_advantages
+from mcore_rl.algo import compute_grpo_advantages, compute_rloo_advantages, ppo_policy_loss
 from mcore_rl.engine.rollout import GenerationOutput
 from mcore_rl.trainer.batch import (
     ADV_ESTIMATORS,
@@ -17,6 +17,7 @@ from mcore_rl.trainer.batch import (
     outcome_rewards,
     prob_agreement,
     rollout_batch,
+    truncated_importance_weights,
 )
 
 
@@ -104,3 +105,46 @@ def test_replica_shards_of_other_widths_are_padded_to_concatenate_with_their_row
     assert joined.rollout_log_probs[3, 0].item() == pytest.approx(-0.7)
     assert joined.responses() == [*wide.responses(), [40]]
     assert torch.equal(joined.tokens[:3], wide.tokens) and joined.prompt_index.tolist() == [0, 0, 1, 2]
+
+
+def test_truncated_importance_weights_are_the_clamped_probability_ratio_on_response_tokens() -> None:
+    old = torch.tensor([[0.0, -0.1, -2.0, -0.5], [-1.0, -1.0, 0.0, 0.0]], requires_grad=True)
+    rollout = torch.tensor([[0.0, -0.3, -0.1, -3.0], [-1.5, -0.2, 0.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    tis = truncated_importance_weights(old, rollout, mask, threshold=2.0)
+    raw = [math.exp(0.2), math.exp(-1.9), math.exp(2.5), math.exp(0.5), math.exp(-0.8)]
+    expected = torch.tensor([[0.0, raw[0], raw[1], 2.0], [raw[3], raw[4], 0.0, 0.0]])
+    torch.testing.assert_close(tis.weights, expected)
+    assert not tis.weights.requires_grad  # constants of the loss, as TIS treats them
+    assert tis.metrics["rollout_is/truncated_frac"] == pytest.approx(1 / 5)
+    assert tis.metrics["rollout_is/max_raw"] == pytest.approx(raw[2], rel=1e-6)
+    assert tis.metrics["rollout_is/mean"] == pytest.approx(float(expected.sum()) / 5, rel=1e-6)
+
+
+@pytest.mark.parametrize("clip_ratio_c", [3.0, 1.5])
+def test_weighting_the_advantages_is_the_weighted_ppo_loss_value_and_gradient(clip_ratio_c: float) -> None:
+    """Why the driver may fold TIS into the advantages: l(w * A) == w * l(A) for w >= 0, dual clip included."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (6, 9)
+    old = -torch.rand(shape, generator=gen) * 2
+    advantages = torch.randn(shape, generator=gen) * 2
+    mask = (torch.rand(shape, generator=gen) > 0.2).float()
+    weights = torch.rand(shape, generator=gen) * 2
+    weights[0, :3] = 0.0
+    results = []
+    for folded in (True, False):
+        log_probs = (
+            old + torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.5
+        ).requires_grad_()
+        out = ppo_policy_loss(
+            log_probs,
+            old,
+            advantages * weights if folded else advantages,
+            mask,
+            clip_ratio_c=clip_ratio_c,
+            importance_weights=None if folded else weights,
+        )
+        out.loss.backward()
+        results.append((out.loss.detach(), log_probs.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)

@@ -47,3 +47,29 @@ def test_one_step_off_trains_on_the_rollout_generated_before_the_last_update(tmp
     assert "time/generate_next_s" in on[0] and "time/generate_s" not in on[1]
     for record in on[1:]:  # the old log-probs come from the updated actor, the samples from the one before
         assert record["token_mult_prob_error"] > 1.0 + 1e-3
+    # lagged steps carry truncated importance weights of pi_old / pi_rollout; the on-policy first does not
+    assert "rollout_is/mean" not in on[0]
+    for record in on[1:]:
+        assert 0.0 < record["rollout_is/mean"] <= 2.0 and record["rollout_is/max_raw"] > 0.0
+
+
+def test_lagged_rollouts_are_importance_weighted_unless_switched_off(tmp_path) -> None:
+    """The same one-step-off run with the correction on (default threshold 2) and off: identical until the first
+    lagged step, whose samples (drawn before either update) are the same; only its weighted loss differs."""
+    weighted = _rl_records(tmp_path, "w", ["trainer.one_step_off=true", "trainer.total_training_steps=2"])
+    plain = _rl_records(
+        tmp_path,
+        "p",
+        [
+            "trainer.one_step_off=true",
+            "trainer.total_training_steps=2",
+            "algorithm.rollout_is_threshold=null",
+        ],
+    )
+    assert all(not any(k.startswith("rollout_is/") for k in r) for r in plain)
+    for key in SAME:
+        assert weighted[0][key] == pytest.approx(plain[0][key], abs=1e-6), key
+    assert weighted[1]["reward"] == pytest.approx(plain[1]["reward"], abs=1e-6)  # the same samples
+    assert weighted[1]["token_mult_prob_error"] == pytest.approx(plain[1]["token_mult_prob_error"], abs=1e-6)
+    assert weighted[1]["rollout_is/mean"] != pytest.approx(1.0, abs=1e-4)
+    assert weighted[1]["pg_loss"] != pytest.approx(plain[1]["pg_loss"], abs=1e-6)

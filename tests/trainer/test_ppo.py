@@ -68,7 +68,7 @@ def test_gae_and_kl_in_reward_through_the_driver_equal_the_algorithms(ppo) -> No
     assert torch.equal(batch.advantages, gae.advantages) and torch.equal(batch.returns, gae.returns)
     expected = AdaptiveKLController(coef, 0.01, 64)
     expected.update(kl.mean_kl, n_steps=mask.shape[0])
-    assert step.kl_ctrl.value == expected.value and batch.kl_metrics["kl_in_reward/coef"] == coef
+    assert step.kl_ctrl.value == expected.value and batch.extra_metrics["kl_in_reward/coef"] == coef
     step.actors.sync_weights()  # back to ROLLOUT for the next test
 
 
