@@ -132,10 +132,12 @@ class TrainerConfig:
     one_step_off: bool = False
     """Generate the next step's rollout before this step's update, with the weights the update starts from
     (verl's one-step-off data flow: a policy lag of 1, logged as ``policy_lag``). The PPO ratio's old
-    log-probs are recomputed by the current actor, so clipping is centred on the policy being updated; the
-    rollout/trainer mismatch this brings shows in ``token_mult_prob_error``. Colocated ranks run the two one
-    after the other; the pending rollout is not checkpointed: a resumed run drops that batch and continues
-    with the next one. False: on-policy."""
+    log-probs are recomputed by the current actor, so clipping is centred on the policy being updated, and the
+    policy gradient is importance-weighted from the rollout policy to that one
+    (``algorithm.rollout_is_threshold``); the mismatch shows in ``token_mult_prob_error``. Colocated rollout
+    engines (``rollout.colocate``) run the two one after the other; a rollout pool of its own generates while
+    the actor updates. Run checkpoints hold the pending rollout, so a resumed run continues exactly. False:
+    on-policy."""
 
 
 @dataclass

@@ -185,6 +185,16 @@ class RLStep:
                 self._pending = (next_prompts, self.generate(next_prompts, step + 1))
         return rollout, lag
 
+    def pending_rollout(self, prompts: PromptBatch | None) -> RolloutBatch | None:
+        """The rollout generated ahead for ``prompts`` (one-step-off), for run checkpoints."""
+        if prompts is None or self._pending is None or self._pending[0] is not prompts:
+            return None
+        return self._pending[1]
+
+    def restore_pending(self, prompts: PromptBatch, rollout: RolloutBatch) -> None:
+        """Resume: ``rollout`` was generated for ``prompts`` by the weights before the checkpointed update."""
+        self._pending = (prompts, rollout)
+
     def generate(self, prompts: PromptBatch, step: int) -> RolloutBatch:
         request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
         return self.actors.generate(request, self.sampling(step))

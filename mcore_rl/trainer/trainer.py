@@ -8,16 +8,21 @@
 A run checkpoint ``<default_local_dir>/checkpoints/global_step_<N>`` holds the actor's weights and
 optimizer (the resumable TrainEngine checkpoint, written to a staging name and renamed when complete), the
 LR schedule, the driver state (step, data position) and the resolved ``config.yaml``; ``latest`` is
-updated last. Sampling seeds derive from ``(trainer.seed, step)``, so a resumed run draws what the
+updated last. With ``trainer.one_step_off`` it also holds the next step's prompts and the rollout already
+generated for them (``pending_rollout.safetensors``), so a resumed run trains on what the uninterrupted one
+would have. Sampling seeds derive from ``(trainer.seed, step)``, so a resumed run draws what the
 uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from safetensors.torch import load_file, save_file
 
 from mcore_rl.config import RunConfig, claim_run_folders, load_config, save_config
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
@@ -32,6 +37,9 @@ from mcore_rl.trainer.grpo import RLStep, update_plan
 from mcore_rl.trainer.ppo import PPOStep
 from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec, reward_model_checkpoint
 from mcore_rl.trainer.run_log import RunLog
+from mcore_rl.types import RolloutBatch
+
+PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
 
 
 @dataclass
@@ -178,11 +186,16 @@ class Trainer:
             "loader": self.data.loader.state_dict(),
             "model": self.cfg.model.hf_config_dict(),
             "algorithm": self.step.state_dict(),  # e.g. the in-reward KL controller
+            # one-step-off: the next step's prompts (drawn: the loader is past them) and, beside, their rollout
+            "pending_prompts": None if self._prefetched is None else self._prefetched.indices.tolist(),
         }
         self.actors.save_checkpoint(
             path, self.global_step, state
         )  # in the TRAIN phase (optimizer state home)
         self.step.save_models(path, self.global_step)  # PPO: <path>/critic
+        pending = self.step.pending_rollout(self._prefetched)
+        if pending is not None:
+            save_file(dataclasses.asdict(pending), os.path.join(path, PENDING_ROLLOUT_FILE))
         self.actors.sync_weights()  # back to ROLLOUT for the next step
         save_config(self.cfg, path)
         publish_checkpoint(self.cfg, self.global_step)
@@ -206,9 +219,23 @@ class Trainer:
         step, extra = self.actors.load_checkpoint(path)
         self.step.load_state_dict(extra.get("algorithm", {}))
         self.step.load_models(path)
+        self._restore_pending(path, saved.get("pending_prompts"))
         self.global_step = step
         self.actors.sync_weights()
         return True
+
+    def _restore_pending(self, path: str, indices: list[int] | None) -> None:
+        """One-step-off: the saved next prompts and the rollout generated for them before the interruption, so
+        the resumed run trains on exactly what the uninterrupted one would have (safetensors: data only)."""
+        if indices is None:
+            return
+        rollout_file = os.path.join(path, PENDING_ROLLOUT_FILE)
+        if not os.path.isfile(rollout_file):
+            raise ValueError(
+                f"{path}: the checkpoint names pending prompts but has no {PENDING_ROLLOUT_FILE}"
+            )
+        self._prefetched = self.data.loader.dataset.batch(indices)
+        self.step.restore_pending(self._prefetched, RolloutBatch(**load_file(rollout_file)))
 
     def close(self) -> None:
         self.step.scorer.close()

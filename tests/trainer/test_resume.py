@@ -68,3 +68,22 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path) -> None:
         pytest.raises(ValueError, match="intermediate_size"),
     ):
         other.fit()
+
+
+def test_one_step_off_resume_trains_on_the_checkpointed_pending_rollout(tmp_path) -> None:
+    """The rollout generated ahead at step 2 (before step 2's update) is in step 2's checkpoint: the resumed
+    run's steps 3 and 4 equal the uninterrupted run's, lag and importance weights included."""
+    data, extra = str(tmp_path / "data"), ["trainer.one_step_off=true"]
+    straight_cfg = tiny_run_config(data, [*OVERRIDES, *extra, f"trainer.default_local_dir={tmp_path / 'a'}"])
+    with Trainer.from_config(straight_cfg, use_ray=False) as straight:
+        straight.fit()
+        expected = _rl_metrics(straight, {3, 4})
+    cfg = tiny_run_config(data, [*OVERRIDES, *extra, f"trainer.default_local_dir={tmp_path / 'b'}"])
+    with Trainer.from_config(cfg, use_ray=False) as first:
+        first.fit(stop_after=2)
+    assert os.path.isfile(os.path.join(first.checkpoint_root, "global_step_2", "pending_rollout.safetensors"))
+    with Trainer.from_config(cfg, use_ray=False) as resumed:
+        resumed.fit()
+        got = _rl_metrics(resumed, {3, 4})
+    assert [r["policy_lag"] for r in got] == [1.0, 1.0] and "rollout_is/mean" in got[0]
+    assert got == expected
