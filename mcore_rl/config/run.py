@@ -128,7 +128,8 @@ class TrainerConfig:
     """A NaN/inf loss or grad norm: stop (no update is written, the step is named) or skip the update."""
     overlap_stages: bool = True
     """PPO: after each rollout, start scoring, critic values and actor/reference log-probs together (they
-    depend only on the rollout); False runs them one after another (a timing baseline: same numbers)."""
+    depend only on the rollout), and then the critic's and the actor's updates together (they read the same
+    batch); False runs them one after another (a timing baseline: same numbers)."""
     one_step_off: bool = False
     """Generate the next step's rollout before this step's update, with the weights the update starts from
     (verl's one-step-off data flow: a policy lag of 1, logged as ``policy_lag``). The PPO ratio's old

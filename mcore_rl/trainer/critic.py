@@ -343,16 +343,31 @@ class CriticGroup:
         wait = self.backend.submit(
             "critic_values", shards, "dp", min(micro_batch_size, shards[0].num_sequences)
         )
-        return lambda: torch.cat([wait()[i] for i in self._data_owners])
+
+        def collect() -> torch.Tensor:
+            results = wait()
+            return torch.cat([results[i] for i in self._data_owners])
+
+        return collect
 
     def update(
         self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
     ) -> CriticStats:
+        return self.submit_update(batch, num_mini_batches, ppo_epochs, micro_batch_size)()
+
+    def submit_update(
+        self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
+    ) -> Callable[[], CriticStats]:
+        """Start the critic's update (on its own pool it runs beside the actor's); call the result to wait."""
         shards = list(split_record(batch, self.num_dp_shards))
         micro = min(micro_batch_size, max(shards[0].tokens.shape[0] // num_mini_batches, 1))
-        results = self.backend.submit("critic_update", shards, "dp", num_mini_batches, ppo_epochs, micro)()
-        stats: CriticStats = results[self._data_owners[0]]
-        return stats
+        wait = self.backend.submit("critic_update", shards, "dp", num_mini_batches, ppo_epochs, micro)
+
+        def collect() -> CriticStats:
+            stats: CriticStats = wait()[self._data_owners[0]]
+            return stats
+
+        return collect
 
 
 __all__ = [

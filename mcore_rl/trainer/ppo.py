@@ -7,7 +7,7 @@
     next step ◄── actors.sync_weights ◄── actors.update (after the critic warm-up) ◄── critic.update ◄─┘
 
 Scoring, log-probs and values depend only on the rollout: they are started together and the driver scores
-while the workers compute. With ``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by
+while the workers compute; likewise the critic's and the actor's updates, which read the same batch. With ``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by
 the KL of the rollout policy to the reference (``kl_reward.py``; its controller is checkpointed driver
 state). During the first ``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in
 verl's ``critic_warmup``.
@@ -76,16 +76,22 @@ class PPOStep(RLStep):
     ) -> dict[str, float]:
         timer = StageTimer()
         batch = self.prepare(prompts, step, timer, next_prompts)
+        # The two updates read the same batch and write different models: with trainer.overlap_stages the
+        # critic's starts first and, on a pool of its own, runs while the actor's does ("critic_update" is then
+        # only the wait left after the actor's); else it is awaited before the actor's starts.
         with timer("critic_update"):
-            critic_stats = self.critic.update(
+            wait_critic = self.critic.submit_update(
                 ValueBatch(batch.rollout.tokens, batch.rollout.response_mask, batch.values, batch.returns),
                 self.plan.num_mini_batches,
                 self.plan.ppo_epochs,
                 self.cfg.critic.ppo_micro_batch_size_per_gpu,
             )
+            critic_stats = None if self.cfg.trainer.overlap_stages else wait_critic()
         frozen = step <= self.cfg.critic.warmup_steps
         with timer("update"):
             stats = _frozen_stats() if frozen else self.update(self.train_batch(batch), step)
+        with timer("critic_update"):
+            critic_stats = wait_critic() if critic_stats is None else critic_stats
         with timer("sync"):
             sync = self.actors.sync_weights()
         metrics = step_metrics(

@@ -1,7 +1,8 @@
 """A critic on its own Ray pool (2 ranks, TP2, its own layout) beside a 1-rank actor: the same numbers as
 the colocated in-process critic (values to 1e-5), the critic started from the actor through the driver,
 and its checkpoint inside the run checkpoint; with ``trainer.overlap_stages`` off (values, log-probs and
-scoring one after another) every metric is identical to the overlapped run."""
+scoring one after another, then the critic's update before the actor's) every metric is identical to the
+overlapped run."""
 
 from __future__ import annotations
 
