@@ -3,6 +3,8 @@ rank (the overhead baseline and quick tests)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mcore_rl.config import ConfigError, RunConfig
@@ -10,6 +12,7 @@ from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_
 from mcore_rl.parallel.context import free_local_port
 from mcore_rl.trainer.actor_group import ActorGroup, Backend, InProcessBackend, RayBackend
 from mcore_rl.trainer.critic import CriticGroup, CriticSpec, CriticWorker
+from mcore_rl.trainer.rollout_pool import RolloutGroup, RolloutSpec, RolloutWorker
 from mcore_rl.trainer.worker import HybridWorker, WorkerSpec
 
 
@@ -29,7 +32,8 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         total_optimizer_steps=total_optimizer_steps,
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
-        rollout_tp=cfg.rollout.tensor_model_parallel_size,
+        # rollout.tensor_model_parallel_size is the pool's when the rollout has a pool of its own
+        rollout_tp=cfg.rollout.tensor_model_parallel_size if cfg.rollout.colocate else 1,
         hybrid=cfg.rollout.hybrid.to_hybrid_config(),
         with_reference=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         load_dir=load_dir,
@@ -69,13 +73,47 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
     return critic
 
 
+def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
+    """The rollout pool of ``rollout.colocate=false``: ``rollout.num_ranks`` ranks at rollout TP, holding the
+    actor's current weights. The driver keeps the actors' weights flowing (``RolloutGroup.load_weights_from``
+    after each update)."""
+    if cfg.rollout.colocate:
+        raise ConfigError("rollout.colocate=true: the rollout runs on the actor's ranks, there is no pool")
+    if not isinstance(actors.backend, RayBackend):
+        raise ConfigError("rollout.colocate=false: a rollout pool of its own needs the Ray driver (use_ray)")
+    rollout = cfg.rollout
+    spec = RolloutSpec(
+        arch=cfg.model.arch(),
+        weights_dtype=rollout.hybrid.rollout_dtype,  # the colocated reshard's cast, then a float32 engine
+    )  # the default pad id, as the actor's WorkerSpec: pool and colocated rollouts pad alike
+    parallel = dataclasses.replace(  # replicas are the pool's data-parallel ranks
+        cfg.parallel.to_parallel_config(cfg.trainer.seed),
+        tensor_parallel_size=rollout.tensor_model_parallel_size,
+        pipeline_parallel_size=1,
+        virtual_pipeline_parallel_size=None,
+        sequence_parallel=False,
+    )
+    pool = ResourcePool(rollout.num_ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
+    group = WorkerGroup.spawn(RolloutWorker, rollout.num_ranks, parallel, pool=pool, take_pool=True)
+    try:
+        group.infos = group.run("build", spec)
+        rollouts = RolloutGroup(RayBackend(group))
+        rollouts.load_weights_from(actors)
+    except BaseException:
+        group.shutdown()
+        raise
+    return rollouts
+
+
 def _cpus_per_rank(cfg: RunConfig) -> float:
-    """The cluster's CPUs shared evenly by every rank of the run: the actor's and a separate critic's."""
+    """The cluster's CPUs shared evenly by every rank of the run: the actor's, a separate critic's and a
+    separate rollout pool's (each rank's torch threads are its share, at least one)."""
     import ray
 
     ranks = cfg.world_size + (
         0 if cfg.critic.colocate or cfg.algorithm.adv_estimator != "gae" else cfg.critic.num_ranks
     )
+    ranks += 0 if cfg.rollout.colocate else cfg.rollout.num_ranks
     return float(ray.cluster_resources().get("CPU", 1.0)) / ranks
 
 

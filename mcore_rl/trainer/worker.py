@@ -13,6 +13,7 @@ for samples); the others return None.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
-from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.engine.rollout.base import GenerationOutput, SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.parallel.context import ParallelContext
@@ -136,14 +137,10 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         """Sample this replica's prompts on the synced weights; the replica's TP rank 0 returns the batch."""
         if self.hybrid.phase is not Phase.ROLLOUT:
             raise RuntimeError("generate() before sync_weights(): the rollout engine holds stale weights")
-        info = self.rank_info()
-        if params.seed is not None:  # each replica samples its own stream
-            params = dataclasses.replace(params, seed=params.seed + 1_000_003 * info.rollout_replica)
         # Through the hybrid engine: a rank that fails while sampling stops its TP peers within seconds.
-        out = self.hybrid.generate(request.prompt_ids, params)
-        if info.rollout_tp_rank != 0:
-            return None
-        return rollout_batch(request.prompt_ids, request.prompt_index, out, self.spec.pad_token_id)
+        return replica_rollout(
+            self.hybrid.generate, request, params, self.rank_info(), self.spec.pad_token_id
+        )
 
     # --- training -------------------------------------------------------------------------------------------
     @measured("log_probs")
@@ -380,6 +377,23 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
         return step, extra
+
+
+def replica_rollout(
+    generate: Callable[[list[list[int]], SamplingParams], GenerationOutput],
+    request: RolloutRequest,
+    params: SamplingParams,
+    info: RankInfo,
+    pad_token_id: int,
+) -> RolloutBatch | None:
+    """One rollout replica's share of a ``generate`` call (the hybrid worker's and a rollout pool's): each
+    replica samples its own seed stream; the replica's TP rank 0 returns the batch, its peers None."""
+    if params.seed is not None:
+        params = dataclasses.replace(params, seed=params.seed + 1_000_003 * info.rollout_replica)
+    out = generate(request.prompt_ids, params)
+    if info.rollout_tp_rank != 0:
+        return None
+    return rollout_batch(request.prompt_ids, request.prompt_index, out, pad_token_id)
 
 
 def _hf_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -1,0 +1,201 @@
+"""A rollout pool of its own (``rollout.colocate=false``): rollout engines on ranks apart from the actor's, so
+that sampling the next batch overlaps the actor's update (verl's one-step-off placement).
+
+    actor ranks (HybridWorker)                     rollout pool (RolloutWorker, tp = rollout TP, pp = 1)
+      update(step k) ──► full_state() ── rank 0's object ref ──► load_full_state(full): cut this rank's
+                                          (never through the driver)    rollout-TP shard, load it
+                                                                  ──► generate(step k + 1 prompts)
+      update(step k + 1) ... runs while the pool samples ...
+
+Ordering is Ray's, not locks': a Ray actor runs its calls one at a time in submission order, so a weight
+load submitted after a generate waits for that generate to finish, and a generate submitted after a load
+samples the loaded weights. The driver relies on this: it may submit ``generate`` and ``load_weights``
+back to back without waiting, and each generate sees exactly the weights submitted before it.
+
+The pool's engine is the same :class:`~mcore_rl.engine.rollout.local.LocalRolloutEngine` the hybrid worker
+embeds, loaded from the same full (TP=1) state, so a pool rollout equals the colocated rollout of the same
+weights, seed and prompts. It never sleeps: nothing else on its ranks needs the memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mcore_rl.controller.dispatch import (
+    RankInfo,
+    concat_records,
+    num_rollout_shards,
+    rollout_owners,
+    split_record,
+)
+from mcore_rl.controller.worker import Worker
+from mcore_rl.controller.worker_group import Pending
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.engine.rollout.layout import rollout_shards_from_full
+from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
+from mcore_rl.trainer.actor_group import ActorGroup, RayBackend
+from mcore_rl.trainer.batch import common_width
+from mcore_rl.trainer.memory import max_over_ranks, measured, phase_memory
+from mcore_rl.trainer.worker import replica_rollout
+from mcore_rl.types import RolloutBatch, RolloutRequest
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What every rank of a rollout pool builds."""
+
+    arch: ModelArch
+    """The policy architecture (the actor's)."""
+    dtype: str = "float32"
+    """The engine's weights, activations and KV cache dtype (float32, bfloat16, float16). float32 is what the
+    colocated engine runs, whatever the actor's dtype: the two then sample alike."""
+    weights_dtype: str | None = None
+    """Round the actor's weights to this dtype before loading (``rollout.hybrid.rollout_dtype``, which the
+    colocated reshard casts to); None keeps the actor's dtype."""
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "weights_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"RolloutSpec.{name} must be float32, bfloat16 or float16, got {value!r}")
+
+
+class RolloutWorker(Worker):
+    """One rank of a rollout pool: its layout is tp = rollout TP, pp = 1, so the training data-parallel rank
+    is the rollout replica and the TP group is the replica's engine group."""
+
+    def build(self, spec: RolloutSpec) -> RankInfo:
+        """Collective: the engine (on this rank's device, zero weights until :meth:`load_full_state`)."""
+        ctx = self.ctx
+        if ctx.pp_size != 1:
+            raise ValueError(f"a rollout pool runs pp=1, got pipeline_parallel_size={ctx.pp_size}")
+        self.spec = spec
+        self.engine = LocalRolloutEngine(
+            spec.arch,
+            LocalRolloutConfig(dtype=getattr(torch, spec.dtype)),
+            tp_group=ctx.tp_group if ctx.tp_size > 1 else None,
+            device=ctx.device,
+        )
+        self.num_loads = 0
+        return self.rank_info()
+
+    def rank_info(self) -> RankInfo:
+        info = super().rank_info()
+        return dataclasses.replace(info, rollout_replica=self.ctx.dp_rank, rollout_tp_rank=self.ctx.tp_rank)
+
+    @measured("sync")
+    def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
+        """Collective: this rank's rollout-TP shard of the actor's full (TP=1, megatron-named) state
+        (``HybridWorker.full_state``), loaded as the hybrid engine's reshard loads its shards."""
+        spec, ctx = self.spec, self.ctx
+        if spec.weights_dtype is not None:
+            cast = getattr(torch, spec.weights_dtype)
+            full = {name: t.to(cast) for name, t in full.items()}
+        shards = rollout_shards_from_full(full, spec.arch, ctx.tp_size, ctx.tp_rank)
+        with ctx.guard("load"):
+            self.engine.wake_up(["weights"])
+            self.engine.load_weights(shards.items())
+            self.engine.wake_up(["kv_cache"])
+        self.num_loads += 1
+
+    @measured("generate")
+    def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch | None:
+        """Sample this replica's prompts; the replica's TP rank 0 returns the batch (as the hybrid worker)."""
+        if self.num_loads == 0:
+            raise RuntimeError("generate() before load_full_state(): the rollout pool holds no weights")
+
+        def sample(prompts: list[list[int]], params: SamplingParams) -> Any:
+            with self.ctx.guard("rollout"):  # a rank that fails stops its TP peers within seconds
+                return self.engine.generate(prompts, params)
+
+        return replica_rollout(sample, request, params, self.rank_info(), self.spec.pad_token_id)
+
+    def take_phase_memory(self) -> dict[str, float]:
+        """This rank's per-phase memory peaks since the last call (``trainer/memory.py``)."""
+        return phase_memory(self).take()
+
+
+class RolloutGroup:
+    """The driver's handle on a rollout pool: whole requests in, whole batches out (see the module docstring
+    for the ordering the ``submit_*`` methods rely on)."""
+
+    def __init__(self, backend: RayBackend) -> None:
+        self.backend = backend
+        self.num_rollout_shards = num_rollout_shards(backend.infos)
+        self._rollout_owners = rollout_owners(backend.infos)
+
+    def submit_generate(self, request: RolloutRequest, params: SamplingParams) -> Callable[[], RolloutBatch]:
+        """Start sampling (prompts split over replicas); call the result for the samples in prompt order."""
+        shards = split_record(request, self.num_rollout_shards)
+        wait = self.backend.submit("generate", list(shards), "rollout", params)
+
+        def collect() -> RolloutBatch:
+            results = wait()
+            return concat_records(
+                common_width([results[i] for i in self._rollout_owners], params.pad_token_id)
+            )
+
+        return collect
+
+    def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch:
+        return self.submit_generate(request, params)()
+
+    def submit_load_weights(self, full: dict[str, torch.Tensor] | ObjectRef) -> Callable[[], None]:
+        """Start loading a full (TP=1) state, or a Ray object ref to one, into every rank; it enters the
+        object store once, not once per rank. Runs after every call submitted before it."""
+        import ray
+
+        ref = full if isinstance(full, ray.ObjectRef) else ray.put(full)
+        wait = self.backend.submit("load_full_state", None, "", ref)
+
+        def loaded() -> None:
+            wait()
+
+        return loaded
+
+    def load_weights(self, full: dict[str, torch.Tensor] | ObjectRef) -> None:
+        self.submit_load_weights(full)()
+
+    def submit_load_weights_from(self, actors: ActorGroup) -> Callable[[], None]:
+        """Start taking the actor's current weights (``HybridWorker.full_state``, which leaves the actor in
+        its TRAIN phase): actor rank 0's result goes to the pool as an object ref, never through the driver.
+        The actor's calls submitted later run after the gather; the wait also surfaces the actor's errors."""
+        import ray
+
+        if not isinstance(actors.backend, RayBackend):
+            raise TypeError("a rollout pool takes its weights from a Ray actor group (use_ray)")
+        group = actors.backend.group
+        gather = group.call("full_state")
+        load = self.submit_load_weights(gather.refs[0])
+        # The other actor ranks return None; rank 0's result stays off the driver (a placeholder keeps
+        # WorkerGroup.get's rank numbering while it waits for their errors, if any).
+        others = Pending(gather.method, [ray.put(None), *gather.refs[1:]])
+
+        def wait() -> None:
+            load()
+            group.get(others)
+
+        return wait
+
+    def load_weights_from(self, actors: ActorGroup) -> None:
+        self.submit_load_weights_from(actors)()
+
+    def phase_memory(self) -> dict[str, float]:
+        """Peak memory per phase (generate, sync) since the last call, the maximum over the pool's ranks."""
+        return max_over_ranks(self.backend.submit("take_phase_memory", None, "")())
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+__all__ = ["RolloutGroup", "RolloutSpec", "RolloutWorker"]
