@@ -6,25 +6,37 @@ samples x 32 new tokens; one Adam step. Our step = sync weights -> generate -> p
 step), with verl's on-policy shortcut as ``algorithm.recompute_old_log_probs=auto`` takes it here: the old
 log-probs are the update's own forward's, detached. ``ours_always`` is the same step with the separate
 old-log-prob forward pass (``recompute_old_log_probs=always``, the step before issue 17's shortcut), timed in
-the same rounds on the same engine; ``--no-always`` leaves it out. The baseline is TRL's ``GRPOTrainer`` when ``trl`` is importable; otherwise
-(the default: installing TRL here is not allowed to change torch) HF ``generate`` + a plain PyTorch GRPO step
-(logits -> log_softmax gather -> clipped ratio loss -> backward -> Adam), which is what TRL runs underneath.
+the same rounds on the same engine; ``--no-always`` leaves it out.
+
+The baseline (``--baseline``) is TRL's ``GRPOTrainer`` (``trl``: TRL 1.16's real training step, run by
+``bench/_trl_grpo.py`` as a persistent subprocess under ``--trl-python``, an interpreter with TRL installed,
+by default ``/work/trl-venv/bin/python`` where it exists: installing TRL into the project venv is not allowed
+to change torch), or HF ``generate`` + a plain PyTorch GRPO step (``hf``: logits -> log_softmax gather ->
+clipped ratio loss -> backward -> Adam, which is what TRL runs underneath), or ``both``. Without a TRL
+interpreter the default is ``hf``. The subprocess uses our thread count and blocks on its stdin while our
+side runs, so the two never compute at the same time; ``bench/_trl_grpo.py`` says how its step is timed.
 
 The compute limit is the step's matmul FLOPs divided by ``torch.mm``'s rate at the step's own GEMM shapes
 (decode shapes for generation, packed-sequence shapes for training), timed in this process. Rounds alternate
 which side runs first; the report gives medians and the min-max spread.
 
-    python bench/bench_grpo_step.py --rounds 8 --threads 2
+    python -m bench.bench_grpo_step --rounds 8 --threads 2 [--baseline both] [--trl-python PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +56,9 @@ from mcore_rl.trainer.losses import (
 from mcore_rl.types import TrainBatch
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 256, 4, 8, 688, 1000
+TRL_PYTHON = Path("/work/trl-venv/bin/python")  # the default --trl-python, where it exists
+TRL_CHILD = Path(__file__).with_name("_trl_grpo.py")
+SPLIT = ("generate", "forward_backward", "optimizer")  # the baselines' step split, in order
 
 
 def _hf_config() -> dict:
@@ -177,8 +192,85 @@ class Baseline:
         self.optimizer.step()
         self.optimizer.zero_grad()
         t.append(time.perf_counter())
-        names = ("generate", "forward_backward", "optimizer")
-        return {"step": t[-1] - t[0], **{k: b - a for k, a, b in zip(names, t[:-1], t[1:], strict=True)}}
+        return {"step": t[-1] - t[0], **{k: b - a for k, a, b in zip(SPLIT, t[:-1], t[1:], strict=True)}}
+
+
+class TrlBaseline:
+    """TRL's ``GRPOTrainer`` step, run by ``bench/_trl_grpo.py`` as a persistent subprocess under ``python``.
+
+    It builds the same model (``_hf_config()``, random init, fp32) and trains on ``prompts`` every step; its
+    RNG is seeded once, so ``step``'s ``seed`` is not passed on. Each reply carries TRL's own record of the
+    completions it trained on, checked here: a step over other lengths would not be this workload.
+    """
+
+    def __init__(self, python: Path, prompts: torch.Tensor, args: argparse.Namespace) -> None:
+        config = {k: v for k, v in _hf_config().items() if k not in ("architectures", "model_type")}
+        spec = {
+            "hf_config": config,
+            "prompts": prompts.tolist(),
+            "prompts_per_step": len(prompts),
+            "num_generations": args.n,
+            "new_tokens": args.new_tokens,
+            "lr": 1e-6,  # Ours' and Baseline's Adam learning rate
+            "seed": 0,
+            "threads": args.threads,
+        }
+        # The child must see only its own venv: a PYTHONPATH into ours would mix two torch installs.
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        self.python, self.args, self.prompts = python, args, prompts
+        # Lives as long as the subprocess (closed in close()); read back only to report a crash.
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [str(python), str(TRL_CHILD), "--spec", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=env,
+        )
+        ready = self._read()
+        checks = {"threads": args.threads, "mixed_precision": "no", "activation_checkpointing": False}
+        checks["dtype"] = "torch.float32"
+        wrong = {k: ready.get(k) for k, v in checks.items() if ready.get(k) != v}
+        if wrong:
+            self.close()
+            raise RuntimeError(
+                f"--trl-python: the TRL step does not run this workload: {wrong} (want {checks})"
+            )
+        self.label = f"TRL {ready['trl']} GRPOTrainer, subprocess {python} (torch {ready['torch']}, {ready['threads']} threads)"
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stderr.seek(0)
+            tail = "".join(self.stderr.readlines()[-20:])
+            raise RuntimeError(
+                f"--trl-python: {self.python} {TRL_CHILD} exited ({self.proc.wait()}):\n{tail}"
+            )
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
+        if not torch.equal(prompts, self.prompts):
+            raise ValueError("TrlBaseline.step: prompts differ from the ones its subprocess was built with")
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        got = (out["completion_len_min"], out["completion_len_max"], out["num_completions"])
+        want = (self.args.new_tokens, self.args.new_tokens, len(prompts) * self.args.n)
+        if got != want:
+            raise RuntimeError(f"TRL step: (min length, max length, completions) = {got}, want {want}")
+        return {"step": out["step"], **{k: out[k] for k in SPLIT}}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        self.stderr.close()
 
 
 def _summary(rows: list[dict[str, float]]) -> str:
@@ -189,8 +281,12 @@ def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _ratio(rows: dict[str, list[dict[str, float]]], num: str, den: str) -> str:
+    return _spread([a["step"] / b["step"] for a, b in zip(rows[num], rows[den], strict=True)])
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -200,47 +296,99 @@ def main() -> None:
     parser.add_argument(
         "--no-always", action="store_true", help="leave out ours_always (the separate old-log-prob pass)"
     )
+    parser.add_argument(
+        "--baseline",
+        choices=("trl", "hf", "both"),
+        help="TRL's GRPOTrainer, HF generate + plain PyTorch GRPO step, or both (default: trl with a TRL python)",
+    )
+    parser.add_argument(
+        "--trl-python",
+        type=Path,
+        default=TRL_PYTHON if TRL_PYTHON.exists() else None,
+        help=f"python with trl installed (default: {TRL_PYTHON} where it exists)",
+    )
     args = parser.parse_args()
+    if args.baseline is None:
+        args.baseline = "trl" if args.trl_python is not None else "hf"
+    if args.baseline != "hf" and (args.trl_python is None or not args.trl_python.exists()):
+        parser.error(f"--trl-python: no interpreter at {args.trl_python} (give one, or --baseline hf)")
+    return args
+
+
+def _run_rounds(
+    sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]], prompts: torch.Tensor, rounds: int
+) -> dict[str, list[dict[str, float]]]:
+    for fn in sides.values():  # warm-up
+        fn(prompts, 0)
+    rows: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+    for r in range(rounds):  # the order rotates, so that each side runs first in some rounds
+        names = list(sides)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            rows[name].append(sides[name](prompts, r + 1))
+    return rows
+
+
+def main() -> None:
+    args = _parse()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     prompts = torch.randint(1, VOCAB, (args.prompts, args.prompt_len))
+    labels: dict[str, str] = {}
+    trl = None
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        ours, base = Ours(ctx, args), Baseline(args)
-        sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {
-            "ours": ours.step,
-            "baseline": base.step,
-        }
-        if not args.no_always:
-            sides["ours_always"] = lambda p, seed: ours.step(p, seed, recompute=True)
-        for fn in sides.values():  # warm-up
-            fn(prompts, 0)
-        rows: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
-        for r in range(args.rounds):  # the order rotates, so that each side runs first in some rounds
-            names = list(sides)
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                rows[name].append(sides[name](prompts, r + 1))
+        ours = Ours(ctx, args)
+        sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {"ours": ours.step}
+        try:
+            if args.baseline in ("trl", "both"):
+                trl = TrlBaseline(args.trl_python, prompts, args)
+                sides["trl"], labels["trl"] = trl.step, trl.label
+            if args.baseline in ("hf", "both"):
+                sides["hf"] = Baseline(args).step
+                labels["hf"] = "HF generate + plain PyTorch GRPO step"
+            if not args.no_always:
+                sides["ours_always"] = lambda p, seed: ours.step(p, seed, recompute=True)
+            rows = _run_rounds(sides, prompts, args.rounds)
+        finally:
+            if trl is not None:
+                trl.close()
+    _report(args, rows, labels)
+
+
+def _report(
+    args: argparse.Namespace, rows: dict[str, list[dict[str, float]]], labels: dict[str, str]
+) -> None:
     n, seq = args.prompts * args.n, args.prompt_len + args.new_tokens
     flops = _flops(n, args.prompt_len, args.new_tokens)
     rate_decode, rate_train = _gemm_rate(n), _gemm_rate(n * seq)
     limit_s = flops["generate"] / (rate_decode * 1e9) + flops["train"] / (rate_train * 1e9)
-    ratios = [b["step"] / o["step"] for o, b in zip(rows["ours"], rows["baseline"], strict=True)]
-    ours_s = statistics.median(r["step"] for r in rows["ours"])
+    primary = "trl" if "trl" in rows else "hf"
     print(f"workload: {n} sequences x ({args.prompt_len} + {args.new_tokens}) tokens, {args.threads} threads")
+    print(f"baseline ran: {' and '.join(labels[k] for k in ('trl', 'hf') if k in labels)}")
     print(f"ours:     {_summary(rows['ours'])}")
-    print(
-        f"baseline: {_summary(rows['baseline'])}  (HF generate + plain PyTorch GRPO step; trl not installed)"
-    )
+    print(f"baseline: {_summary(rows[primary])}  ({labels[primary]})")
+    if primary == "trl" and "hf" in rows:
+        print(f"hf:       {_summary(rows['hf'])}  ({labels['hf']})")
     print(f"step FLOPs: generate {flops['generate'] / 1e9:.2f} G, train {flops['train'] / 1e9:.2f} G")
     print(
         f"torch.mm: {rate_decode:.1f} GFLOP/s at decode shapes, {rate_train:.1f} GFLOP/s at training shapes"
     )
     print(f"compute limit of the step: {limit_s:.3f}s")
-    print(f"ratio baseline/ours (per round): {_spread(ratios)}")
+    if "trl" in rows:
+        print(f"ratio TRL/ours (per round): {_ratio(rows, 'trl', 'ours')}")
+    if "hf" in rows:
+        print(
+            f"ratio {'baseline' if primary == 'hf' else 'HF'}/ours (per round): {_ratio(rows, 'hf', 'ours')}"
+        )
+    if "trl" in rows and "hf" in rows:
+        print(f"ratio TRL/HF (per round): {_ratio(rows, 'trl', 'hf')}")
     if "ours_always" in rows:
         print(f"ours_always: {_summary(rows['ours_always'])}  (recompute_old_log_probs=always)")
-        shortcut = [a["step"] / o["step"] for o, a in zip(rows["ours"], rows["ours_always"], strict=True)]
-        print(f"ratio ours_always/ours, the shortcut's speed-up (per round): {_spread(shortcut)}")
-    print(f"ours vs compute limit: {limit_s / ours_s:.0%} of the limit")
+        print(
+            f"ratio ours_always/ours, the shortcut's speed-up (per round): {_ratio(rows, 'ours_always', 'ours')}"
+        )
+    for name in ("ours", *labels):
+        step_s = statistics.median(r["step"] for r in rows[name])
+        print(f"{name} vs compute limit: {limit_s / step_s:.0%} of the limit")
 
 
 if __name__ == "__main__":
