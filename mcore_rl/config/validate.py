@@ -203,7 +203,7 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     if par.sequence_parallel and tp < 2:
         problems.append("parallel.sequence_parallel=true needs tensor_model_parallel_size >= 2")
     tp_g = cfg.rollout.tensor_model_parallel_size
-    if world % tp_g:
+    if cfg.rollout.colocate and world % tp_g:  # a rollout pool's ranks are checked with rollout.num_ranks
         problems.append(f"rollout.tensor_model_parallel_size={tp_g} does not divide the world size {world}")
     if cfg.model.path is None and not cfg.model.hf_config:
         return [*problems, "model: set model.path (a HF folder) or model.hf_config (an inline config.json)"]
@@ -240,7 +240,8 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
     """Prompts split evenly over rollout replicas; sequences over DP ranks, mini- and micro-batches."""
     par, alg, n = cfg.parallel, cfg.algorithm, cfg.rollout.n
     dp = cfg.world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
-    rollout_dp = cfg.world_size // cfg.rollout.tensor_model_parallel_size
+    rollout_ranks = cfg.world_size if cfg.rollout.colocate else cfg.rollout.num_ranks
+    rollout_dp = max(rollout_ranks // cfg.rollout.tensor_model_parallel_size, 1)
     if cfg.dpo.train_files:  # a DPO run has no rollout: the RL batch rules do not apply
         return _dpo_batch_problems(cfg.dpo, dp)
     batch, mini, micro = cfg.data.train_batch_size, alg.ppo_mini_batch_size, alg.ppo_micro_batch_size_per_gpu

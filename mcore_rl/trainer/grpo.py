@@ -43,6 +43,7 @@ from mcore_rl.trainer.batch import (
 )
 from mcore_rl.trainer.losses import PolicyLossSettings
 from mcore_rl.trainer.reward_model import RewardModelGroup
+from mcore_rl.trainer.rollout_pool import RolloutGroup
 from mcore_rl.trainer.worker import NonFiniteLossError
 from mcore_rl.types import RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
@@ -77,8 +78,14 @@ class RLStep:
         self.plan = update_plan(cfg)
         self.reward_model: RewardModelGroup | None = None
         """Set by the trainer when ``reward_model.path`` is given: its score joins the rules'."""
-        self._pending: tuple[PromptBatch, RolloutBatch] | None = None
-        """One-step-off: the next step's prompts and their rollout, generated before this step's update."""
+        self.rollout_pool: RolloutGroup | None = None
+        """Set by the trainer with ``rollout.colocate=false``: rollouts run on this pool, which is sent the
+        actor's weights after each update (else the actor's colocated engines, through the hybrid engine)."""
+        self._pending: tuple[PromptBatch, Callable[[], RolloutBatch]] | None = None
+        """One-step-off: the next step's prompts and their rollout (a wait: on a pool it is still running),
+        started before this step's update."""
+        self._loading: Callable[[], None] | None = None
+        """Rollout pool + one-step-off: the weights sent after the last update, queued behind its generation."""
         self.policy_lag = 0
         """Steps between the weights that generated the last rollout and the actor's when it was trained."""
 
@@ -111,7 +118,7 @@ class RLStep:
         agreement = prob_agreement(rollout.rollout_log_probs, trainer_log_probs, rollout.response_mask)
         self.check_agreement(agreement, rollout, step)
         with timer("sync"):
-            sync = self.actors.sync_weights()
+            sync = self.sync_rollout()
         memory = self.actors.phase_memory()  # peaks per phase, max over ranks
         return {
             **step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n),
@@ -175,29 +182,55 @@ class RLStep:
         """This step's rollout and its policy lag in steps: generated now (0), or by the previous step before
         its update (1). With ``next_prompts`` the next step's rollout is generated now, before the update."""
         if self._pending is not None and self._pending[0] is prompts:
-            rollout, lag = self._pending[1], 1
+            with timer("generate_wait"):  # a rollout pool may still be sampling it
+                rollout, lag = self._pending[1](), 1
         else:
             with timer("generate"):
                 rollout, lag = self.generate(prompts, step), 0
         self._pending, self.policy_lag = None, lag
         if next_prompts is not None:
-            with timer("generate_next"):
-                self._pending = (next_prompts, self.generate(next_prompts, step + 1))
+            with timer("generate_next"):  # on a rollout pool only started: it samples during the update
+                self._pending = (next_prompts, _once(self.submit_generate(next_prompts, step + 1)))
         return rollout, lag
 
     def pending_rollout(self, prompts: PromptBatch | None) -> RolloutBatch | None:
         """The rollout generated ahead for ``prompts`` (one-step-off), for run checkpoints."""
         if prompts is None or self._pending is None or self._pending[0] is not prompts:
             return None
-        return self._pending[1]
+        return self._pending[1]()
 
     def restore_pending(self, prompts: PromptBatch, rollout: RolloutBatch) -> None:
         """Resume: ``rollout`` was generated for ``prompts`` by the weights before the checkpointed update."""
-        self._pending = (prompts, rollout)
+        self._pending = (prompts, lambda: rollout)
 
     def generate(self, prompts: PromptBatch, step: int) -> RolloutBatch:
+        return self.submit_generate(prompts, step)()
+
+    def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
+        """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
         request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
-        return self.actors.generate(request, self.sampling(step))
+        if self.rollout_pool is not None:
+            return self.rollout_pool.submit_generate(request, self.sampling(step))
+        rollout = self.actors.generate(request, self.sampling(step))
+        return lambda: rollout
+
+    def sync_rollout(self) -> dict[str, float]:
+        """The updated actor weights to the rollout engines: the hybrid engine's reshard into the colocated
+        ones, or sent to the rollout pool. With a generation pending there, the load queues behind it (a pool
+        worker runs calls in order) and the driver goes on; it is awaited at the next sync."""
+        if self.rollout_pool is None:
+            return self.actors.sync_weights()
+        start = time.perf_counter()
+        if self._loading is not None:
+            self._loading()
+        waited = time.perf_counter()
+        # actor rank 0 gathers; its result goes to the pool as an object ref, not through the driver
+        loading, self._loading = self.rollout_pool.submit_load_weights_from(self.actors), None
+        if self._pending is None:
+            loading()  # the next step generates right away, from these weights
+        else:
+            self._loading = loading
+        return {"time/sync_wait_last_s": waited - start, "time/sync_send_s": time.perf_counter() - waited}
 
     def lag_metrics(self, lag: int) -> dict[str, float]:
         """``policy_lag`` with ``trainer.one_step_off`` (on-policy runs log exactly what they did before)."""
@@ -220,7 +253,9 @@ class RLStep:
         """Restore :meth:`save_models`."""
 
     def close(self) -> None:
-        """Stop worker groups of the algorithm beside the actor's (a critic on its own pool)."""
+        """Stop worker groups of the algorithm beside the actor's (a rollout or critic pool)."""
+        if self.rollout_pool is not None:
+            self.rollout_pool.shutdown()
 
     def update(self, batch: TrainBatch, step: int) -> UpdateStats:
         """The actor update; a NaN/inf loss stops the run naming the step (nothing was applied)."""
@@ -305,6 +340,19 @@ def recompute_old_log_probs(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag:
     one_step = plan.ppo_epochs == 1 and plan.num_mini_batches == 1
     on_policy = one_step and policy_lag == 0 and not algo.use_kl_in_reward
     return mode == "always" or not on_policy
+
+
+def _once(wait: Callable[[], T]) -> Callable[[], T]:
+    """``wait`` that runs once and then returns the same result (a pending rollout is read twice when a run
+    checkpoint saves it)."""
+    result: list[T] = []
+
+    def first() -> T:
+        if not result:
+            result.append(wait())
+        return result[0]
+
+    return first
 
 
 def _rows(rollout: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:

@@ -93,7 +93,7 @@ class PPOStep(RLStep):
         with timer("critic_update"):
             critic_stats = wait_critic() if critic_stats is None else critic_stats
         with timer("sync"):
-            sync = self.actors.sync_weights()
+            sync = self.sync_rollout()
         metrics = step_metrics(
             batch.rollout, batch.scores, batch.agreement, stats, timer.seconds, self.cfg.rollout.n
         )
@@ -196,6 +196,7 @@ class PPOStep(RLStep):
         self.critic.load(run_checkpoint)
 
     def close(self) -> None:
+        super().close()
         self.critic.shutdown()
 
     def state_dict(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.actor_group import ActorGroup
-from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
+from mcore_rl.trainer.build import build_actor_group, build_critic_group, build_rollout_group, worker_spec
 from mcore_rl.trainer.grpo import RLStep, update_plan
 from mcore_rl.trainer.ppo import PPOStep
 from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec, reward_model_checkpoint
@@ -109,6 +109,8 @@ class Trainer:
             path = reward_model_checkpoint(cfg.reward_model.path, cfg.trainer.default_local_dir)
             spec = RewardModelSpec(path, cfg.model.dtype, data.tokenizer.pad_token_id)
             step.reward_model = RewardModelGroup(actors.backend, spec)
+        if not cfg.rollout.colocate:  # rollouts on a pool of their own, sent the weights after each update
+            step.rollout_pool = build_rollout_group(cfg, actors)
         return cls(cfg, actors, step, data, total)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
@@ -168,9 +170,9 @@ class Trainer:
             target = sft.target_val_accuracy
             if target is not None and metrics.get("val_accuracy", -1.0) >= target:
                 break
-        # The SFT weights into the rollout engine: RL's first step generates from them even when no
-        # validation or test set has synced them (found by a run with neither).
-        self.actors.sync_weights()
+        # The SFT weights into the rollout engines (colocated or a pool): RL's first step generates from them
+        # even when no validation or test set has synced them (found by a run with neither).
+        self.step.sync_rollout()
         return step
 
     # --- run checkpoints ------------------------------------------------------------------------------------
@@ -222,6 +224,8 @@ class Trainer:
         self._restore_pending(path, saved.get("pending_prompts"))
         self.global_step = step
         self.actors.sync_weights()
+        if self.step.rollout_pool is not None:  # the checkpoint's weights to the pool too
+            self.step.sync_rollout()
         return True
 
     def _restore_pending(self, path: str, indices: list[int] | None) -> None:

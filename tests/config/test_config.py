@@ -202,7 +202,22 @@ BAD_CONFIGS = [
     (["model.hf_config.num_attention_heads=6"], "num_attention_heads=6"),
     (["data.generate=gsm8k"], "data.generate"),
     (["reward.on_error=ignore"], "reward.on_error"),
+    (
+        ["rollout.colocate=false", "rollout.num_ranks=3", "rollout.tensor_model_parallel_size=2"],
+        "does not divide rollout.num_ranks=3",
+    ),
+    (["rollout.colocate=false", "rollout.num_ranks=32"], "the 32 rollout replicas"),
+    (["rollout.num_ranks=0"], "rollout.num_ranks=0 must be > 0"),
+    (["algorithm.rollout_is_threshold=1.0"], "algorithm.rollout_is_threshold"),
 ]
+
+
+def test_a_rollout_pool_is_checked_against_its_own_ranks() -> None:
+    """A 1-rank actor with a TP2 rollout pool of 2 ranks is valid (TP2 divides the pool, not the actor)."""
+    cfg = load_config(
+        DEMO, ["rollout.colocate=false", "rollout.num_ranks=2", "rollout.tensor_model_parallel_size=2"]
+    )
+    assert cfg.world_size == 1 and cfg.rollout.num_ranks == 2
 
 
 @pytest.mark.parametrize(("overrides", "expected"), BAD_CONFIGS, ids=[" ".join(o) for o, _ in BAD_CONFIGS])

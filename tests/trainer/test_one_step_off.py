@@ -73,3 +73,25 @@ def test_lagged_rollouts_are_importance_weighted_unless_switched_off(tmp_path) -
     assert weighted[1]["token_mult_prob_error"] == pytest.approx(plain[1]["token_mult_prob_error"], abs=1e-6)
     assert weighted[1]["rollout_is/mean"] != pytest.approx(1.0, abs=1e-4)
     assert weighted[1]["pg_loss"] != pytest.approx(plain[1]["pg_loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_rollout_pool_of_its_own_reproduces_the_colocated_one_step_off_run(tmp_path) -> None:
+    """rollout.colocate=false on Ray: the next rollout samples on the pool while the actor updates, from the
+    weights sent after the previous update; the numbers are the colocated in-process run's (same seeds, one
+    replica), so the pool is sent the right weights at the right time."""
+    extra = ["trainer.one_step_off=true", "trainer.num_cpus=2"]
+    colocated = _rl_records(tmp_path, "colocated", extra)
+    cfg = tiny_run_config(
+        str(tmp_path / "data"),
+        [*OVERRIDES, f"trainer.default_local_dir={tmp_path / 'pool'}", *extra, "rollout.colocate=false"],
+    )
+    with Trainer.from_config(cfg, use_ray=True) as trainer:
+        trainer.fit()
+        pool = [r for r in trainer.records if r["stage"] == "rl"]
+    assert [r["policy_lag"] for r in pool] == [0.0, 1.0, 1.0]
+    assert "time/generate_wait_s" in pool[1] and "time/sync_send_s" in pool[0]
+    for want, have in zip(colocated, pool, strict=True):
+        for key in (*SAME, "rollout_is/mean"):
+            if key in want:
+                assert have[key] == pytest.approx(want[key], abs=1e-5), key

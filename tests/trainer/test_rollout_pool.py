@@ -40,10 +40,10 @@ def ray_six_cpus() -> Iterator[None]:
 
 
 def pool_config(folder: str, num_ranks: int, tp: int) -> RunConfig:
-    cfg = tiny_run_config(folder, [*POOL, f"rollout.num_ranks={num_ranks}"])
-    # config validation still asks rollout TP to divide the actor's world even with a pool; set it after
-    cfg.rollout.tensor_model_parallel_size = tp
-    return cfg
+    # validated as a pool: rollout TP divides rollout.num_ranks, not the 1-rank actor's world
+    return tiny_run_config(
+        folder, [*POOL, f"rollout.num_ranks={num_ranks}", f"rollout.tensor_model_parallel_size={tp}"]
+    )
 
 
 @pytest.fixture(scope="module")
