@@ -5,9 +5,10 @@
 #
 #   1. build mcore_rl._C against that machine's CUDA torch (log-prob kernels, pack kernels with pinned tables);
 #   2. every .cu compiles for sm_80 and sm_90 with -Werror (not gpu-marked, so named explicitly);
-#   3. the `gpu` tests: CUDA kernels vs references, out-of-range targets refused on CUDA, and one bf16
+#   3. the `gpu` tests: CUDA kernels vs references, out-of-range targets refused on CUDA, one bf16
 #      megatron train step on the local spec with the fusion switch as chosen and forced on (the forced run
-#      must fail with the missing softmax kernel where megatron's compiled kernels are absent);
+#      must fail with the missing softmax kernel where megatron's compiled kernels are absent), and the fp32
+#      RL step on CUDA (reshard -> rollout -> trainer log-probs within 1e-5 -> update, twice);
 #   4. the vLLM log-prob parity test, which skips where vLLM is absent (the device image has no vLLM 0.33 /
 #      torch 2.14, and its wheels are too large to carry).
 #
@@ -20,7 +21,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl megatron-core==0.16.1
 # then: device run, carry [".whl"], command "bash tools/gpu_check.sh", timeout_s 540.
-# UNVERIFIED: no session has had a device yet; expect to fix paths on the first run.
+# First run on a lent H200 (torch 2.11+cu130) in session 5: all of it passes after the fixes of that session.
 set -uo pipefail
 out=${OUT:-/tmp}
 exec > >(tee "$out/gpu_check.log") 2>&1
@@ -45,6 +46,6 @@ status=0
 echo "== nvcc sm_80 / sm_90"
 timeout 300 python3 -m pytest tests/ops/test_cuda.py -k compiles -q -p no:cacheprovider || status=1
 echo "== gpu tests"
-timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/rollout/test_vllm_engine.py -m gpu -q \
+timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/engine/test_gpu_step.py tests/rollout/test_vllm_engine.py -m gpu -q \
     -p no:cacheprovider -rs || status=1
 exit $status
