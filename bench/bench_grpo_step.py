@@ -58,6 +58,7 @@ from mcore_rl.types import TrainBatch
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 256, 4, 8, 688, 1000
 TRL_PYTHON = Path("/work/trl-venv/bin/python")  # the default --trl-python, where it exists
 TRL_CHILD = Path(__file__).with_name("_trl_grpo.py")
+LR = 1e-6  # every side's Adam learning rate
 SPLIT = ("generate", "forward_backward", "optimizer")  # the baselines' step split, in order
 
 
@@ -115,7 +116,7 @@ class Ours:
 
     def __init__(self, ctx: ParallelContext, args: argparse.Namespace) -> None:
         self.arch = ModelArch.from_hf_config(_hf_config())
-        self.engine = TrainEngine.build(self.arch, ctx, optim=OptimizerConfig(lr=1e-6))
+        self.engine = TrainEngine.build(self.arch, ctx, optim=OptimizerConfig(lr=LR))
         self.hybrid, self.rollout = build_local_hybrid(self.engine)
         self.args = args
         self.settings = PolicyLossSettings(vocab_size=VOCAB, temperature=1.0)
@@ -163,7 +164,7 @@ class Baseline:
 
         config = {k: v for k, v in _hf_config().items() if k not in ("architectures", "model_type")}
         self.model = LlamaForCausalLM(LlamaConfig(**config))
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-6)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR)
         self.args = args
 
     def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
@@ -211,7 +212,7 @@ class TrlBaseline:
             "prompts_per_step": len(prompts),
             "num_generations": args.n,
             "new_tokens": args.new_tokens,
-            "lr": 1e-6,  # Ours' and Baseline's Adam learning rate
+            "lr": LR,
             "seed": 0,
             "threads": args.threads,
         }
@@ -237,7 +238,8 @@ class TrlBaseline:
             raise RuntimeError(
                 f"--trl-python: the TRL step does not run this workload: {wrong} (want {checks})"
             )
-        self.label = f"TRL {ready['trl']} GRPOTrainer, subprocess {python} (torch {ready['torch']}, {ready['threads']} threads)"
+        self.label = f"TRL {ready['trl']} GRPOTrainer, subprocess {python}"
+        self.label += f" (torch {ready['torch']}, {ready['threads']} threads)"
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
