@@ -17,8 +17,8 @@ interpreter the default is ``hf``. The subprocess uses our thread count and bloc
 side runs, so the two never compute at the same time; ``bench/_trl_grpo.py`` says how its step is timed.
 
 The compute limit is the step's matmul FLOPs divided by ``torch.mm``'s rate at the step's own GEMM shapes
-(decode shapes for generation, packed-sequence shapes for training), timed in this process. Rounds alternate
-which side runs first; the report gives medians and the min-max spread.
+(decode shapes for generation, packed-sequence shapes for training), timed in this process before any step
+runs. Rounds alternate which side runs first; the report gives medians and the min-max spread.
 
     python -m bench.bench_grpo_step --rounds 8 --threads 2 [--baseline both] [--trl-python PATH]
 """
@@ -335,6 +335,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     prompts = torch.randint(1, VOCAB, (args.prompts, args.prompt_len))
+    # The machine's rate is timed before any step: after our first optimizer step (its first gloo
+    # collective) small 2-thread GEMMs in this process run ~2x slower, which would understate the limit.
+    n, seq = args.prompts * args.n, args.prompt_len + args.new_tokens
+    rates = _gemm_rate(n), _gemm_rate(n * seq)
     labels: dict[str, str] = {}
     trl = None
     with ParallelContext.initialize(ParallelConfig()) as ctx:
@@ -353,15 +357,19 @@ def main() -> None:
         finally:
             if trl is not None:
                 trl.close()
-    _report(args, rows, labels)
+    _report(args, rows, labels, rates)
 
 
 def _report(
-    args: argparse.Namespace, rows: dict[str, list[dict[str, float]]], labels: dict[str, str]
+    args: argparse.Namespace,
+    rows: dict[str, list[dict[str, float]]],
+    labels: dict[str, str],
+    rates: tuple[float, float],
 ) -> None:
-    n, seq = args.prompts * args.n, args.prompt_len + args.new_tokens
+    """``rates``: torch.mm GFLOP/s at the decode and the training shapes."""
+    n = args.prompts * args.n
     flops = _flops(n, args.prompt_len, args.new_tokens)
-    rate_decode, rate_train = _gemm_rate(n), _gemm_rate(n * seq)
+    rate_decode, rate_train = rates
     limit_s = flops["generate"] / (rate_decode * 1e9) + flops["train"] / (rate_train * 1e9)
     primary = "trl" if "trl" in rows else "hf"
     print(f"workload: {n} sequences x ({args.prompt_len} + {args.new_tokens}) tokens, {args.threads} threads")
