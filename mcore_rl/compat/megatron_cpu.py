@@ -8,8 +8,11 @@ are applied by :func:`apply`, which is a no-op when CUDA is available, so GPU ru
 Scope, narrowest first:
 
 1. Megatron's own functions, replaced in place: the CUDA RNG state helpers and ``CudaRNGStatesTracker.add``
-   (they read ``torch.cuda.get_rng_state``), the torch-norm wrapper that refuses sequence parallelism, and
-   the DistributedOptimizer loader that trips on torch AdamW's ``step`` entry.
+   (they read ``torch.cuda.get_rng_state``), the torch-norm wrapper that refuses sequence parallelism (it
+   now builds our fused RMSNorm), the rotary embedding and fused SwiGLU that attention and the MLP call
+   (versions with fewer passes, ``compat.cpu_layers``), the DistributedOptimizer loader that trips on
+   torch AdamW's ``step`` entry, and the parameter gather and grad reduce-scatter of a one-rank optimizer
+   group (self-copies that slowed every later GEMM of the process).
 2. ``torch.cuda.current_device`` and ``torch.cuda.synchronize``: megatron calls them in ~40 places (buffer
    allocation, SP gathers, p2p). On a CPU-only build both can only raise, so answering "cpu" / doing
    nothing changes no behaviour that worked before.
@@ -116,15 +119,18 @@ def _sequence_parallel_torch_norm(
     zero_centered_gamma: bool = False,
     normalization: str = "LayerNorm",
 ) -> torch.nn.Module:
-    """``WrappedTorchNorm`` without its sequence-parallel refusal.
+    """``WrappedTorchNorm`` without its sequence-parallel refusal, and with our fused RMSNorm (same
+    ``weight``, fewer passes over the activations: ``compat.cpu_layers``).
 
     The norm is elementwise over the hidden dim, so it is correct on a sequence shard; its weight grads are
     partial sums per rank, which megatron's ``finalize_model_grads`` all-reduces over TP for every param
     tagged ``sequence_parallel``.
     """
+    from mcore_rl.compat.cpu_layers import FusedRMSNorm
+
     if zero_centered_gamma:
         raise ValueError("zero_centered_gamma is not supported by the torch norm on CPU")
-    norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+    norm_cls = FusedRMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
     module = norm_cls(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
     for param in module.parameters():
         param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
@@ -135,6 +141,48 @@ def _patch_torch_norm() -> None:
     from megatron.core.transformer import torch_norm
 
     torch_norm.WrappedTorchNorm.__new__ = _sequence_parallel_torch_norm
+
+
+def _patch_fused_blocks() -> None:
+    """Fewer elementwise passes for rotary embeddings and SwiGLU (``compat.cpu_layers``, other cases
+    unchanged). megatron's unfused rotary is ~8 passes per call and as many in backward; its fused SwiGLU
+    (``bias_activation_fusion``, which our configs turn on) is ``torch.compile``d. ``SelfAttention`` and
+    ``MLP`` call them through their own modules' globals, which are the ones replaced."""
+    from megatron.core.transformer import attention, mlp
+
+    from mcore_rl.compat import cpu_layers
+
+    if not hasattr(attention.apply_rotary_pos_emb, "_mcore_rl_original"):
+        attention.apply_rotary_pos_emb = cpu_layers.apply_rotary_pos_emb(attention.apply_rotary_pos_emb)
+    if not hasattr(mlp.bias_swiglu_impl, "_mcore_rl_original"):
+        mlp.bias_swiglu_impl = cpu_layers.bias_swiglu_impl(mlp.bias_swiglu_impl)
+
+
+def _patch_single_rank_grad_reduce() -> None:
+    """With one rank in its distributed-optimizer group, megatron's grad reduce-scatter copies every bucket
+    onto itself (15 MB per step for the 4M-param bench model, on gloo's worker thread: see
+    :func:`_patch_single_rank_param_gather` for what that thread costs the GEMMs). Only that exact case,
+    synchronous, output being the input's own memory, is skipped."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    reduce_scatter = buffers.dist_reduce_scatter_func
+    if hasattr(reduce_scatter, "_mcore_rl_original"):
+        return
+
+    def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group")
+        if (
+            group is not None
+            and not kwargs.get("async_op", False)
+            and torch.distributed.get_world_size(group) == 1
+            and output.data_ptr() == input.data_ptr()
+            and output.numel() == input.numel()
+        ):
+            return None
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    call._mcore_rl_original = reduce_scatter  # type: ignore[attr-defined]
+    buffers.dist_reduce_scatter_func = call
 
 
 def _patch_distopt_step_entry() -> None:
@@ -158,6 +206,31 @@ def _patch_distopt_step_entry() -> None:
 
     set_states_keeping_step._mcore_rl_patched = True  # type: ignore[attr-defined]
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_keeping_step
+
+
+def _patch_single_rank_param_gather() -> None:
+    """With one rank in its distributed-optimizer group, megatron's parameter "all-gather" after each step
+    copies every bucket onto itself. On gloo that copy runs on the process group's worker thread, and from
+    then on every small 2-thread GEMM in the process took twice as long (54 -> 110 us for
+    [32,256]x[256,768]; issue 17): libgomp stops spinning between parallel regions once it manages more
+    threads than there are cores. Skipping the self-copy changes nothing else."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    original = _ParamAndGradBucketGroup.start_param_sync
+    if getattr(original, "_mcore_rl_patched", False):
+        return
+
+    def start_param_sync(self: Any, force_sync: bool = False) -> None:
+        if self.intra_distributed_optimizer_instance_size != 1:
+            original(self, force_sync)
+            return
+        if self.param_gather_handle is not None:
+            self.param_gather_handle.wait()
+        self.param_gather_handle = None
+        self.param_gather_dispatched = True
+
+    start_param_sync._mcore_rl_patched = True  # type: ignore[attr-defined]
+    _ParamAndGradBucketGroup.start_param_sync = start_param_sync
 
 
 def _patch_torch_cuda_queries() -> None:
@@ -192,7 +265,10 @@ def apply() -> bool:
     _patch_torch_cuda_queries()
     _patch_rng()
     _patch_torch_norm()
+    _patch_fused_blocks()
+    _patch_single_rank_grad_reduce()
     _patch_distopt_step_entry()
+    _patch_single_rank_param_gather()
     mode = MegatronCudaToCpuMode()
     mode.__enter__()
     _state.update(applied=True, mode=mode)

@@ -97,7 +97,8 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=fused,
+        # On CPU, compat.megatron_cpu fills megatron's fused-SwiGLU slot with ours (compat/cpu_layers.py)
+        bias_activation_fusion=True,
         masked_softmax_fusion=masked_softmax_fusion_available(_uses_te(options)),  # see compat/fusion.py
         bias_dropout_fusion=fused,
         apply_rope_fusion=False,
@@ -188,9 +189,12 @@ def _layer_spec(options: ModelOptions) -> Any:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from mcore_rl.compat.cpu_layers import local_spec
+
     if _uses_te(options):
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    # The local spec with torch's fused attention: fewer elementwise passes (compat/cpu_layers.py)
+    return local_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
 
 
 def causal_attention_mask(seq_length: int, device: torch.device | None = None) -> torch.Tensor:

@@ -12,18 +12,23 @@ Rows of a rollout have very different lengths. Three things follow:
   so the dropped right-padding columns change no kept position; the losses divide by counts all-reduced
   over the whole mini-batch (``losses.py``), so how rows are grouped changes no loss, gradient or metric.
 
-On the Transformer-Engine path the rows of a micro-batch can instead be packed into one sequence with
-:func:`packed_seq_params` (``thd`` layout, cumulative lengths); that path needs TE's fused attention on a
-GPU and is not run by the CPU tests.
+- **packing** (``algorithm.pack_sequences``, verl's ``use_remove_padding``): a micro-batch's rows, each cut to
+  its length, are laid end to end as one sequence with megatron's ``PackedSeqParams`` (``thd`` layout,
+  cumulative lengths; :class:`PackedRows`), so no padding column is computed at all. Attention stays within
+  each row and positions restart per row: Transformer Engine's fused attention does that on a GPU, our SDPA
+  core attention (``compat/cpu_layers.py``) on a CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+
+from mcore_rl.engine.train_engine import PackedInput
 
 T = TypeVar("T")
 
@@ -117,8 +122,8 @@ def trim_columns(width: int, multiple: int) -> int:
 
 
 def packed_seq_params(lengths: Sequence[int]) -> Any:
-    """megatron's ``PackedSeqParams`` for rows of ``lengths`` packed into one ``thd`` sequence (the TE path:
-    the rows attend only within themselves and positions restart per row). Not run on CPU."""
+    """megatron's ``PackedSeqParams`` for rows of ``lengths`` packed into one ``thd`` sequence: the rows
+    attend only within themselves and positions restart per row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
@@ -127,3 +132,59 @@ def packed_seq_params(lengths: Sequence[int]) -> Any:
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """How the rows of a [b, s] micro-batch lie end to end in one [1, T] sequence: row i's first
+    ``lengths[i]`` columns, then a filler segment when T must be a multiple (sequence parallelism)."""
+
+    lengths: tuple[int, ...]
+    """Tokens of each row in the pack."""
+    width: int
+    """Columns of the unpacked rows."""
+    filler: int = 0
+    """Tokens appended after the rows (their own segment: they attend among themselves, read by no loss)."""
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], width: int, multiple: int = 1) -> PackedRows:
+        total = sum(lengths)
+        return cls(tuple(int(n) for n in lengths), width, -total % multiple)
+
+    @property
+    def segments(self) -> list[int]:
+        return [*self.lengths, *([self.filler] if self.filler else [])]
+
+    def _index(self) -> torch.Tensor:
+        return torch.cat([torch.arange(n) + i * self.width for i, n in enumerate(self.lengths)])
+
+    def pack(self, rows: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+        """[b, s] -> [1, T]: the rows' leading ``lengths`` columns end to end, then ``filler`` x ``fill``."""
+        flat = rows.reshape(-1)[self._index()]
+        if self.filler:
+            flat = torch.cat([flat, flat.new_full((self.filler,), fill)])
+        return flat[None]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, T] -> [b, width]: each row's tokens back in its leading columns, 0 after them."""
+        rows = packed.new_zeros(len(self.lengths) * self.width)
+        rows[self._index()] = packed[0, : sum(self.lengths)]
+        return rows.view(len(self.lengths), self.width)
+
+    def positions(self) -> torch.Tensor:
+        """[1, T] position ids restarting at 0 in every segment."""
+        return torch.cat([torch.arange(n) for n in self.segments])[None]
+
+    def seq_params(self) -> Any:
+        return packed_seq_params(self.segments)
+
+    def model_input(self, tokens: torch.Tensor, pad_token_id: int) -> PackedInput:
+        """The train engine's packed input for these [b, s] ``tokens`` (its losses keep reading the rows)."""
+        return PackedInput(
+            self.pack(tokens, pad_token_id), self.positions(), self.seq_params(), self._index()
+        )
+
+
+def packing_of(response_mask: torch.Tensor, multiple: int = 1) -> PackedRows:
+    """The packing of a micro-batch's rows, each cut after its last response token (:func:`row_lengths`)."""
+    return PackedRows.of(row_lengths(response_mask).tolist(), response_mask.shape[1], multiple)

@@ -46,7 +46,13 @@ from mcore_rl.trainer.losses import (
 )
 from mcore_rl.trainer.memory import measured, phase_memory
 from mcore_rl.trainer.reward_model import RewardModelHost
-from mcore_rl.trainer.token_batching import budget_micro_batches, row_lengths, select_rows, trim_columns
+from mcore_rl.trainer.token_batching import (
+    budget_micro_batches,
+    packing_of,
+    row_lengths,
+    select_rows,
+    trim_columns,
+)
 from mcore_rl.types import (
     LogProbBatch,
     OnPolicyUpdate,
@@ -87,6 +93,8 @@ class WorkerSpec:
     pad_token_id: int = 0
     scaled_output_init: bool = True
     """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
+    remove_padding: bool = False
+    """Pack micro-batch rows for the model (``model.use_remove_padding``; ``token_batching.PackedRows``)."""
 
 
 class HybridWorker(CriticHost, RewardModelHost, Worker):
@@ -182,7 +190,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         masks = _pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
         return [  # only the response positions are projected (0 elsewhere)
-            LogProbMicroBatch(t, _positions(t), mask=m)
+            self._packed(LogProbMicroBatch(t, _positions(t), mask=m), m)
             for t, m in zip(_row_chunks(tokens, micro_batch_size), masks, strict=True)
         ]
 
@@ -285,7 +293,10 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
         parts = _micro_parts(ctx, mini, micro_batch_size, token_budget)
         micro: list[MicroBatch] = [
-            PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part) for _, part in parts
+            self._packed(
+                PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part), part.response_mask
+            )
+            for _, part in parts
         ]
         self.engine.zero_grad()
         loss_fn = policy_loss(settings, counts[0].clamp(min=1), counts[1].clamp(min=1))
@@ -328,7 +339,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         count = mask.sum().reshape(1)
         dist.all_reduce(count, group=ctx.dp_group)
         micro: list[MicroBatch] = [
-            SFTMicroBatch(t, _positions(t), loss_mask=m)
+            self._packed(SFTMicroBatch(t, _positions(t), loss_mask=m), m)
             for t, m in zip(_row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
         ]
         self.engine.zero_grad()
@@ -341,6 +352,14 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if not self._owns_training_result():
             return None
         return {"loss": float(loss), "grad_norm": result.grad_norm}
+
+    def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:
+        """``micro`` with its rows packed end to end for the model (``model.use_remove_padding``), each cut
+        after the last position ``mask`` reads; as it is otherwise."""
+        if self.spec.remove_padding:
+            multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+            micro.packed = packing_of(mask, multiple).model_input(micro.tokens, self.spec.pad_token_id)
+        return micro
 
     def take_phase_memory(self) -> dict[str, float]:
         """This rank's per-phase memory peaks since the last call (``trainer/memory.py``)."""

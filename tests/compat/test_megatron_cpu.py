@@ -82,7 +82,7 @@ def _torch_norm_under_sp() -> tuple[str, bool, float]:
 
 def test_torch_norm_accepts_sequence_parallel_and_tags_params(run_distributed):
     for name, tagged, err in run_distributed(_torch_norm_under_sp):
-        assert name == "RMSNorm" and tagged and err < 1e-6
+        assert name == "FusedRMSNorm" and tagged and err < 1e-6
 
 
 def _megatron_cuda_sites() -> dict:

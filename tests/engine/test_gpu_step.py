@@ -1,5 +1,5 @@
 """The in-process RL step on a CUDA device (NCCL world of one rank), fp32: hybrid engine reshard -> embedded
-rollout engine -> trainer forward through the fused LM-head log-prob op -> policy update -> reshard again.
+rollout engine -> trainer forward through the fused LM-head log-prob op (padded and packed rows) -> policy update -> reshard again.
 
 The bar of the CPU suite, on the GPU: the rollout engine's log-probs equal the trainer's within 1e-5 before
 and after an update, the update is finite and moves the weights. Runs only where CUDA is (``gpu`` marker).
@@ -13,7 +13,7 @@ import torch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.rollout import SamplingParams
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.train_engine import OptimizerConfig, TrainEngine
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
 from mcore_rl.trainer.batch import prob_agreement, rollout_batch
 from mcore_rl.trainer.losses import (
@@ -23,6 +23,7 @@ from mcore_rl.trainer.losses import (
     log_prob_loss,
     policy_loss,
 )
+from mcore_rl.trainer.token_batching import packing_of
 from mcore_rl.types import RolloutBatch, TrainBatch
 from tests.models import tiny_arch
 
@@ -35,10 +36,14 @@ def _rollout(hybrid, engine, prompts: list[list[int]], seed: int) -> RolloutBatc
     return rollout_batch(prompts, torch.arange(len(prompts)), out, pad_id=0)
 
 
-def _trainer_log_probs(engine: TrainEngine, batch: RolloutBatch, vocab: int) -> torch.Tensor:
+def _trainer_log_probs(
+    engine: TrainEngine, batch: RolloutBatch, vocab: int, packed: bool = False
+) -> torch.Tensor:
     positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
-    micro: list[MicroBatch] = [LogProbMicroBatch(batch.tokens, positions, mask=batch.response_mask)]
-    out = engine.forward_backward(micro, log_prob_loss(vocab, 1.0), forward_only=True)
+    micro = LogProbMicroBatch(batch.tokens, positions, mask=batch.response_mask)
+    if packed:  # model.use_remove_padding: rows end to end, PackedSeqParams moved to the device with them
+        micro.packed = packing_of(batch.response_mask).model_input(batch.tokens, 0)
+    out = engine.forward_backward([micro], log_prob_loss(vocab, 1.0), forward_only=True)
     return out[0]["log_probs"].float().cpu()
 
 
@@ -59,6 +64,8 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal() -> None:
             trainer = _trainer_log_probs(engine, batch, arch.vocab_size)
             agreement = prob_agreement(batch.rollout_log_probs, trainer, batch.response_mask)
             assert agreement.token_mult_prob_error == pytest.approx(1.0, abs=1e-5), step
+            packed = _trainer_log_probs(engine, batch, arch.vocab_size, packed=True)
+            assert (packed - trainer).abs().max() <= 1e-5, step
             mask = batch.response_mask
             advantages = torch.randn(mask.shape[0], 1, generator=gen) * mask
             train = TrainBatch(batch.tokens, mask, trainer, advantages, torch.zeros_like(mask))

@@ -1,0 +1,159 @@
+"""Faster stand-ins for the blocks of megatron-core's local layer spec, which is what runs on a CPU.
+
+The local spec builds every block from small torch ops; on a CPU, where a small model's GEMMs are only
+about half of a training step, the elementwise passes around them are most of the rest (issue 17). The
+stand-ins compute the same thing with fewer passes, keep megatron's parameters and state-dict keys, and
+hand anything they do not cover back to megatron's own code. Their forwards are bitwise megatron's (the
+rollout decoder matches megatron's model exactly at TP1 and its tests hold it to that); the backwards agree
+to fp32 rounding:
+
+- :class:`SdpaDotProductAttention`: megatron's core attention, with
+  ``torch.nn.functional.scaled_dot_product_attention`` for packed rows;
+- :func:`bias_swiglu_impl`: megatron's fused-SwiGLU slot (``bias_activation_fusion``) filled with
+  :func:`mcore_rl.ops.train_blocks.swiglu`;
+- :class:`FusedRMSNorm`: ``torch.nn.RMSNorm`` with :func:`mcore_rl.ops.train_blocks.rms_norm`;
+- :func:`apply_rotary_pos_emb`: megatron's rotary dispatcher with :func:`mcore_rl.ops.train_blocks.rope`
+  for its unfused non-interleaved case.
+
+:func:`local_spec` swaps the attention into a local layer spec; ``compat.megatron_cpu`` installs the
+other three along with its CPU patches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mcore_rl.ops import train_blocks
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (same ``weight``) whose fp32 forward and backward take fewer passes."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight is None or self.eps is None:  # no affine weight / default eps: torch's own norm
+            return super().forward(x)
+        return train_blocks.rms_norm(x, self.weight, self.eps)
+
+
+def _dot_product_attention() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention
+
+
+class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
+    """megatron's ``DotProductAttention``, plus torch's fused causal attention for packed rows (``thd``),
+    which megatron's local attention refuses."""
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._packed_forward(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
+        # Padded rows stay on megatron's own attention: SDPA would be ~10% faster here but sums in another
+        # order, and the rollout decoder reproduces megatron's spelling bitwise at TP1 (its parity test saw the
+        # logits move by 1e-5 under SDPA).
+        return super().forward(
+            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+        )
+
+    def _packed_forward(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Any, mask_type: Any, packed: Any
+    ) -> Tensor:
+        """Rows packed end to end (megatron's ``thd``: query/key/value [T, heads, d], boundaries in
+        ``cu_seqlens``): causal attention within each row, what TE's fused attention computes on a GPU and
+        megatron's own local attention refuses. [T, heads * d]."""
+        if not self._plain_causal(mask, mask_type, None):
+            raise ValueError(
+                "packed sequences (model.use_remove_padding) on the local layer spec need causal attention "
+                "without an explicit mask, window, dropout or context parallelism"
+            )
+        cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+        bounds = cu.tolist()
+        gqa = key.shape[1] != query.shape[1]
+        rows = []
+        for start, end in itertools.pairwise(bounds):
+            # [L, heads, d] -> [1, heads, L, d]
+            q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa
+            )
+            rows.append(out[0].transpose(0, 1))
+        return torch.cat(rows).reshape(query.shape[0], self.hidden_size_per_partition)
+
+    def _plain_causal(self, mask: Any, mask_type: Any, bias: Any) -> bool:
+        """Causal attention and nothing else: no explicit mask or bias, window, softmax variant, active
+        dropout or context parallelism."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        config = self.config
+        return (
+            mask is None
+            and bias is None
+            and (mask_type or self.attn_mask_type) == AttnMaskType.causal
+            and getattr(config, "window_size", None) is None
+            and getattr(config, "softmax_type", "vanilla") == "vanilla"
+            and (config.attention_dropout == 0.0 or not self.training)
+            and self.config.context_parallel_size == 1
+        )
+
+
+def local_spec(spec: Any) -> Any:
+    """megatron's local layer spec with :class:`SdpaDotProductAttention` as its core attention."""
+    attention = spec.submodules.self_attention.submodules
+    if attention.core_attention is _dot_product_attention():
+        attention.core_attention = SdpaDotProductAttention
+    return spec
+
+
+def bias_swiglu_impl(original: Any) -> Any:
+    """megatron's fused-SwiGLU entry (``bias_activation_fusion``) with :func:`train_blocks.swiglu` for the
+    bias-free case; megatron's own is ``torch.compile``d, which on a CPU compiles C++ at first use."""
+
+    def dispatch(
+        x: Tensor, bias: Tensor | None, fp8_input_store: bool = False, cpu_offload_input: bool = False
+    ) -> Tensor:
+        if bias is None and not fp8_input_store and not cpu_offload_input:
+            return train_blocks.swiglu(x)
+        return original(x, bias, fp8_input_store, cpu_offload_input)
+
+    dispatch._mcore_rl_original = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+def apply_rotary_pos_emb(original: Any) -> Any:
+    """megatron's ``apply_rotary_pos_emb`` with :func:`train_blocks.rope` for its unfused bshd case."""
+
+    def dispatch(
+        t: Tensor,
+        freqs: Tensor,
+        config: Any,
+        cu_seqlens: Tensor | None = None,
+        mscale: float = 1.0,
+        cp_group: Any = None,
+    ) -> Tensor:
+        if (
+            cu_seqlens is None
+            and mscale == 1.0
+            and not config.apply_rope_fusion
+            and not config.rotary_interleaved
+            and not config.multi_latent_attention
+            and t.dtype == torch.float32
+        ):
+            return train_blocks.rope(t, freqs)
+        return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+
+    dispatch._mcore_rl_original = original  # type: ignore[attr-defined]
+    return dispatch
