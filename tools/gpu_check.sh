@@ -20,7 +20,9 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl megatron-core==0.16.1
-# then: device run, carry [".whl"], command "bash tools/gpu_check.sh", timeout_s 540.
+#   mkdir -p .whl/pylib && cp -r .venv/lib/python3.11/site-packages/{omegaconf,antlr4,yaml} .whl/pylib/ &&
+#       rm -f .whl/pylib/yaml/_yaml*.so      # pure Python; yaml falls back from its C extension
+# then: device run, carry [".whl"], command "bash tools/gpu_check.sh", timeout_s 300 (about 50 s warm).
 # First run on a lent H200 (torch 2.11+cu130) in session 5: all of it passes after the fixes of that session.
 set -uo pipefail
 out=${OUT:-/tmp}
@@ -34,6 +36,9 @@ if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null ||
             python3 -m zipfile -e "$w" /tmp/site || exit 1
     done
+    # pure-Python packages the trainer imports (omegaconf; antlr4-python3-runtime 4.9.3 has no wheel):
+    # copied from the project venv, see the header
+    if [ -d .whl/pylib ]; then cp -r .whl/pylib/* /tmp/site/; fi
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0

@@ -100,3 +100,8 @@ def test_bf16_megatron_step_on_gpu_with_the_fusion_switch(monkeypatch: pytest.Mo
     else:
         with pytest.raises(ModuleNotFoundError, match="softmax_cuda"):
             _bf16_train_step(32)
+        # the failed step severed the world's connections (on NCCL it aborts the communicator), as a failing
+        # rank must; the next test in this process needs a fresh world
+        from mcore_rl.parallel.failure import rejoin_world
+
+        rejoin_world()
