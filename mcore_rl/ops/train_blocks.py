@@ -147,7 +147,7 @@ def swiglu(gate_up: Tensor) -> Tensor:
 
 
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
-    """The rotation of the rotary dims of ``t``, pass-through dims copied. Forward:
+    """The rotation of the rotary dims of ``t`` in four half-width passes, pass-through dims copied. Forward:
     ``[x1 * c1 - x2 * s1 | x2 * c2 + x1 * s2]``; ``inverse``, its transpose (the backward):
     ``[x1 * c1 + x2 * s2 | x2 * c2 - x1 * s1]``."""
     rot = cos.shape[-1]
@@ -185,12 +185,18 @@ class _Rope(torch.autograd.Function):
 
 
 def _rope(t: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
-    """The kernel (bitwise megatron's forward: the same products and sums, no FMA), else ``_rotate``. The
-    kernel reads any [s, b, heads] strides; the key's gradient arrives transposed (head_dim not innermost)
-    and is copied first, still cheaper than ``_rotate``'s four strided passes."""
+    """The kernel (bitwise megatron's forward: the same products and sums, no FMA), else megatron's
+    spelling forward and ``_rotate`` backward. The kernel reads any [s, b, heads] strides; the key's gradient
+    arrives transposed (head_dim not innermost) and is copied first, cheaper than four strided passes."""
     if _native_fp32(t, cos, sin, contiguous=False):
         return torch.ops.mcore_rl.rope(t if t.stride(-1) == 1 else t.contiguous(), cos, sin, inverse)
-    return _rotate(t, cos[:, None, None], sin[:, None, None], inverse)
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    if inverse:
+        return _rotate(t, cos, sin, inverse=True)
+    rot = cos.shape[-1]
+    x1, x2 = torch.chunk(t[..., :rot], 2, dim=-1)
+    rotated = t[..., :rot] * cos + torch.cat((-x2, x1), -1) * sin
+    return torch.cat((rotated, t[..., rot:]), dim=-1)
 
 
 def rope(t: Tensor, freqs: Tensor) -> Tensor:

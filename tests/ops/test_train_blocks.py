@@ -73,7 +73,7 @@ def test_swiglu_matches_megatron_glu(impl) -> None:
 
 
 @pytest.mark.parametrize("rot", [16, 8], ids=["full", "partial"])
-def test_rope_matches_megatron(rot) -> None:
+def test_rope_matches_megatron(impl, rot) -> None:
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     t = _rand(12, 2, 4, 16, seed=10)
