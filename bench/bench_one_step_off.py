@@ -7,7 +7,7 @@
     pool get half of the CPUs each and the next rollout samples on the pool while the actor updates.
 
 Each placement is a fresh run of the demo recipe without SFT on a wider model (hidden 256, 4 layers, 16 prompts
-x 8 samples, 16 new tokens); placements alternate in blocks of ``--steps`` (after ``--warmup`` unmeasured steps)
+x 8 samples, ``--response-length`` new tokens); placements alternate in blocks of ``--steps`` (after ``--warmup`` unmeasured steps)
 for ``--rounds`` rounds, so load from other processes hits them alike. The report gives per-placement medians
 of the driver's step time (the sum of its stages, ``time/step_s``) with the min-max spread, the stage split,
 and the ratios against ``colocated``.
@@ -45,7 +45,8 @@ def run_block(placement: str, args: argparse.Namespace) -> list[dict[str, float]
         "model.hf_config.hidden_size=256",
         "model.hf_config.intermediate_size=688",
         "model.hf_config.num_hidden_layers=4",
-        "data.max_response_length=16",
+        f"data.max_response_length={args.response_length}",
+        f"model.hf_config.max_position_embeddings={args.response_length + 16}",
         "logging.progress_bar=false",
         "logging.plot=false",
         *PLACEMENTS[placement],
@@ -62,6 +63,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured steps per block")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps at the start of each block")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray")
+    parser.add_argument(
+        "--response-length",
+        type=int,
+        default=16,
+        help="new tokens per response (random weights: most reach it)",
+    )
     args = parser.parse_args()
     seconds: dict[str, list[dict[str, float]]] = {p: [] for p in PLACEMENTS}
     for round_index in range(args.rounds):
@@ -69,7 +76,8 @@ def main() -> None:
         for placement in order:
             seconds[placement] += run_block(placement, args)
     print(
-        f"GRPO step through the Ray driver, {args.cpus} CPUs; medians of {args.rounds} x {args.steps} steps (s)"
+        f"GRPO step through the Ray driver, {args.cpus} CPUs, {args.response_length} new tokens; "
+        f"medians of {args.rounds} x {args.steps} steps (s)"
     )
     print(f"{'stage':<22}" + "".join(f"{p:>15}" for p in PLACEMENTS))
     for stage in STAGES:
