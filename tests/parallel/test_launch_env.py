@@ -94,8 +94,17 @@ def test_a_busy_port_is_one_error():
 def test_a_plain_run_with_leftover_variables_does_not_wait_for_peers(hf_tiny, tmp_path):
     """The issue's 30-minute hang: RANK and MASTER_PORT left in the shell of a single-process conversion
     (which joins a torch.distributed world). It finishes, with one note."""
-    env = {**os.environ, "RANK": "1", "MASTER_PORT": "1", "PYTHONPATH": os.getcwd()}
-    env.pop("WORLD_SIZE", None)
+    # Only the two leftovers: this test process may itself have joined a world of one earlier in the run,
+    # which wrote MASTER_ADDR and the others into os.environ.
+    launcher = (
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "LOCAL_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env.update(RANK="1", MASTER_PORT="1", PYTHONPATH=os.getcwd())
     out = str(tmp_path / "out")
     done = subprocess.run(
         [sys.executable, "-m", "mcore_rl.convert", "hf-to-mcore", "--hf-dir", hf_tiny, "--out", out],
