@@ -18,7 +18,9 @@ directory outside both), back to back.
 Measured 2026-11-30 on the 2-core CI machine (AVX-512), ``--grid --grid-threads 1 --kv-heads 8``, ours / HF:
 2.74x at 8 sequences, 2.49x at 32, 2.13x at 128 (64 new tokens); 2.40x at 16 new tokens, 2.85x at 256
 (32 sequences); the engine before the decode-step rework (packed AVX2 panels, per-call cache) gave 1.43-2.00x
-in the same cells. Two-thread cells were not measurable that day: another job held one core.
+in the same cells. ``--grid --grid-threads 2 --kv-heads 8`` (quiet, session 5, after the one-rank gather fix):
+3.37x at 8 sequences, 2.52x at 32, 2.46x at 128 (64 new tokens); 2.46x at 16 new tokens, 2.74x at 256
+(32 sequences).
 """
 
 from __future__ import annotations
