@@ -48,8 +48,8 @@ class ModelConfig:
     ``initializer_range``, as transformers initialises Llama and Qwen2. On a 2-layer model the scaled init
     made SFT stall for hundreds of steps on some seeds (see recipes/demo_cpu.yaml)."""
     use_remove_padding: bool = False
-    """Pack each micro-batch's rows end to end (megatron's ``PackedSeqParams``, ``thd``) for the actor's and
-    reference's passes and SFT, so no padding column is computed (verl's ``use_remove_padding``); losses and
+    """Pack each micro-batch's rows end to end (megatron's ``PackedSeqParams``, ``thd``) for the actor's,
+    reference's and critic's passes and SFT, so no padding column is computed (verl's ``use_remove_padding``); losses and
     gradients equal the padded path's. Attention within rows: Transformer Engine's fused attention on a GPU,
     ours on the local spec. Needs ``parallel.pipeline_model_parallel_size=1``."""
 

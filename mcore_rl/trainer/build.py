@@ -52,6 +52,7 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
         cliprange_value=cfg.critic.cliprange_value,
         dtype=cfg.model.dtype,
         hf_path=path,
+        remove_padding=cfg.model.use_remove_padding,
     )
     if cfg.critic.colocate:
         critic = CriticGroup(actors.backend)

@@ -57,6 +57,9 @@ class CriticSpec:
     hf_path: str | None = None
     """An HF folder whose transformer body starts the critic; None: the actor's weights (``init_from``)."""
     pad_token_id: int = 0
+    remove_padding: bool = False
+    """Pack micro-batch rows for the model (``model.use_remove_padding``): values are read on the response
+    only, so rows are cut after their last response position."""
 
 
 @dataclass
@@ -156,12 +159,18 @@ class Critic:
         own = gather_full_state(self.engine.models, self.spec.arch, self.ctx)
         self.engine.load_full_state({**full, "output_layer.weight": own["output_layer.weight"]})
 
-    def values(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor | None:
-        """[N, S] values of this rank's rows; the owner (last stage, TP rank 0) returns them."""
+    def values(
+        self, tokens: torch.Tensor, micro_batch_size: int, response_mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """[N, S] values of this rank's rows; the owner (last stage, TP rank 0) returns them. With packing
+        (``spec.remove_padding`` and a ``response_mask``) they are 0 after each row's response."""
         from mcore_rl.trainer.worker import _micro, _pad_width, _row_chunks
 
         padded = _pad_width(tokens, self._sp_multiple, self.spec.pad_token_id)
         micro = [_micro(t) for t in _row_chunks(padded, micro_batch_size)]
+        if response_mask is not None:
+            masks = _pad_width(response_mask, self._sp_multiple, 0.0).split(micro_batch_size)
+            micro = [self._packed(m, mask) for m, mask in zip(micro, masks, strict=True)]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not self._owns_result():
             return None
@@ -190,7 +199,9 @@ class Critic:
         dist.all_reduce(count, group=self.ctx.dp_group)  # the mini-batch's global response tokens
         _row_chunks(mini.tokens, micro_batch_size)  # validates the split
         micro: list[MicroBatch] = [
-            ValueMicroBatch(part.tokens, _positions(part.tokens), values=part)
+            self._packed(
+                ValueMicroBatch(part.tokens, _positions(part.tokens), values=part), part.response_mask
+            )
             for part in _chunks(mini, micro_batch_size)
         ]
         self.engine.zero_grad()
@@ -207,6 +218,16 @@ class Critic:
         if out:
             dist.all_reduce(local, group=self.ctx.dp_group)
         return torch.cat([local, torch.tensor([result.grad_norm])])
+
+    def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:
+        """``micro`` with its rows packed end to end for the model when ``spec.remove_padding``."""
+        if self.spec.remove_padding:
+            from mcore_rl.trainer.token_batching import packing_of
+
+            micro.packed = packing_of(mask, self._sp_multiple).model_input(
+                micro.tokens, self.spec.pad_token_id
+            )
+        return micro
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save(self, run_checkpoint: str, step: int) -> None:
@@ -278,7 +299,7 @@ class CriticHost:
         self._critic().init_from(self.engine)  # type: ignore[attr-defined]
 
     def critic_values(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
-        return self._critic().values(batch.tokens, micro_batch_size)
+        return self._critic().values(batch.tokens, micro_batch_size, batch.response_mask)
 
     def critic_update(
         self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int

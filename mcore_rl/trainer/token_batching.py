@@ -12,7 +12,7 @@ Rows of a rollout have very different lengths. Three things follow:
   so the dropped right-padding columns change no kept position; the losses divide by counts all-reduced
   over the whole mini-batch (``losses.py``), so how rows are grouped changes no loss, gradient or metric.
 
-- **packing** (``algorithm.pack_sequences``, verl's ``use_remove_padding``): a micro-batch's rows, each cut to
+- **packing** (``model.use_remove_padding``, verl's ``use_remove_padding``): a micro-batch's rows, each cut to
   its length, are laid end to end as one sequence with megatron's ``PackedSeqParams`` (``thd`` layout,
   cumulative lengths; :class:`PackedRows`), so no padding column is computed at all. Attention stays within
   each row and positions restart per row: Transformer Engine's fused attention does that on a GPU, our SDPA

@@ -4,7 +4,7 @@ with megatron's ``PackedSeqParams``, so no padding column is computed.
 The packing arithmetic against hand-made cases; then the real actor worker at TP2 with sequence parallelism
 (the packed length is filled up to a multiple of TP) against the padded path from the same weights: log-probs,
 entropy, the update's metrics and gradients and the SFT loss within 1e-5 (fp32); and the driver's step with
-the switch on against the step with it off. The DP2 token-budget parity test (``test_token_batching.py``)
+the switch on against the step with it off, GRPO and PPO (the critic packs too). The DP2 token-budget parity test (``test_token_batching.py``)
 also runs packed.
 """
 
@@ -128,4 +128,37 @@ def test_the_driver_step_with_packed_rows_equals_the_padded_step(tmp_path) -> No
     padded, packed = records("padded", []), records("packed", ["model.use_remove_padding=true"])
     for want, have in zip(padded, packed, strict=True):
         for key in ("reward", "pg_loss", "entropy", "grad_norm", "token_mult_prob_error"):
+            assert have[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_the_ppo_step_with_packed_rows_equals_the_padded_step(tmp_path) -> None:
+    """The critic packs too: values, GAE, the value loss and the actor's update equal the padded run's."""
+    from mcore_rl.trainer.trainer import Trainer
+    from tests.trainer.common import MIXED_REWARD, tiny_run_config
+
+    def records(name: str, extra: list[str]) -> list[dict]:
+        overrides = [
+            MIXED_REWARD,
+            "algorithm.adv_estimator=gae",
+            "critic.warmup_steps=0",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=-1",
+            "trainer.test_freq=-1",
+            "logging.progress_bar=false",
+            "logging.plot=false",
+            "algorithm.ppo_micro_batch_size_per_gpu=4",
+            f"trainer.default_local_dir={tmp_path / name}",
+            *extra,
+        ]
+        with Trainer.from_config(
+            tiny_run_config(str(tmp_path / "data"), overrides), use_ray=False
+        ) as trainer:
+            trainer.fit()
+            return [r for r in trainer.records if r["stage"] == "rl"]
+
+    padded, packed = records("padded", []), records("packed", ["model.use_remove_padding=true"])
+    keys = ("reward", "pg_loss", "grad_norm", "critic/values_mean", "critic/returns_mean", "critic/vf_loss")
+    for want, have in zip(padded, packed, strict=True):
+        for key in keys:
             assert have[key] == pytest.approx(want[key], abs=1e-5), key
