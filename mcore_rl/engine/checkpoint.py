@@ -14,6 +14,7 @@ entries next to :func:`sharded_state_dict`'s and calls ``dist_checkpointing`` on
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -133,6 +134,22 @@ def model_keys(num_chunks: int) -> list[str]:
     return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
 
 
+class _OwnStagingFolder(logging.Filter):
+    """megatron warns "Overwriting old incomplete / corrupted checkpoint..." whenever the folder it saves into is
+    not empty. Ours never is: the staging folder holds its ownership marker (``io/output.py``) from the start,
+    so every save printed that false alarm once per checkpoint."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Overwriting old incomplete" not in record.getMessage()
+
+
+def quiet_staging_warning() -> None:
+    """Install :class:`_OwnStagingFolder` on megatron's checkpoint logger (once)."""
+    log = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    if not any(isinstance(f, _OwnStagingFolder) for f in log.filters):
+        log.addFilter(_OwnStagingFolder())
+
+
 def save_strategy() -> Any:
     """A torch_dist save strategy that writes in this process (same on-disk format as megatron's default).
 
@@ -179,6 +196,7 @@ def save_model(
     :class:`~mcore_rl.io.output.OutputFolder`)."""
     from megatron.core import dist_checkpointing
 
+    quiet_staging_warning()
     output, staging = begin_collective(
         lambda: OutputFolder.plan(
             directory, flag="checkpoint folder", replace_ours=True, kind="model-checkpoint"

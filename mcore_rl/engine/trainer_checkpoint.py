@@ -30,6 +30,7 @@ from mcore_rl.engine.checkpoint import (
     ModelCheckpointInfo,
     check_checkpoint_folder,
     load_model_state,
+    quiet_staging_warning,
     read_json_object,
     save_strategy,
     sharded_state_dict,
@@ -64,6 +65,7 @@ def save_training_checkpoint(
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     state = {"step": step, "layout": _layout(engine), "extra": extra or {}}
     encoded = json.dumps(state, indent=2, sort_keys=True)  # a non-JSON extra fails here, before writing
+    quiet_staging_warning()
     output, staging = begin_collective(
         lambda: OutputFolder.plan(
             directory, flag="checkpoint folder", replace_ours=True, kind="training-checkpoint"
