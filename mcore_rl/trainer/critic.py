@@ -164,12 +164,12 @@ class Critic:
     ) -> torch.Tensor | None:
         """[N, S] values of this rank's rows; the owner (last stage, TP rank 0) returns them. With packing
         (``spec.remove_padding`` and a ``response_mask``) they are 0 after each row's response."""
-        from mcore_rl.trainer.worker import _micro, _pad_width, _row_chunks
+        from mcore_rl.trainer.micro_batches import pad_width, plain_micro_batch, row_chunks
 
-        padded = _pad_width(tokens, self._sp_multiple, self.spec.pad_token_id)
-        micro = [_micro(t) for t in _row_chunks(padded, micro_batch_size)]
+        padded = pad_width(tokens, self._sp_multiple, self.spec.pad_token_id)
+        micro = [plain_micro_batch(t) for t in row_chunks(padded, micro_batch_size)]
         if response_mask is not None:
-            masks = _pad_width(response_mask, self._sp_multiple, 0.0).split(micro_batch_size)
+            masks = pad_width(response_mask, self._sp_multiple, 0.0).split(micro_batch_size)
             micro = [self._packed(m, mask) for m, mask in zip(micro, masks, strict=True)]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not self._owns_result():
@@ -193,14 +193,15 @@ class Critic:
         return CriticStats(vf_loss, clip_frac, vpred, grad_norm, lr)
 
     def _optimizer_step(self, mini: ValueBatch, micro_batch_size: int) -> torch.Tensor:
-        from mcore_rl.trainer.worker import NonFiniteLossError, _positions, _row_chunks
+        from mcore_rl.trainer.micro_batches import positions, row_chunks
+        from mcore_rl.trainer.worker import NonFiniteLossError
 
         count = mini.response_mask.sum().reshape(1)
         dist.all_reduce(count, group=self.ctx.dp_group)  # the mini-batch's global response tokens
-        _row_chunks(mini.tokens, micro_batch_size)  # validates the split
+        row_chunks(mini.tokens, micro_batch_size)  # validates the split
         micro: list[MicroBatch] = [
             self._packed(
-                ValueMicroBatch(part.tokens, _positions(part.tokens), values=part), part.response_mask
+                ValueMicroBatch(part.tokens, positions(part.tokens), values=part), part.response_mask
             )
             for part in _chunks(mini, micro_batch_size)
         ]
@@ -250,12 +251,12 @@ class Critic:
         return self.ctx.tp_size if self.ctx.layout.sp else 1
 
     def _pad(self, batch: ValueBatch) -> ValueBatch:
-        from mcore_rl.trainer.worker import _pad_width
+        from mcore_rl.trainer.micro_batches import pad_width
 
         if self._sp_multiple == 1:
             return batch
-        fields = {f.name: _pad_width(getattr(batch, f.name), self._sp_multiple, 0.0) for f in _FIELDS}
-        fields["tokens"] = _pad_width(batch.tokens, self._sp_multiple, self.spec.pad_token_id)
+        fields = {f.name: pad_width(getattr(batch, f.name), self._sp_multiple, 0.0) for f in _FIELDS}
+        fields["tokens"] = pad_width(batch.tokens, self._sp_multiple, self.spec.pad_token_id)
         return ValueBatch(**fields)
 
     def _owns_result(self) -> bool:

@@ -121,11 +121,11 @@ class RewardModel:
 
     def scores(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
         """[N] scores of this rank's rows; the owner (last stage, TP rank 0) returns them."""
-        from mcore_rl.trainer.worker import _micro, _pad_width, _row_chunks
+        from mcore_rl.trainer.micro_batches import pad_width, plain_micro_batch, row_chunks
 
         multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
-        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
-        micro = [_micro(t) for t in _row_chunks(tokens, micro_batch_size)]
+        tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        micro = [plain_micro_batch(t) for t in row_chunks(tokens, micro_batch_size)]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0):
             return None

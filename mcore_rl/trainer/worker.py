@@ -31,7 +31,6 @@ from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.rollout.base import GenerationOutput, SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
-from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
 from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
 from mcore_rl.trainer.critic import CriticHost
@@ -45,13 +44,19 @@ from mcore_rl.trainer.losses import (
     sft_loss,
 )
 from mcore_rl.trainer.memory import measured, phase_memory
+from mcore_rl.trainer.micro_batches import (
+    at_rows,
+    joined,
+    micro_parts,
+    pad_record,
+    pad_width,
+    positions,
+    row_chunks,
+    slice_rows,
+)
 from mcore_rl.trainer.reward_model import RewardModelHost
 from mcore_rl.trainer.token_batching import (
-    budget_micro_batches,
     packing_of,
-    row_lengths,
-    select_rows,
-    trim_columns,
 )
 from mcore_rl.types import (
     LogProbBatch,
@@ -164,11 +169,11 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if not self._owns_training_result():
             return None
         width = batch.tokens.shape[1]
-        log_probs = _joined(actor, "log_probs", width)
+        log_probs = joined(actor, "log_probs", width)
         return LogProbBatch(
             actor_log_probs=log_probs,
-            entropy=_joined(actor, "entropy", width),
-            ref_log_probs=_joined(ref, "log_probs", width) if ref else torch.zeros_like(log_probs),
+            entropy=joined(actor, "entropy", width),
+            ref_log_probs=joined(ref, "log_probs", width) if ref else torch.zeros_like(log_probs),
         )
 
     @measured("log_probs")  # the same forward-only phase, run for the reference alone
@@ -183,15 +188,15 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         micro = self._log_prob_micro_batches(batch, micro_batch_size)
         loss = log_prob_loss(self.spec.arch.vocab_size, temperature)
         ref = self.reference.forward_backward(micro, loss, forward_only=True)
-        return _joined(ref, "log_probs", batch.tokens.shape[1]) if self._owns_training_result() else None
+        return joined(ref, "log_probs", batch.tokens.shape[1]) if self._owns_training_result() else None
 
     def _log_prob_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[MicroBatch]:
         multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
-        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
-        masks = _pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
+        tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        masks = pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
         return [  # only the response positions are projected (0 elsewhere)
-            self._packed(LogProbMicroBatch(t, _positions(t), mask=m), m)
-            for t, m in zip(_row_chunks(tokens, micro_batch_size), masks, strict=True)
+            self._packed(LogProbMicroBatch(t, positions(t), mask=m), m)
+            for t, m in zip(row_chunks(tokens, micro_batch_size), masks, strict=True)
         ]
 
     @measured("update")
@@ -246,13 +251,13 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             )
         self._to_train()
         width, pad = batch.tokens.shape[1], self.ctx.tp_size if self.ctx.layout.sp else 1
-        batch = _pad_record(batch, pad, self.spec.pad_token_id)
+        batch = pad_record(batch, pad, self.spec.pad_token_id)
         sums = torch.zeros(6)  # pg_loss, kl_loss, entropy, clip_frac, approx_kl, grad_norm
         steps = skipped = 0
         log_probs = None
         for _ in range(ppo_epochs):
             for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
-                mini = _slice_rows(batch, rows)
+                mini = slice_rows(batch, rows)
                 metrics, log_probs = self._optimizer_step(
                     mini, settings, micro_batch_size, on_nonfinite, token_budget
                 )
@@ -291,10 +296,10 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         mask = mini.response_mask
         counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float()])
         dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
-        parts = _micro_parts(ctx, mini, micro_batch_size, token_budget)
+        parts = micro_parts(ctx, mini, micro_batch_size, token_budget)
         micro: list[MicroBatch] = [
             self._packed(
-                PolicyMicroBatch(part.tokens, _positions(part.tokens), train=part), part.response_mask
+                PolicyMicroBatch(part.tokens, positions(part.tokens), train=part), part.response_mask
             )
             for _, part in parts
         ]
@@ -302,7 +307,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         loss_fn = policy_loss(settings, counts[0].clamp(min=1), counts[1].clamp(min=1))
         out = self.engine.forward_backward(micro, loss_fn)
         log_probs = (
-            _at_rows(out, [rows for rows, _ in parts], mask.shape) if settings.on_policy and out else None
+            at_rows(out, [rows for rows, _ in parts], mask.shape) if settings.on_policy and out else None
         )
         keys = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
         local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(5)
@@ -334,13 +339,13 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         """One supervised optimizer step on this rank's shard; the DP-global loss and grad norm on the owner."""
         self._to_train()
         ctx, multiple = self.ctx, self.ctx.tp_size if self.ctx.layout.sp else 1
-        tokens = _pad_width(batch.tokens, multiple, self.spec.pad_token_id)
-        mask = _pad_width(batch.loss_mask, multiple, 0.0)
+        tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
+        mask = pad_width(batch.loss_mask, multiple, 0.0)
         count = mask.sum().reshape(1)
         dist.all_reduce(count, group=ctx.dp_group)
         micro: list[MicroBatch] = [
-            self._packed(SFTMicroBatch(t, _positions(t), loss_mask=m), m)
-            for t, m in zip(_row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
+            self._packed(SFTMicroBatch(t, positions(t), loss_mask=m), m)
+            for t, m in zip(row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
         ]
         self.engine.zero_grad()
         out = self.engine.forward_backward(micro, sft_loss(self.spec.arch.vocab_size, count.clamp(min=1)))
@@ -438,81 +443,3 @@ def _frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
     config = chunks[0].config
     config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
     return TrainEngine(engine.ctx, engine.arch, chunks, None, config)
-
-
-def _positions(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1]).expand_as(tokens)
-
-
-def _micro(tokens: torch.Tensor) -> MicroBatch:
-    return MicroBatch(tokens, _positions(tokens))
-
-
-def _row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
-    if size < 1 or tensor.shape[0] % size:
-        raise ValueError(
-            f"algorithm.ppo_micro_batch_size_per_gpu: {tensor.shape[0]} rows per rank do not split into "
-            f"micro-batches of {size} (pipeline schedules need equal micro-batches)"
-        )
-    return list(tensor.split(size))
-
-
-def _micro_parts(
-    ctx: ParallelContext, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
-) -> list[tuple[list[int], TrainBatch]]:
-    """Micro-batches of a mini-batch, each with its rows of the mini-batch: ``micro_batch_size`` rows each,
-    or at most ``token_budget`` tokens each and trimmed to their longest row (``token_batching.py``;
-    pipeline schedules need equal shapes)."""
-    if token_budget is None:
-        size = micro_batch_size
-        return [
-            (list(range(i * size, i * size + part.tokens.shape[0])), part)
-            for i, part in enumerate(_record_chunks(mini, size))
-        ]
-    if ctx.layout.pp > 1:
-        raise ValueError("algorithm.ppo_max_token_len_per_gpu needs pipeline_model_parallel_size=1")
-    lengths = row_lengths(mini.response_mask).tolist()
-    multiple = ctx.tp_size if ctx.layout.sp else 1
-    return [
-        (rows, select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple)))
-        for rows in budget_micro_batches(lengths, token_budget)
-    ]
-
-
-def _at_rows(out: list[dict[str, torch.Tensor]], rows: list[list[int]], shape: torch.Size) -> torch.Tensor:
-    """[N, S]: each micro-batch's ``log_probs`` metric put back at its rows of the mini-batch (token-budget
-    micro-batches hold rows out of order, trimmed to fewer columns)."""
-    full = torch.zeros(shape)
-    for metrics, index in zip(out, rows, strict=True):
-        part = metrics["log_probs"]
-        full[index, : part.shape[1]] = part.float()
-    return full
-
-
-def _joined(out: list[dict[str, torch.Tensor]], key: str, width: int) -> torch.Tensor:
-    """The micro-batches' [b, s] ``key`` metrics stacked in row order and cut to ``width`` columns."""
-    return torch.cat([m[key] for m in out])[:, :width]
-
-
-def _slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
-    return TrainBatch(*(getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)))
-
-
-def _record_chunks(batch: TrainBatch, size: int) -> list[TrainBatch]:
-    _row_chunks(batch.tokens, size)  # validates
-    num = batch.tokens.shape[0] // size
-    return [_slice_rows(batch, slice(i * size, (i + 1) * size)) for i in range(num)]
-
-
-def _pad_width(tensor: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
-    """Right-pad columns to a multiple of ``multiple`` (sequence parallelism splits positions over TP)."""
-    extra = -tensor.shape[1] % multiple
-    return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra else tensor
-
-
-def _pad_record(batch: TrainBatch, multiple: int, pad_id: int) -> TrainBatch:
-    if multiple == 1:
-        return batch
-    padded = {f.name: _pad_width(getattr(batch, f.name), multiple, 0.0) for f in dataclasses.fields(batch)}
-    padded["tokens"] = _pad_width(batch.tokens, multiple, pad_id)
-    return TrainBatch(**padded)

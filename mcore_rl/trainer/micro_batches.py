@@ -1,0 +1,91 @@
+"""Micro-batches of the actor's and critic's passes, cut from whole records: fixed row counts or token budgets,
+padded for sequence parallelism, and the passes' per-row outputs joined back (pure tensor code)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mcore_rl.engine.train_engine import MicroBatch
+from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.trainer.token_batching import budget_micro_batches, row_lengths, select_rows, trim_columns
+from mcore_rl.types import TrainBatch
+
+
+def positions(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens.shape[1]).expand_as(tokens)
+
+
+def plain_micro_batch(tokens: torch.Tensor) -> MicroBatch:
+    return MicroBatch(tokens, positions(tokens))
+
+
+def row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    if size < 1 or tensor.shape[0] % size:
+        raise ValueError(
+            f"algorithm.ppo_micro_batch_size_per_gpu: {tensor.shape[0]} rows per rank do not split into "
+            f"micro-batches of {size} (pipeline schedules need equal micro-batches)"
+        )
+    return list(tensor.split(size))
+
+
+def micro_parts(
+    ctx: ParallelContext, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
+) -> list[tuple[list[int], TrainBatch]]:
+    """Micro-batches of a mini-batch, each with its rows of the mini-batch: ``micro_batch_size`` rows each,
+    or at most ``token_budget`` tokens each and trimmed to their longest row (``token_batching.py``;
+    pipeline schedules need equal shapes)."""
+    if token_budget is None:
+        size = micro_batch_size
+        return [
+            (list(range(i * size, i * size + part.tokens.shape[0])), part)
+            for i, part in enumerate(record_chunks(mini, size))
+        ]
+    if ctx.layout.pp > 1:
+        raise ValueError("algorithm.ppo_max_token_len_per_gpu needs pipeline_model_parallel_size=1")
+    lengths = row_lengths(mini.response_mask).tolist()
+    multiple = ctx.tp_size if ctx.layout.sp else 1
+    return [
+        (rows, select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple)))
+        for rows in budget_micro_batches(lengths, token_budget)
+    ]
+
+
+def at_rows(out: list[dict[str, torch.Tensor]], rows: list[list[int]], shape: torch.Size) -> torch.Tensor:
+    """[N, S]: each micro-batch's ``log_probs`` metric put back at its rows of the mini-batch (token-budget
+    micro-batches hold rows out of order, trimmed to fewer columns)."""
+    full = torch.zeros(shape)
+    for metrics, index in zip(out, rows, strict=True):
+        part = metrics["log_probs"]
+        full[index, : part.shape[1]] = part.float()
+    return full
+
+
+def joined(out: list[dict[str, torch.Tensor]], key: str, width: int) -> torch.Tensor:
+    """The micro-batches' [b, s] ``key`` metrics stacked in row order and cut to ``width`` columns."""
+    return torch.cat([m[key] for m in out])[:, :width]
+
+
+def slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
+    return TrainBatch(*(getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)))
+
+
+def record_chunks(batch: TrainBatch, size: int) -> list[TrainBatch]:
+    row_chunks(batch.tokens, size)  # validates
+    num = batch.tokens.shape[0] // size
+    return [slice_rows(batch, slice(i * size, (i + 1) * size)) for i in range(num)]
+
+
+def pad_width(tensor: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
+    """Right-pad columns to a multiple of ``multiple`` (sequence parallelism splits positions over TP)."""
+    extra = -tensor.shape[1] % multiple
+    return torch.nn.functional.pad(tensor, (0, extra), value=value) if extra else tensor
+
+
+def pad_record(batch: TrainBatch, multiple: int, pad_id: int) -> TrainBatch:
+    if multiple == 1:
+        return batch
+    padded = {f.name: pad_width(getattr(batch, f.name), multiple, 0.0) for f in dataclasses.fields(batch)}
+    padded["tokens"] = pad_width(batch.tokens, multiple, pad_id)
+    return TrainBatch(**padded)
