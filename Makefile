@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-sweep lint install test-vllm
+.PHONY: demo test test-sweep lint install test-vllm trl-venv
 
 install: $(STAMP)
 
@@ -56,3 +56,16 @@ $(VLLM_STAMP):
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest tests_vllm -p no:cacheprovider
+
+# Opt-in: TRL 1.16 for bench/bench_grpo_step.py's named baseline, in a venv of its own (TRL must not change the
+# project's torch). torch 2.13.0 first (the local CPU wheel), then trl with torch held at that version.
+TRL_VENV ?= .venv-trl
+
+trl-venv: $(TRL_VENV)/.mcore_rl-trl-installed
+
+$(TRL_VENV)/.mcore_rl-trl-installed:
+	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(TRL_VENV)/constraints.txt
+	$(TRL_VENV)/bin/python -m pip install -q -c $(TRL_VENV)/constraints.txt trl==1.16.0
+	touch $@

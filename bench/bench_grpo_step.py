@@ -10,8 +10,8 @@ the same rounds on the same engine; ``--no-always`` leaves it out.
 
 The baseline (``--baseline``) is TRL's ``GRPOTrainer`` (``trl``: TRL 1.16's real training step, run by
 ``bench/_trl_grpo.py`` as a persistent subprocess under ``--trl-python``, an interpreter with TRL installed,
-by default ``/work/trl-venv/bin/python`` where it exists: installing TRL into the project venv is not allowed
-to change torch), or HF ``generate`` + a plain PyTorch GRPO step (``hf``: logits -> log_softmax gather ->
+by default ``.venv-trl/bin/python`` (``make trl-venv``) or ``/work/trl-venv/bin/python``, whichever exists:
+installing TRL into the project venv is not allowed to change torch), or HF ``generate`` + a plain PyTorch GRPO step (``hf``: logits -> log_softmax gather ->
 clipped ratio loss -> backward -> Adam, which is what TRL runs underneath), or ``both``. Without a TRL
 interpreter the default is ``hf``. The subprocess uses our thread count and blocks on its stdin while our
 side runs, so the two never compute at the same time; ``bench/_trl_grpo.py`` says how its step is timed.
@@ -56,7 +56,9 @@ from mcore_rl.trainer.losses import (
 from mcore_rl.types import TrainBatch
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 256, 4, 8, 688, 1000
-TRL_PYTHON = Path("/work/trl-venv/bin/python")  # the default --trl-python, where it exists
+# the default --trl-python: the first that exists (``make trl-venv`` builds the first)
+TRL_PYTHONS = (Path(__file__).parents[1] / ".venv-trl/bin/python", Path("/work/trl-venv/bin/python"))
+TRL_PYTHON = next((p for p in TRL_PYTHONS if p.exists()), TRL_PYTHONS[0])
 TRL_CHILD = Path(__file__).with_name("_trl_grpo.py")
 LR = 1e-6  # every side's Adam learning rate
 SPLIT = ("generate", "forward_backward", "optimizer")  # the baselines' step split, in order
