@@ -114,6 +114,24 @@ class UpdatePlan:
     ranks by tokens, micro-batches by the budget, trimmed; None: ``micro_batch_size`` rows."""
 
 
+def submit_rollout(
+    backend: Backend, request: RolloutRequest, params: SamplingParams
+) -> Callable[[], RolloutBatch]:
+    """Start ``generate`` on every rank of ``backend`` with the prompts split over its rollout replicas; the
+    returned callable waits and joins the replicas' samples in prompt order (the actor's colocated engines
+    and a rollout pool alike)."""
+    infos = backend.infos
+    shards = split_record(request, num_rollout_shards(infos))
+    wait = backend.submit("generate", list(shards), "rollout", params)
+    owners = rollout_owners(infos)
+
+    def collect() -> RolloutBatch:
+        results = wait()
+        return concat_records(common_width([results[i] for i in owners], params.pad_token_id))
+
+    return collect
+
+
 class ActorGroup:
     """Actor + reference + rollout engines over a backend; see the module docstring."""
 
@@ -122,7 +140,6 @@ class ActorGroup:
         infos = backend.infos
         self.num_rollout_shards = num_rollout_shards(infos)
         self.num_dp_shards = num_dp_shards(infos)
-        self._rollout_owners = rollout_owners(infos)
         self._data_owners = data_owners(infos)
 
     def sync_weights(self) -> dict[str, float]:
@@ -131,9 +148,7 @@ class ActorGroup:
 
     def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch:
         """Prompts split over rollout replicas; samples back in prompt order."""
-        shards = split_record(request, self.num_rollout_shards)
-        results = self.backend.submit("generate", list(shards), "rollout", params)()
-        return concat_records(common_width([results[i] for i in self._rollout_owners], params.pad_token_id))
+        return submit_rollout(self.backend, request, params)()
 
     def submit_log_probs(
         self, batch: RolloutBatch, temperature: float, micro_batch_size: int

@@ -28,10 +28,7 @@ import torch
 
 from mcore_rl.controller.dispatch import (
     RankInfo,
-    concat_records,
     num_rollout_shards,
-    rollout_owners,
-    split_record,
 )
 from mcore_rl.controller.worker import Worker
 from mcore_rl.controller.worker_group import Pending
@@ -39,8 +36,7 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.rollout.layout import rollout_shards_from_full
 from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
-from mcore_rl.trainer.actor_group import ActorGroup, RayBackend
-from mcore_rl.trainer.batch import common_width
+from mcore_rl.trainer.actor_group import ActorGroup, RayBackend, submit_rollout
 from mcore_rl.trainer.memory import max_over_ranks, measured, phase_memory
 from mcore_rl.trainer.worker import replica_rollout
 from mcore_rl.types import RolloutBatch, RolloutRequest
@@ -132,20 +128,10 @@ class RolloutGroup:
     def __init__(self, backend: RayBackend) -> None:
         self.backend = backend
         self.num_rollout_shards = num_rollout_shards(backend.infos)
-        self._rollout_owners = rollout_owners(backend.infos)
 
     def submit_generate(self, request: RolloutRequest, params: SamplingParams) -> Callable[[], RolloutBatch]:
         """Start sampling (prompts split over replicas); call the result for the samples in prompt order."""
-        shards = split_record(request, self.num_rollout_shards)
-        wait = self.backend.submit("generate", list(shards), "rollout", params)
-
-        def collect() -> RolloutBatch:
-            results = wait()
-            return concat_records(
-                common_width([results[i] for i in self._rollout_owners], params.pad_token_id)
-            )
-
-        return collect
+        return submit_rollout(self.backend, request, params)
 
     def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch:
         return self.submit_generate(request, params)()
