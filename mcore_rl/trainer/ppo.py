@@ -7,9 +7,9 @@
     next step ◄── actors.sync_weights ◄── actors.update (after the critic warm-up) ◄── critic.update ◄─┘
 
 Scoring, log-probs and values depend only on the rollout: they are started together and the driver scores
-while the workers compute; likewise the critic's and the actor's updates, which read the same batch. With ``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by
-the KL of the rollout policy to the reference (``kl_reward.py``; its controller is checkpointed driver
-state). During the first ``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in
+while the workers compute; likewise the critic's and the actor's updates, which read the same batch. With
+``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by the KL of the rollout policy to the
+reference (``kl_reward.py``; its controller is checkpointed driver state). During the first ``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in
 verl's ``critic_warmup``.
 """
 

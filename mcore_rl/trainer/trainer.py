@@ -30,6 +30,7 @@ from mcore_rl.data.demo_task import prepare_data
 from mcore_rl.data.prompts import PromptBatch, PromptDataset, PromptLoader
 from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.io.inputs import input_file
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.actor_group import ActorGroup
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, build_rollout_group, worker_spec
@@ -233,8 +234,8 @@ class Trainer:
         the resumed run trains on exactly what the uninterrupted one would have (safetensors: data only)."""
         if indices is None:
             return
-        rollout_file = os.path.join(path, PENDING_ROLLOUT_FILE)
-        if not os.path.isfile(rollout_file):
+        rollout_file = input_file(path, PENDING_ROLLOUT_FILE, required=False)  # a link out of it is refused
+        if rollout_file is None:
             raise ValueError(
                 f"{path}: the checkpoint names pending prompts but has no {PENDING_ROLLOUT_FILE}"
             )
