@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -36,6 +37,25 @@ def tiny_run_config(folder: str, overrides: list[str] | None = None) -> RunConfi
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
     node = OmegaConf.merge(node, OmegaConf.from_dotlist(base + list(overrides or [])))
     return check_config(node)
+
+
+QUIET = ["trainer.save_freq=-1", "trainer.test_freq=-1", "logging.progress_bar=false", "logging.plot=false"]
+"""No checkpoints, validation, progress bar or plot: a run that only trains and logs its steps."""
+
+
+def rl_records(
+    data: str, run_dir: object, overrides: list[str], inspect: Callable[[Any], None] | None = None
+) -> list[dict]:
+    """The RL steps' records of an in-process run of :func:`tiny_run_config` ``(data, overrides)`` writing into
+    ``run_dir``; ``inspect(trainer)`` runs after ``fit`` (checks on the trainer itself)."""
+    from mcore_rl.trainer.trainer import Trainer
+
+    cfg = tiny_run_config(data, [*overrides, f"trainer.default_local_dir={run_dir}"])
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        trainer.fit()
+        if inspect is not None:
+            inspect(trainer)
+        return [r for r in trainer.records if r["stage"] == "rl"]
 
 
 def small_first_digit(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any) -> float:

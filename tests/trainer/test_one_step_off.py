@@ -11,15 +11,12 @@ from __future__ import annotations
 import pytest
 
 from mcore_rl.trainer.trainer import Trainer
-from tests.trainer.common import MIXED_REWARD, tiny_run_config
+from tests.trainer.common import MIXED_REWARD, QUIET, rl_records, tiny_run_config
 
 OVERRIDES = [
     MIXED_REWARD,
+    *QUIET,
     "trainer.total_training_steps=3",
-    "trainer.save_freq=-1",
-    "trainer.test_freq=-1",
-    "logging.progress_bar=false",
-    "logging.plot=false",
     "data.train_batch_size=4",
     "optim.lr=1e-2",
 ]
@@ -27,12 +24,7 @@ SAME = ("reward", "response_len", "pg_loss", "entropy", "grad_norm", "token_mult
 
 
 def _rl_records(tmp_path, name: str, extra: list[str]) -> list[dict]:
-    cfg = tiny_run_config(
-        str(tmp_path / "data"), [*OVERRIDES, f"trainer.default_local_dir={tmp_path / name}", *extra]
-    )
-    with Trainer.from_config(cfg, use_ray=False) as trainer:
-        trainer.fit()
-        return [r for r in trainer.records if r["stage"] == "rl"]
+    return rl_records(str(tmp_path / "data"), tmp_path / name, [*OVERRIDES, *extra])
 
 
 def test_one_step_off_trains_on_the_rollout_generated_before_the_last_update(tmp_path) -> None:

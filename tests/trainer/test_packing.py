@@ -102,30 +102,20 @@ def test_packed_passes_equal_the_padded_ones_at_tp2_with_sequence_parallelism(
             assert (grad - packed[3][name]).abs().max() <= 1e-5, name
 
 
+def _padded_and_packed_runs(tmp_path, overrides: list[str]) -> tuple[list[dict], list[dict]]:
+    """The RL records of the same 2-step in-process run with rows padded and packed."""
+    from tests.trainer.common import MIXED_REWARD, QUIET, rl_records
+
+    base = [MIXED_REWARD, *QUIET, "trainer.total_training_steps=2", *overrides]
+    data = str(tmp_path / "data")
+    padded = rl_records(data, tmp_path / "padded", base)
+    return padded, rl_records(data, tmp_path / "packed", [*base, "model.use_remove_padding=true"])
+
+
 def test_the_driver_step_with_packed_rows_equals_the_padded_step(tmp_path) -> None:
-    from mcore_rl.trainer.trainer import Trainer
-    from tests.trainer.common import MIXED_REWARD, tiny_run_config
-
-    def records(name: str, extra: list[str]) -> list[dict]:
-        overrides = [
-            MIXED_REWARD,
-            "trainer.total_training_steps=2",
-            "trainer.save_freq=-1",
-            "trainer.test_freq=-1",
-            "logging.progress_bar=false",
-            "logging.plot=false",
-            "algorithm.ppo_micro_batch_size_per_gpu=4",
-            "algorithm.recompute_old_log_probs=always",
-            f"trainer.default_local_dir={tmp_path / name}",
-            *extra,
-        ]
-        with Trainer.from_config(
-            tiny_run_config(str(tmp_path / "data"), overrides), use_ray=False
-        ) as trainer:
-            trainer.fit()
-            return [r for r in trainer.records if r["stage"] == "rl"]
-
-    padded, packed = records("padded", []), records("packed", ["model.use_remove_padding=true"])
+    padded, packed = _padded_and_packed_runs(
+        tmp_path, ["algorithm.ppo_micro_batch_size_per_gpu=4", "algorithm.recompute_old_log_probs=always"]
+    )
     for want, have in zip(padded, packed, strict=True):
         for key in ("reward", "pg_loss", "entropy", "grad_norm", "token_mult_prob_error"):
             assert have[key] == pytest.approx(want[key], abs=1e-5), key
@@ -133,31 +123,13 @@ def test_the_driver_step_with_packed_rows_equals_the_padded_step(tmp_path) -> No
 
 def test_the_ppo_step_with_packed_rows_equals_the_padded_step(tmp_path) -> None:
     """The critic packs too: values, GAE, the value loss and the actor's update equal the padded run's."""
-    from mcore_rl.trainer.trainer import Trainer
-    from tests.trainer.common import MIXED_REWARD, tiny_run_config
-
-    def records(name: str, extra: list[str]) -> list[dict]:
-        overrides = [
-            MIXED_REWARD,
-            "algorithm.adv_estimator=gae",
-            "critic.warmup_steps=0",
-            "critic.ppo_micro_batch_size_per_gpu=4",
-            "trainer.total_training_steps=2",
-            "trainer.save_freq=-1",
-            "trainer.test_freq=-1",
-            "logging.progress_bar=false",
-            "logging.plot=false",
-            "algorithm.ppo_micro_batch_size_per_gpu=4",
-            f"trainer.default_local_dir={tmp_path / name}",
-            *extra,
-        ]
-        with Trainer.from_config(
-            tiny_run_config(str(tmp_path / "data"), overrides), use_ray=False
-        ) as trainer:
-            trainer.fit()
-            return [r for r in trainer.records if r["stage"] == "rl"]
-
-    padded, packed = records("padded", []), records("packed", ["model.use_remove_padding=true"])
+    overrides = [
+        "algorithm.adv_estimator=gae",
+        "critic.warmup_steps=0",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "algorithm.ppo_micro_batch_size_per_gpu=4",
+    ]
+    padded, packed = _padded_and_packed_runs(tmp_path, overrides)
     keys = ("reward", "pg_loss", "grad_norm", "critic/values_mean", "critic/returns_mean", "critic/vf_loss")
     for want, have in zip(padded, packed, strict=True):
         for key in keys:

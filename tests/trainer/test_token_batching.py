@@ -168,27 +168,21 @@ def test_packed_seq_params_mark_where_each_row_starts() -> None:
 def test_the_driver_step_with_a_token_budget_equals_the_padded_step(tmp_path) -> None:
     """Through the trainer (in-process): ``algorithm.ppo_max_token_len_per_gpu`` reaches the worker and
     the step's metrics equal the fixed-size micro-batch run's within 1e-5."""
-    from mcore_rl.trainer.trainer import Trainer
-    from tests.trainer.common import MIXED_REWARD, tiny_run_config
+    from tests.trainer.common import MIXED_REWARD, QUIET, rl_records
 
     def records(name: str, extra: list[str]) -> list[dict]:
         overrides = [
             MIXED_REWARD,
+            *QUIET,
             "trainer.total_training_steps=2",
-            "trainer.save_freq=-1",
-            "trainer.test_freq=-1",
-            "logging.progress_bar=false",
-            "logging.plot=false",
             "algorithm.ppo_micro_batch_size_per_gpu=4",
-            f"trainer.default_local_dir={tmp_path / name}",
             *extra,
         ]
-        with Trainer.from_config(
-            tiny_run_config(str(tmp_path / "data"), overrides), use_ray=False
-        ) as trainer:
-            trainer.fit()
-            assert trainer.step.plan.token_budget == (40 if extra else None)  # what ActorGroup.update gets
-            return [r for r in trainer.records if r["stage"] == "rl"]
+
+        def budget_reaches_the_update(trainer) -> None:  # what ActorGroup.update gets
+            assert trainer.step.plan.token_budget == (40 if extra else None)
+
+        return rl_records(str(tmp_path / "data"), tmp_path / name, overrides, budget_reaches_the_update)
 
     padded = records("padded", [])
     budget = records("budget", ["algorithm.ppo_max_token_len_per_gpu=40"])
