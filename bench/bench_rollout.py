@@ -120,16 +120,25 @@ class Bench:
         """Same weights, same function: greedy continuations must agree (a sanity check, not timed)."""
         prompts = torch.randint(0, self.arch.vocab_size, (2, self.prompt_len))
         ours = self.engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=8))
+        hf = self.hf_generate(prompts, new_tokens=8, n=1, sample=False)
+        return bool((hf[:, self.prompt_len :] == ours.token_ids).all())
+
+    def hf_generate(self, prompts: torch.Tensor, new_tokens: int, n: int, sample: bool) -> torch.Tensor:
+        """HF ``generate`` of exactly ``new_tokens`` per sequence (no EOS): greedy, or plain sampling at
+        temperature 1 (no top-k/top-p), ``n`` sequences per prompt."""
+        sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
         with torch.inference_mode():
-            hf = self.model.generate(
+            return self.model.generate(
                 prompts,
                 attention_mask=torch.ones_like(prompts),
-                do_sample=False,
-                max_new_tokens=8,
+                do_sample=sample,
+                **sampling,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                num_return_sequences=n,
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        return bool((hf[:, self.prompt_len :] == ours.token_ids).all())
 
     def measure(self, cell: Cell, repeats: int) -> dict[str, list[float]]:
         """tok/s of each side over ``repeats`` interleaved runs (after one warm-up each)."""
@@ -138,20 +147,7 @@ class Bench:
         params = SamplingParams(temperature=1.0, n=cell.n, max_new_tokens=cell.new_tokens, seed=0)
 
         def run_hf() -> None:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    prompts,
-                    attention_mask=torch.ones_like(prompts),
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=cell.new_tokens,
-                    min_new_tokens=cell.new_tokens,
-                    num_return_sequences=cell.n,
-                    eos_token_id=None,
-                    pad_token_id=0,
-                )
+            out = self.hf_generate(prompts, cell.new_tokens, cell.n, sample=True)
             assert out.shape == (cell.prompts * cell.n, self.prompt_len + cell.new_tokens)
 
         def run_ours() -> None:
