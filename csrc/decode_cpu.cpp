@@ -63,11 +63,19 @@ void score_block(const float* q, int64_t head_dim, const float* keys, int64_t ld
 }
 
 // scores[h][l] = sum_d q[h][d] * keys[d][l] for H heads and l in [0, n); keys rows are `ld` floats apart.
+// Blocks narrow from 8 / H vectors down to one, so that a short row (a few dozen cache columns) still runs
+// several independent FMA chains: one 8-column chain per block is latency-bound (each FMA waits for the last).
 template <int H>
 void score_heads(const float* q, int64_t head_dim, const float* keys, int64_t ld, int64_t n, float* scores) {
   constexpr int C = 8 / H;
   int64_t l = 0;
   for (; l + C * kVec <= n; l += C * kVec) score_block<H, C>(q, head_dim, keys, ld, l, n, scores);
+  if constexpr (C > 4) {
+    for (; l + 4 * kVec <= n; l += 4 * kVec) score_block<H, 4>(q, head_dim, keys, ld, l, n, scores);
+  }
+  if constexpr (C > 2) {
+    for (; l + 2 * kVec <= n; l += 2 * kVec) score_block<H, 2>(q, head_dim, keys, ld, l, n, scores);
+  }
   for (; l + kVec <= n; l += kVec) score_block<H, 1>(q, head_dim, keys, ld, l, n, scores);
   for (; l < n; ++l) {  // fewer than one vector of columns left
     for (int h = 0; h < H; ++h) {
@@ -120,6 +128,12 @@ void value_heads(const float* probs, const float* inv_sum, int64_t n, const floa
   constexpr int C = 8 / H;
   int64_t d = 0;
   for (; d + C * kVec <= head_dim; d += C * kVec) value_block<H, C>(probs, inv_sum, n, values, head_dim, d, context);
+  if constexpr (C > 4) {  // narrowing blocks, as in score_heads
+    for (; d + 4 * kVec <= head_dim; d += 4 * kVec) value_block<H, 4>(probs, inv_sum, n, values, head_dim, d, context);
+  }
+  if constexpr (C > 2) {
+    for (; d + 2 * kVec <= head_dim; d += 2 * kVec) value_block<H, 2>(probs, inv_sum, n, values, head_dim, d, context);
+  }
   for (; d + kVec <= head_dim; d += kVec) value_block<H, 1>(probs, inv_sum, n, values, head_dim, d, context);
   for (; d < head_dim; ++d) {  // head_dim not a multiple of the vector width
     for (int h = 0; h < H; ++h) {

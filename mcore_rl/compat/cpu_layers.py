@@ -3,12 +3,14 @@
 The local spec builds every block from small torch ops; on a CPU, where a small model's GEMMs are only
 about half of a training step, the elementwise passes around them are most of the rest (issue 17). The
 stand-ins compute the same thing with fewer passes, keep megatron's parameters and state-dict keys, and
-hand anything they do not cover back to megatron's own code. Their forwards are bitwise megatron's (the
-rollout decoder matches megatron's model exactly at TP1 and its tests hold it to that); the backwards agree
+hand anything they do not cover back to megatron's own code. The forwards of the norm, SwiGLU and rotary
+are bitwise megatron's; plain causal attention runs torch's fused kernel, which sums in another order (within
+fp32 rounding of megatron's), and the rollout decoder calls that same kernel on the same operands, so the two
+still match exactly at TP1 (tests/rollout/test_megatron_parity.py holds them to it). The backwards agree
 to fp32 rounding:
 
 - :class:`SdpaDotProductAttention`: megatron's core attention, with
-  ``torch.nn.functional.scaled_dot_product_attention`` for packed rows;
+  ``torch.nn.functional.scaled_dot_product_attention`` for plain causal attention, padded or packed rows;
 - :func:`bias_swiglu_impl`: megatron's fused-SwiGLU slot (``bias_activation_fusion``) filled with
   :func:`mcore_rl.ops.train_blocks.swiglu`;
 - :class:`FusedRMSNorm`: ``torch.nn.RMSNorm`` with :func:`mcore_rl.ops.train_blocks.rms_norm`;
@@ -62,12 +64,25 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
     ) -> Tensor:
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed_forward(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
-        # Padded rows stay on megatron's own attention: SDPA would be ~10% faster here but sums in another
-        # order, and the rollout decoder reproduces megatron's spelling bitwise at TP1 (its parity test saw the
-        # logits move by 1e-5 under SDPA).
+        if packed_seq_params is None and self._plain_causal(attention_mask, attn_mask_type, attention_bias):
+            return self._padded_forward(query, key, value)
         return super().forward(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         )
+
+    def _padded_forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Causal attention over whole rows (megatron's ``sbhd``: query [s, b, heads, d], key / value
+        [s, b, groups, d]) with torch's fused kernel: one pass instead of megatron's baddbmm -> mask ->
+        softmax -> bmm, each with its own backward (issue 17). The rollout decoder's multi-token forward
+        calls the same kernel on the same shapes (``engine/rollout/decoder.py``), so the two still agree
+        bitwise at TP1. [s, b, heads * d]."""
+        # Contiguous [b, heads, s, d]: the kernel's rounding follows the operands' strides, and the decoder
+        # hands it contiguous operands too.
+        q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
     def _packed_forward(
         self, query: Tensor, key: Tensor, value: Tensor, mask: Any, mask_type: Any, packed: Any

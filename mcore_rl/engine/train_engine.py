@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
@@ -215,6 +216,7 @@ class TrainEngine:
             )
             for i, chunk in enumerate(bare)
         ]
+        megatron_cpu.fuse_weight_grad_accumulation(chunks)  # on CPU: weight grads GEMM'd into DDP's buffer
         config.finalize_model_grads_func = _finalize_without_token_scaling
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         optimizer = get_megatron_optimizer(

@@ -74,6 +74,7 @@ class _Step(NamedTuple):
     cos: Tensor  # [b or 1, s, 1, rotary_dim] in the model dtype
     sin: Tensor  # [b or 1, s, 1, rotary_dim], signed (see _rope_tables)
     masked: Tensor | None  # [b or 1, 1, 1, s, key_len] bool, True = hidden
+    plain_causal: bool  # masked is exactly the causal mask of s tokens from column 0 (the trainer's case)
     rows: slice  # cache rows of the batch
     column: int  # cache column of the first token
 
@@ -400,7 +401,9 @@ class RolloutDecoder:
             cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
         if self.dtype != torch.float32:
             cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-        step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), rows, column)
+        window = self.arch.sliding_window
+        plain_causal = pad is None and column == 0 and window is None
+        step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), plain_causal, rows, column)
         x = self._embed(tokens.reshape(-1))
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             x = self._attention_block(layer, x, step, keys, values)
@@ -450,8 +453,27 @@ class RolloutDecoder:
         values.narrow(2, column, s).copy_(
             qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view(b, s, nkv, hd).transpose(1, 2)
         )
-        context = self._attend(qk.narrow(2, 0, nh), keys, values, step.masked)
+        if step.plain_causal:
+            context = self._attend_causal(qk.narrow(2, 0, nh), keys, values)
+        else:
+            context = self._attend(qk.narrow(2, 0, nh), keys, values, step.masked)
         return self._project_add(x, context, layer.o_proj, decoding=False)
+
+    def _attend_causal(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """:meth:`_attend` for whole unpadded rows from column 0 without a window: torch's fused causal
+        kernel on the shapes megatron's trainer gives it (``compat.cpu_layers.SdpaDotProductAttention``),
+        which keeps the TP1 logits bitwise equal to the trainer's. -> [b * s, heads * hd]."""
+        b, s, nh, hd = q.shape
+        # Contiguous operands, as the trainer passes them: the kernel's rounding follows the strides.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2).contiguous(),
+            keys.transpose(2, 3).contiguous(),
+            values.contiguous(),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=keys.shape[1] != nh,
+        )
+        return out.transpose(1, 2).reshape(b * s, nh * hd)
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, masked: Tensor | None) -> Tensor:
         """q [b, s, heads, hd], keys [b, kv, hd, key_len], values [b, kv, key_len, hd] -> context

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
 from mcore_rl.engine.rollout.decoder import KVCache, RolloutDecoder
@@ -168,8 +169,10 @@ class LocalRolloutEngine:
 
     # --- generation ----------------------------------------------------------------------------------------
     @torch.inference_mode()
+    @megatron_cpu.suspended()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """``params.n`` sampled responses per prompt; tensors of the result are on the CPU."""
+        """``params.n`` sampled responses per prompt; tensors of the result are on the CPU. Runs outside
+        megatron's CPU compatibility mode (it calls no megatron code, and the mode taxes every torch call)."""
         self._check_ready()
         self._check_prompts(prompts)
         n, max_new = params.n, params.max_new_tokens

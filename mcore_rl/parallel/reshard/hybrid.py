@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.compat import megatron_cpu
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.executor import ReshardStats, execute_plan
 from mcore_rl.parallel.reshard.plan import ReshardPlan
@@ -117,7 +118,8 @@ class HybridEngine:
         start = time.perf_counter()
         with self._step(steps, "offload"):
             self._offload()
-        with self._step(steps, "reshard"):
+        # The reshard and the load call no megatron code: outside its CPU mode, which taxes every torch call.
+        with self._step(steps, "reshard"), megatron_cpu.suspended():
             shards, stats = execute_plan(
                 self.plan,
                 self.local_params(),
@@ -125,7 +127,7 @@ class HybridEngine:
                 bucket_bytes=self.config.bucket_bytes,
                 max_inflight_bytes=self.config.max_inflight_bytes,
             )
-        with self._step(steps, "load"):
+        with self._step(steps, "load"), megatron_cpu.suspended():
             self.rollout_engine.wake_up(["weights"])
             self.rollout_engine.load_weights(self.to_rollout_tensors(shards))
             del shards
