@@ -258,7 +258,7 @@ def _patch_wgrad_accumulation() -> None:
     from megatron.core.tensor_parallel import layers
 
     if not isinstance(getattr(layers, "fused_weight_gradient_mlp_cuda", None), type):
-        layers.fused_weight_gradient_mlp_cuda = _CpuWeightGradAccumulation  # type: ignore[attr-defined]
+        layers.fused_weight_gradient_mlp_cuda = _CpuWeightGradAccumulation
 
 
 def fuse_weight_grad_accumulation(chunks: list[Any]) -> int:
