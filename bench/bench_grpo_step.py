@@ -54,6 +54,7 @@ from mcore_rl.trainer.losses import (
     log_prob_loss,
     policy_loss,
 )
+from mcore_rl.trainer.shared_prefix import shared_prefix_packing
 from mcore_rl.types import TrainBatch
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 256, 4, 8, 688, 1000
@@ -151,6 +152,13 @@ class Ours:
         self.args = args
         self.settings = PolicyLossSettings(vocab_size=VOCAB, temperature=1.0)
 
+    def _packed(self, micro: MicroBatch) -> MicroBatch:
+        """The worker's packing (``HybridWorker._packed``): each prompt once for its n samples."""
+        if self.args.share_prompt_prefix:
+            mask = micro.mask if isinstance(micro, LogProbMicroBatch) else micro.train.response_mask
+            micro.packed = shared_prefix_packing(micro.tokens, mask).model_input()
+        return micro
+
     def step(self, prompts: torch.Tensor, seed: int, recompute: bool = False) -> dict[str, float]:
         """One step; ``recompute`` runs the separate old-log-prob forward (else the on-policy shortcut)."""
         args, t = self.args, [time.perf_counter()]
@@ -167,7 +175,7 @@ class Ours:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         settings, old_log_probs = dataclasses.replace(self.settings, on_policy=True), None
         if recompute:
-            micro_old: list[MicroBatch] = [LogProbMicroBatch(tokens, positions, mask=mask)]
+            micro_old: list[MicroBatch] = [self._packed(LogProbMicroBatch(tokens, positions, mask=mask))]
             old = self.engine.forward_backward(micro_old, log_prob_loss(VOCAB, 1.0), forward_only=True)
             settings, old_log_probs = self.settings, old[0]["log_probs"]
         t.append(time.perf_counter())
@@ -175,7 +183,7 @@ class Ours:
         unread = torch.full(mask.shape, math.nan)  # the shortcut's loss never reads the old log-probs
         old_or_unread = unread if old_log_probs is None else old_log_probs
         batch = TrainBatch(tokens, mask, old_or_unread, adv, torch.zeros_like(mask))
-        micro: list[MicroBatch] = [PolicyMicroBatch(tokens, positions, train=batch)]
+        micro: list[MicroBatch] = [self._packed(PolicyMicroBatch(tokens, positions, train=batch))]
         self.engine.zero_grad()
         count = mask.sum()
         self.engine.forward_backward(micro, policy_loss(settings, count, torch.tensor(float(len(tokens)))))
@@ -327,6 +335,12 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument(
         "--no-always", action="store_true", help="leave out ours_always (the separate old-log-prob pass)"
+    )
+    parser.add_argument(
+        "--no-shared-prefix",
+        dest="share_prompt_prefix",
+        action="store_false",
+        help="train on padded rows (model.share_prompt_prefix=false) instead of each prompt once per group",
     )
     parser.add_argument(
         "--baseline",

@@ -95,6 +95,10 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
                 "packed sequences (model.use_remove_padding) on the local layer spec need causal attention "
                 "without an explicit mask, window, dropout or context parallelism"
             )
+        if getattr(packed, "home", None) is not None:  # shared prompts (trainer/shared_prefix.py)
+            from mcore_rl.trainer.shared_prefix import row_attention
+
+            return row_attention(query, key, value, packed, self.softmax_scale)
         cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
         bounds = cu.tolist()
         gqa = key.shape[1] != query.shape[1]
@@ -159,14 +163,20 @@ def apply_rotary_pos_emb(original: Any) -> Any:
         mscale: float = 1.0,
         cp_group: Any = None,
     ) -> Tensor:
-        if (
-            cu_seqlens is None
-            and mscale == 1.0
+        plain = (
+            mscale == 1.0
             and not config.apply_rope_fusion
             and not config.rotary_interleaved
             and not config.multi_latent_attention
-            and t.dtype == torch.float32
-        ):
+        )
+        positions = getattr(cu_seqlens, "token_positions", None)
+        if positions is not None:  # shared-prompt packing: positions do not restart per segment
+            if not plain or config.context_parallel_size > 1:
+                raise ValueError(
+                    "model.share_prompt_prefix needs plain non-interleaved rotary without context parallelism"
+                )
+            return train_blocks.rope(t.unsqueeze(1), freqs[positions]).squeeze(1)  # [T, heads, d]
+        if cu_seqlens is None and plain and t.dtype == torch.float32:
             return train_blocks.rope(t, freqs)
         return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
 

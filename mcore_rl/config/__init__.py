@@ -4,7 +4,8 @@ The schema is the dataclasses in :mod:`mcore_rl.config.model` and :mod:`mcore_rl
 recipes (``recipes/``) and overrides load into them, nothing else describes a run. Keys follow verl where
 the meaning is the same::
 
-    model:      path, hf_config, tokenizer_path, load_weights, dtype, scaled_output_init, use_remove_padding
+    model:      path, hf_config, tokenizer_path, load_weights, dtype, scaled_output_init, use_remove_padding,
+                share_prompt_prefix
     parallel:   tensor_model_parallel_size, pipeline_model_parallel_size,
                 virtual_pipeline_model_parallel_size, sequence_parallel, data_parallel_size, backend,
                 timeout_minutes                                   (training layout: actor and reference)

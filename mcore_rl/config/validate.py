@@ -312,11 +312,12 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")
     problems += _critic_problems(cfg)
-    if cfg.model.use_remove_padding and cfg.parallel.pipeline_model_parallel_size > 1:
-        problems.append(
-            "model.use_remove_padding=true packs rows into sequences of varying length, which pipeline "
-            "schedules cannot send: needs parallel.pipeline_model_parallel_size=1"
-        )
+    for packing in ("use_remove_padding", "share_prompt_prefix"):
+        if getattr(cfg.model, packing) and cfg.parallel.pipeline_model_parallel_size > 1:
+            problems.append(
+                f"model.{packing}=true packs rows into sequences of varying length, which pipeline "
+                "schedules cannot send: needs parallel.pipeline_model_parallel_size=1"
+            )
     rollout = cfg.rollout
     if not rollout.colocate and rollout.num_ranks % rollout.tensor_model_parallel_size:
         problems.append(

@@ -98,6 +98,9 @@ class PackedInput:
     """megatron's ``PackedSeqParams`` (cumulative row lengths)."""
     index: torch.Tensor
     """[n] int64: where packed token j sits in the flattened [b, s] rows (j < n; filler tokens follow)."""
+    source: torch.Tensor | None = None
+    """[b * s] int64: the packed token read at each row position (T: none, the row reads 0 there); set when
+    a packed token feeds several rows (``trainer/shared_prefix.py``), else ``index`` says it all."""
 
 
 def _on_device(value: Any, device: torch.device) -> Any:
@@ -289,6 +292,11 @@ class TrainEngine:
             raise ValueError(
                 "packed micro-batches (model.use_remove_padding) need pipeline_model_parallel_size=1"
             )
+        shared = any(getattr(p.seq_params, "home", None) is not None for p in packed)
+        if shared and not megatron_cpu.is_applied():  # its mask and positions live in compat/cpu_layers.py
+            raise ValueError(
+                "model.share_prompt_prefix: shared-prompt packing runs on the CPU (local layer spec)"
+            )
         for chunk in self.chunks:
             chunk.train(not forward_only)
         seq_length = max(_model_input(mb)[0].shape[1] for mb in micro_batches)
@@ -380,8 +388,12 @@ def _unpacked(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     which no loss reads; the gradient flows back to the packed positions); other outputs as they are."""
     if micro_batch.packed is None:
         return output
-    index = micro_batch.packed.index
     b, s = micro_batch.tokens.shape
+    source = micro_batch.packed.source
+    if source is not None:  # a gather: its backward sums a shared token's gradient over the rows reading it
+        padded = torch.cat([output[0], output.new_zeros(1, output.shape[-1])])
+        return padded.index_select(0, source).view(b, s, -1)  # backward: index_add_, not index_put_
+    index = micro_batch.packed.index
     rows = output.new_zeros(b * s, output.shape[-1]).index_copy(0, index, output[0, : index.numel()])
     return rows.view(b, s, -1)
 

@@ -33,6 +33,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
         remove_padding=cfg.model.use_remove_padding,
+        share_prompt_prefix=cfg.model.share_prompt_prefix,
         # rollout.tensor_model_parallel_size is the pool's when the rollout has a pool of its own
         rollout_tp=cfg.rollout.tensor_model_parallel_size if cfg.rollout.colocate else 1,
         hybrid=cfg.rollout.hybrid.to_hybrid_config(),

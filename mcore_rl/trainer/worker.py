@@ -55,6 +55,7 @@ from mcore_rl.trainer.micro_batches import (
     slice_rows,
 )
 from mcore_rl.trainer.reward_model import RewardModelHost
+from mcore_rl.trainer.shared_prefix import shared_prefix_packing
 from mcore_rl.trainer.token_batching import (
     packing_of,
 )
@@ -100,6 +101,8 @@ class WorkerSpec:
     """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
     remove_padding: bool = False
     """Pack micro-batch rows for the model (``model.use_remove_padding``; ``token_batching.PackedRows``)."""
+    share_prompt_prefix: bool = False
+    """Pack them with each shared prompt once (``model.share_prompt_prefix``; ``trainer/shared_prefix.py``)."""
 
 
 class HybridWorker(CriticHost, RewardModelHost, Worker):
@@ -360,9 +363,13 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
 
     def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:
         """``micro`` with its rows packed end to end for the model (``model.use_remove_padding``), each cut
-        after the last position ``mask`` reads; as it is otherwise."""
-        if self.spec.remove_padding:
-            multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        after the last position ``mask`` reads, and with each shared prompt once (``model.share_prompt_prefix``);
+        as it is otherwise."""
+        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        if self.spec.share_prompt_prefix:
+            rows = shared_prefix_packing(micro.tokens, mask, multiple, self.spec.pad_token_id)
+            micro.packed = rows.model_input()
+        elif self.spec.remove_padding:
             micro.packed = packing_of(mask, multiple).model_input(micro.tokens, self.spec.pad_token_id)
         return micro
 

@@ -89,6 +89,22 @@ def test_filtered_tokens_are_never_drawn_even_with_tiny_probabilities():
     assert 3 not in set(tokens.tolist())
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.mcore_rl, "sample_unfiltered"), reason="native extension not built")
+def test_the_sampling_kernel_draws_what_its_reference_draws() -> None:
+    from mcore_rl.engine.rollout.sampling import draw_unfiltered_reference
+
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(257, 1000, generator=gen) * 3
+    z[0] = -30.0
+    z[0, 7] = 30.0  # one token takes all the mass
+    u = torch.rand(257, 1, generator=gen, dtype=torch.float64)
+    u[1] = 1.0 - 1e-17  # rounds u * total up to total: the clamp keeps the last token
+    tokens, log_probs = torch.ops.mcore_rl.sample_unfiltered(z, u)
+    want_tokens, want_log_probs = draw_unfiltered_reference(z, u)
+    assert torch.equal(tokens, want_tokens) and tokens[0] == 7
+    torch.testing.assert_close(log_probs, want_log_probs, rtol=0, atol=1e-6)
+
+
 def test_same_generator_seed_same_draws():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(4))
     a, _ = sample_tokens(logits, SamplingParams(), torch.Generator().manual_seed(5))
