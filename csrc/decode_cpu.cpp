@@ -13,8 +13,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -364,9 +366,53 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int6
   return out;
 }
 
+// --- decode_layers: a whole decode step through the layers, one call (TP1) --------------------------------
+// The same sequence of kernels the Python loop of RolloutDecoder.decode runs per layer, so the same results
+// bit for bit, without ~10 Python-level op calls per layer and step: RMSNorm, QKV projection (+ bias), fused
+// attention, output projection + residual, RMSNorm, gate/up projection, SiLU-gate, down projection + residual.
+constexpr int64_t kPerLayer = 11;  // see the schema
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight_t, const at::Tensor& panels,
+                   const std::optional<at::Tensor>& add) {
+  if (panels.numel() > 0) return decode_linear_cpu(x, panels, weight_t.size(1), add);
+  return add.has_value() ? at::addmm(*add, x, weight_t) : at::mm(x, weight_t);
+}
+
+at::Tensor decode_layers_cpu(const at::Tensor& x_in, at::TensorList weights, at::TensorList keys,
+                             at::TensorList values, const at::Tensor& cos, const at::Tensor& sin, int64_t column,
+                             const std::optional<at::Tensor>& start, int64_t num_heads, double scale, double eps) {
+  const int64_t layers = static_cast<int64_t>(keys.size()), batch = x_in.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && values.size() == keys.size(),
+              "decode_layers: ", kPerLayer, " weights per layer and one key and value cache each");
+  at::Tensor x = x_in;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kPerLayer;
+    const std::optional<at::Tensor> bias = w[2].numel() > 0 ? std::optional<at::Tensor>(w[2]) : std::nullopt;
+    at::Tensor k_cache = keys[l], v_cache = values[l];
+    if (k_cache.size(0) != batch) k_cache = k_cache.narrow(0, 0, batch), v_cache = v_cache.narrow(0, 0, batch);
+    const at::Tensor qkv = project(rms_norm_cpu(x, w[0], eps), w[3], w[4], bias);
+    const at::Tensor context = decode_attention_cpu(qkv, cos, sin, k_cache, v_cache, column, start, num_heads, scale);
+    x = project(context, w[5], w[6], x);
+    const at::Tensor gate_up = project(rms_norm_cpu(x, w[1], eps), w[7], w[8], std::nullopt);
+    x = project(silu_mul_cpu(gate_up), w[9], w[10], x);
+  }
+  return x;
+}
+
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(mcore_rl, m) {
+  // The decode step's layers at TP1 (CPU only): x [b, hidden] through every layer; `weights` holds 11 tensors
+  // per layer: input norm, post-attention norm, QKV bias (empty: none), then for the QKV, output, gate/up and
+  // down projections each its [in, out] weight and its column panels (empty: none); caches as in
+  // decode_attention. Returns the hidden states before the final norm.
+  m.def(
+      "decode_layers(Tensor x, Tensor[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor cos, Tensor sin, "
+      "int column, Tensor? start, int num_heads, float scale, float eps) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(mcore_rl, CPU, m) {
+  m.impl("decode_layers", &decode_layers_cpu);
   m.impl("decode_linear", &decode_linear_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("rms_norm", &rms_norm_cpu);

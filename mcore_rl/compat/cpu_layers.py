@@ -95,7 +95,7 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
                 "packed sequences (model.use_remove_padding) on the local layer spec need causal attention "
                 "without an explicit mask, window, dropout or context parallelism"
             )
-        if getattr(packed, "home", None) is not None:  # shared prompts (trainer/shared_prefix.py)
+        if getattr(packed, "token_home", None) is not None:  # shared prompts (trainer/shared_prefix.py)
             from mcore_rl.trainer.shared_prefix import row_attention
 
             return row_attention(query, key, value, packed, self.softmax_scale)

@@ -292,7 +292,7 @@ class TrainEngine:
             raise ValueError(
                 "packed micro-batches (model.use_remove_padding) need pipeline_model_parallel_size=1"
             )
-        shared = any(getattr(p.seq_params, "home", None) is not None for p in packed)
+        shared = any(getattr(p.seq_params, "token_home", None) is not None for p in packed)
         if shared and not megatron_cpu.is_applied():  # its mask and positions live in compat/cpu_layers.py
             raise ValueError(
                 "model.share_prompt_prefix: shared-prompt packing runs on the CPU (local layer spec)"

@@ -43,13 +43,13 @@ def _seq_params_class() -> type:
     @dataclass
     class SharedPrefixSeqParams(PackedSeqParams):
         """``thd`` packing whose segments may hold a shared prompt and several responses (module
-        docstring): ``positions`` [T] each token's position in its rows, ``source`` [b * s] the packed token
-        at each row position (T: none), ``home`` [T] the row position each token's output is read from
-        (b * s: none, filler), ``rows`` (b, s)."""
+        docstring): ``positions`` [T] each token's position in its rows, ``row_source`` [b * s] the packed
+        token at each row position (0 past a row's end), ``token_home`` [T] the row position each token's
+        output is read from (0 for filler), ``rows`` (b, s)."""
 
         positions: torch.Tensor | None = None
-        source: torch.Tensor | None = None
-        home: torch.Tensor | None = None
+        row_source: torch.Tensor | None = None
+        token_home: torch.Tensor | None = None
         rows: tuple[int, int] = (0, 0)
 
     return SharedPrefixSeqParams
@@ -59,20 +59,24 @@ def row_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any, scale: float
 ) -> torch.Tensor:
     """Causal attention of packed ``query`` [T, heads, d], ``key`` / ``value`` [T, groups, d] in row layout
-    (module docstring) -> [T, heads * d]. Gathers use ``index_select``, whose backward (``index_add_``) is
-    several times faster on CPU than the accumulating ``index_put_`` of advanced indexing."""
-    b, s = packed.rows
+    (module docstring) -> [T, heads * d].
 
-    def in_rows(t: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [b, h, s, d]; past a row's end: zeros
-        padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
-        return padded.index_select(0, packed.source).view(b, s, *t.shape[1:]).transpose(1, 2)
+    Row positions past a row's end read token 0 instead of a zero slot (no copy of the operands): causality
+    keeps every real query of the row from seeing them, and their outputs are read by no token. Filler
+    tokens (in no row) read position 0's output, which nothing reads back either. Gathers use
+    ``index_select``, whose backward (``index_add_``) is several times faster on CPU than the accumulating
+    ``index_put_`` of advanced indexing."""
+    b, s = packed.rows
+    source, home = packed.row_source, packed.token_home
+
+    def in_rows(t: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [b, h, s, d]
+        return t.index_select(0, source).view(b, s, *t.shape[1:]).transpose(1, 2)
 
     q, k, v = in_rows(query), in_rows(key), in_rows(value)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
-    flat = out.transpose(1, 2).reshape(b * s, -1)
-    return torch.cat([flat, flat.new_zeros(1, flat.shape[1])]).index_select(0, packed.home)
+    return out.transpose(1, 2).reshape(b * s, -1).index_select(0, home)
 
 
 def shared_prefix_seq_params(rows: SharedPrefixRows) -> Any:
@@ -89,8 +93,9 @@ def shared_prefix_seq_params(rows: SharedPrefixRows) -> Any:
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
         positions=rows.positions,
-        source=rows.source,
-        home=rows.home,
+        # row_attention's in-range maps: no slot past the tokens or the rows (see there)
+        row_source=torch.where(rows.source < rows.tokens.numel(), rows.source, 0),
+        token_home=torch.where(rows.home < rows.shape[0] * rows.shape[1], rows.home, 0),
         rows=rows.shape,
     )
 

@@ -9,6 +9,7 @@ import torch
 from mcore_rl.engine.rollout import (
     FINISH_LENGTH,
     FINISH_STOP,
+    KVCache,
     LocalRolloutConfig,
     LocalRolloutEngine,
     RolloutEngine,
@@ -265,3 +266,29 @@ def test_reference_decode_ops_match_recompute(monkeypatch):
 def test_local_config_validation_names_the_field():
     with pytest.raises(ValueError, match="stop_check_interval"):
         LocalRolloutConfig(stop_check_interval=0)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.mcore_rl, "decode_layers"), reason="native extension not built")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_one_call_decode_step_is_the_per_layer_loop_bitwise(family, monkeypatch) -> None:
+    from mcore_rl.engine.rollout.decoder import RolloutDecoder
+
+    arch = tiny_arch(family)  # qwen2: GQA and a QKV bias
+    engine = make_engine(arch, random_full_state(arch, seed=2))
+    decoder = engine.decoder
+    prompts = torch.randint(0, arch.vocab_size, (3, 6), generator=torch.Generator().manual_seed(1))
+    pad = torch.tensor([0, 2, 1])
+    results = {}
+    for native in (True, False):
+        monkeypatch.setattr(RolloutDecoder, "_native_step", lambda self, ops, native=native: native)
+        cache = KVCache.allocate(
+            arch.num_layers, 3, decoder.num_kv_heads, 9, arch.head_dim, torch.float32, "cpu"
+        )
+        with torch.inference_mode():
+            decoder.prefill(prompts, pad, cache, slice(0, 3))
+            steps = [decoder.decode(prompts[:, i], 6 + i, pad, cache) for i in range(3)]
+        results[native] = (steps, cache.keys, cache.values)
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(results[True][1] + results[True][2], results[False][1] + results[False][2], strict=True):
+        assert torch.equal(a, b)

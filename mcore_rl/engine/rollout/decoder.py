@@ -235,6 +235,7 @@ class RolloutDecoder:
     def _invalidate(self) -> None:
         """Forget the resolved per-layer handles and packed panels (weights changed or moved)."""
         self._layer_cache = None
+        self._flat: list[Tensor] | None = None
         self._head = None
 
     def load(self, name: str, tensor: Tensor) -> None:
@@ -342,6 +343,12 @@ class RolloutDecoder:
         first = self._first_visible(b, column, pad)
         eps, heads, scale = self.arch.norm_eps, self.num_heads, self.scale
         x = self._embed(tokens)
+        if self._native_step(ops):
+            # The loop below in one native call: the same kernels in the same order (bitwise the same).
+            x = torch.ops.mcore_rl.decode_layers(
+                x, self._flat_layers(), cache.keys, cache.values, cos, sin, column, first, heads, scale, eps
+            )
+            return self.logits(x, decoding=True)
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             if keys.shape[0] != b:  # rows [0, b) of the cache hold the batch
                 keys, values = keys.narrow(0, 0, b), values.narrow(0, 0, b)
@@ -351,6 +358,28 @@ class RolloutDecoder:
             gate_up = self._linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
             x = self._project_add(x, ops.silu_mul(gate_up), layer.down, decoding=True)
         return self.logits(x, decoding=True)
+
+    def _native_step(self, ops: _DecodeOps) -> bool:
+        """Whether a decode step runs its layers in one ``decode_layers`` call: the compiled kernels apply
+        and there is no tensor parallelism (whose all-reduces sit between the kernels)."""
+        return self.tp_size == 1 and ops.attention is getattr(torch.ops.mcore_rl, "decode_attention", None)
+
+    def _flat_layers(self) -> list[Tensor]:
+        """``decode_layers``' weights: per layer the norms, the QKV bias and each projection's [in, out] weight
+        and panels, empty tensors for absent ones; resolved once per load like :meth:`_layers`."""
+        if self._flat is None:
+            none = torch.empty(0, dtype=self.dtype, device=self.device)
+
+            def projection(p: _Projection) -> list[Tensor]:
+                return [p.weight_t, none if p.panels is None else p.panels]
+
+            self._flat = []
+            for layer in self._layers():
+                self._flat += [layer.input_norm, layer.post_norm]
+                self._flat.append(none if layer.qkv_bias is None else layer.qkv_bias)
+                for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                    self._flat += projection(proj)
+        return self._flat
 
     def _decode_rope(self, b: int, column: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
         """fp32 cos and signed sin [b or 1, rotary_dim] at each row's position ``column - pad``."""
