@@ -12,6 +12,7 @@ both alike; the median step of each is compared. Also printed: the control-call 
 on the worker) and the object-store round trip of one rollout batch, i.e. Ray's fixed costs apart.
 
     python bench/bench_driver.py [--steps 6] [--warmup 2] [--threads 2] [--workload llama|demo|both]
+        [--override model.share_prompt_prefix=true ...]
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def write_tokenizer(folder: str) -> None:
     write_tokenizer_config(folder, eos_token="w0", pad_token="w0")
 
 
-def run_config(folder: str, threads: int):  # -> RunConfig
+def run_config(folder: str, threads: int, extra: list[str]):  # -> RunConfig
     from omegaconf import OmegaConf
 
     from mcore_rl.config import RunConfig, check_config
@@ -83,6 +84,7 @@ def run_config(folder: str, threads: int):  # -> RunConfig
         "optim.lr=1e-5",
         f"reward.custom_function={os.path.abspath(__file__)}:even_first_word",
         f"trainer.num_cpus={threads}",
+        *extra,
     ]
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": HF_CONFIG}})
     return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist(overrides)))
@@ -117,7 +119,7 @@ def ray_fixed_costs(actors, cfg) -> tuple[float, float]:  # -> (control call s, 
     return control, (time.perf_counter() - start) / 20
 
 
-def demo_config(folder: str, threads: int):  # -> RunConfig
+def demo_config(folder: str, threads: int, extra: list[str]):  # -> RunConfig
     """``recipes/demo_cpu.yaml`` as is (its RL step: 16 prompts x 8 samples x 6 new tokens, h128 L2), with
     its data written into ``folder`` instead of the shared ``runs/``."""
     from mcore_rl.config import load_config
@@ -134,6 +136,7 @@ def demo_config(folder: str, threads: int):  # -> RunConfig
             f"model.tokenizer_path={os.path.join(folder, 'tokenizer')}",
             f"trainer.default_local_dir={folder}",
             f"trainer.num_cpus={threads}",
+            *extra,
         ],
     )
     prepare_data(cfg)
@@ -185,6 +188,12 @@ def main() -> int:
     parser.add_argument(
         "--workload", choices=("llama", "demo", "both"), default="both", help="which step(s) to time"
     )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="KEY=VALUE config override for both paths (repeatable)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(args.threads)
@@ -198,9 +207,9 @@ def main() -> int:
         write_tokenizer(folder)
         write_prompts(folder, PROMPTS * total)
         title = f"{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, Llama h256 L4, fp32"
-        report(title, *compare(run_config(folder, args.threads), total, args.warmup), args)
+        report(title, *compare(run_config(folder, args.threads, args.override), total, args.warmup), args)
     if args.workload in ("demo", "both"):
-        cfg = demo_config(tempfile.mkdtemp(prefix="bench_driver_demo_"), args.threads)
+        cfg = demo_config(tempfile.mkdtemp(prefix="bench_driver_demo_"), args.threads, args.override)
         arch = cfg.model.arch()
         title = (
             f"demo step (recipes/demo_cpu.yaml): {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples "

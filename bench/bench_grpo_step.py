@@ -4,9 +4,11 @@ against a baseline step on the same machine, and against the machine's compute l
 Workload (issue 17): Llama h256, 4 layers, 8 heads MHA, intermediate 688, vocab 1000, fp32; 8 prompts x 4
 samples x 32 new tokens; one Adam step. Our step = sync weights -> generate -> policy update (one optimizer
 step), with verl's on-policy shortcut as ``algorithm.recompute_old_log_probs=auto`` takes it here: the old
-log-probs are the update's own forward's, detached. ``ours_always`` is the same step with the separate
-old-log-prob forward pass (``recompute_old_log_probs=always``, the step before issue 17's shortcut), timed in
-the same rounds on the same engine; ``--no-always`` leaves it out.
+log-probs are the update's own forward's, detached. Its micro-batch is packed as the worker packs it under
+``model.share_prompt_prefix=true``: each prompt once for its 4 samples (``trainer/shared_prefix.py``;
+``--no-shared-prefix`` trains on the padded rows instead). ``ours_always`` is the same step with the
+separate old-log-prob forward pass (``recompute_old_log_probs=always``, the step before issue 17's
+shortcut), timed in the same rounds on the same engine; ``--no-always`` leaves it out.
 
 The baseline (``--baseline``) is TRL's ``GRPOTrainer`` (``trl``: TRL 1.16's real training step, run by
 ``bench/_trl_grpo.py`` as a persistent subprocess under ``--trl-python``, an interpreter with TRL installed,
@@ -85,9 +87,9 @@ def _advantages(responses: torch.Tensor, group: int) -> torch.Tensor:
     return ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).view(-1)
 
 
-def _flops(n: int, prompt: int, new: int, recompute: bool = False) -> dict[str, float]:
-    """Matmul FLOPs of one step: linear layers, causal attention (QK^T + AV), the LM head where it runs;
-    ``recompute``: with the separate old-log-prob forward."""
+def _flops(n: int, prompt: int, new: int, samples: int = 1, recompute: bool = False) -> dict[str, float]:
+    """Matmul FLOPs of one step over ``n`` sequences (``samples`` per prompt): linear layers, causal
+    attention (QK^T + AV), the LM head where it runs; ``recompute``: with the separate old-log-prob forward."""
     per_token = 2 * LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
     seq = prompt + new
 
@@ -97,8 +99,11 @@ def _flops(n: int, prompt: int, new: int, recompute: bool = False) -> dict[str, 
     head = 2 * HIDDEN * VOCAB
     generate = n * (seq * per_token + attention(seq) + new * head)
     forward = n * (seq * per_token + attention(seq) + new * head)  # head only at response positions
+    # with shared prompts (model.share_prompt_prefix) the linear layers skip n - n / samples prompt copies
+    shared = forward - (n - n // samples) * prompt * per_token
     # update (forward + 2x backward), plus the old log-probs' forward (1x) when recomputed
-    return {"generate": generate, "train": (4 if recompute else 3) * forward}
+    passes = 4 if recompute else 3
+    return {"generate": generate, "train": passes * forward, "train_shared": passes * shared}
 
 
 def _gemm_shapes(n: int, seq: int) -> dict[str, list[tuple[int, int, int]]]:
@@ -410,7 +415,7 @@ def _report(
 ) -> None:
     """``rates``: torch.mm GFLOP/s at the decode and the training shapes (best round)."""
     n = args.prompts * args.n
-    flops = _flops(n, args.prompt_len, args.new_tokens)
+    flops = _flops(n, args.prompt_len, args.new_tokens, args.n)
     rate_decode, rate_train = rates
     limit_s = flops["generate"] / (rate_decode * 1e9) + flops["train"] / (rate_train * 1e9)
     primary = "trl" if "trl" in rows else "hf"
@@ -421,6 +426,11 @@ def _report(
     if primary == "trl" and "hf" in rows:
         print(f"hf:       {_summary(rows['hf'])}  ({labels['hf']})")
     print(f"step FLOPs: generate {flops['generate'] / 1e9:.2f} G, train {flops['train'] / 1e9:.2f} G")
+    if args.share_prompt_prefix:
+        print(
+            f"  ours computes train {flops['train_shared'] / 1e9:.2f} G of them (each prompt once per group, "
+            "model.share_prompt_prefix); the limit below counts the workload's full FLOPs"
+        )
     print(
         f"torch.mm, best round: {rate_decode:.1f} GFLOP/s at decode shapes, {rate_train:.1f} GFLOP/s at "
         "training shapes (forward, input and weight gradients)"
