@@ -20,7 +20,9 @@ Measured 2026-11-30 on the 2-core CI machine (AVX-512), ``--grid --grid-threads 
 (32 sequences); the engine before the decode-step rework (packed AVX2 panels, per-call cache) gave 1.43-2.00x
 in the same cells. ``--grid --grid-threads 2 --kv-heads 8`` (quiet, session 5, after the one-rank gather fix):
 3.37x at 8 sequences, 2.52x at 32, 2.46x at 128 (64 new tokens); 2.46x at 16 new tokens, 2.74x at 256
-(32 sequences).
+(32 sequences). Session 6 (decode layers in one native call, one-kernel sampling, the rollout outside
+megatron's CPU mode, independent FMA chains in decode attention), quiet: 2 threads 3.90x at 8 sequences,
+2.96x at 32, 2.80x at 128; 2.72x at 16 new tokens, 3.34x at 256; 1 thread 3.11x, 2.84x, 2.39x; 2.69x, 3.18x.
 """
 
 from __future__ import annotations
