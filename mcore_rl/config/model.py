@@ -53,7 +53,7 @@ class ModelConfig:
     gradients equal the padded path's. Attention within rows: Transformer Engine's fused attention on a GPU,
     ours on the local spec. Needs ``parallel.pipeline_model_parallel_size=1``."""
     share_prompt_prefix: bool = False
-    """Pack the actor's and reference's micro-batches with each prompt once for all the rows that share it
+    """Pack the actor's, reference's and SFT micro-batches with each prompt once for all the rows that share it
     (GRPO's n samples): ``(n - 1) x prompt`` fewer tokens per group, log-probs and gradients equal to the
     padded path's within fp32 rounding (``trainer/shared_prefix.py``). Implies ``use_remove_padding`` for
     those passes. The local layer spec on CPU only (Transformer Engine's attention has no such mask); needs

@@ -3,7 +3,7 @@ prompt are computed with it once.
 
 The packing and its row maps against a hand-made case; then the real actor worker, at TP1 and at TP2
 with sequence parallelism, against the padded path from the same weights: log-probs, entropy, the update's
-metrics and every gradient within 1e-5 (fp32), on GQA with QKV biases; and the driver's GRPO step with the
+metrics, every gradient and the SFT loss within 1e-5 (fp32), on GQA with QKV biases; and the driver's GRPO step with the
 switch on against the step with it off.
 """
 
@@ -64,6 +64,7 @@ def _grpo_rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
 
 
 def _padded_and_shared(spec, settings, tp: int) -> dict:
+    from mcore_rl.data.sft import SFTBatch
     from mcore_rl.parallel.context import ParallelConfig, ParallelContext
     from mcore_rl.trainer.worker import HybridWorker
 
@@ -84,9 +85,11 @@ def _padded_and_shared(spec, settings, tp: int) -> dict:
                     p.copy_(initial[k])
             worker.engine.optimizer.reload_model_params()
             log_probs = worker.log_probs(rollout, 1.0, 9)
+            labels = torch.roll(train.tokens, -1, dims=1)  # SFT rows sharing a prompt share it too
+            sft = worker.sft_update(SFTBatch(train.tokens, labels, train.response_mask), 9)
             stats = worker.update(train, settings, 1, 1, 9)  # one mini-batch, one micro-batch of 9 rows
             grads = {k: p.main_grad.clone() for k, p in worker.engine.models[0].named_parameters()}
-            out[name] = (log_probs, stats, grads)
+            out[name] = (log_probs, stats, grads, sft)
     return out
 
 
@@ -116,6 +119,7 @@ def test_shared_prompts_give_the_padded_log_probs_and_gradients(run_distributed,
                 a, b = getattr(padded[1], field), getattr(shared[1], field)
                 assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), field
             assert padded[1].grad_norm > 0
+            assert padded[3]["loss"] == pytest.approx(shared[3]["loss"], abs=1e-5)
         for name, grad in padded[2].items():
             assert (grad - shared[2][name]).abs().max() <= 1e-5, name
 
