@@ -3,9 +3,10 @@
 It computes the same function as megatron-core's GPTModel with the local layer spec, operation by operation,
 so that rollout log-probs match the actor's recomputation in fp32: RMSNorm as ``torch.nn.RMSNorm`` computes
 it, non-interleaved rotary with megatron's fp32 ``cos``/``sin`` of ``position * inv_freq``, scores
-``(q @ k^T) * (1 / sqrt(head_dim))`` with an fp32 softmax, ``silu(gate) * up``. On CPU at TP1 the full-sequence
-logits come out bitwise equal to megatron's; TP2 and KV-cached decoding differ by fp32 rounding (~1e-6, see
-tests/rollout).
+``(q @ k^T) * (1 / sqrt(head_dim))`` with an fp32 softmax (plain causal attention through torch's fused kernel,
+as the trainer's local spec runs it: ``compat/cpu_layers.py``), ``silu(gate) * up``. On CPU at TP1 the
+full-sequence logits come out bitwise equal to the trainer's; TP2 and KV-cached decoding differ by fp32
+rounding (~1e-6, see tests/rollout).
 
 Performance on CPU: fused ``qkv``/``gate_up`` projections, weights stored column-major so every projection
 of a multi-token forward (prefill, recompute) is one NN gemm (``addmm`` folds in the residual at TP1), keys
