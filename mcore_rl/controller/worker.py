@@ -16,6 +16,7 @@ import torch
 
 from mcore_rl.controller.dispatch import RankInfo
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.launch_env import rendezvous_for_init
 
 
 class Worker:
@@ -50,15 +51,15 @@ class Worker:
 
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
         torch.set_num_threads(self.num_threads)
-        os.environ.update(
+        with rendezvous_for_init(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
             # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so its device is always index 0.
             LOCAL_RANK="0",
-        )
-        self._ctx = ParallelContext.initialize(parallel)
+        ):
+            self._ctx = ParallelContext.initialize(parallel)
         return self.rank_info()
 
     def rank_info(self) -> RankInfo:

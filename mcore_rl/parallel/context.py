@@ -64,21 +64,24 @@ def _init_world(backend: str, timeout_minutes: int) -> None:
                 f"process group uses backend {dist.get_backend()!r}, config asks for {backend!r}"
             )
         return
-    from mcore_rl.parallel.launch_env import prepare_launch_env
+    from mcore_rl.parallel.launch_env import prepare_launch_env, rendezvous_for_init
 
-    prepare_launch_env()  # stale launcher variables of a single process: ignored, never waited on
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing and os.environ.get("WORLD_SIZE", "1") == "1":
-        # A plain `python script.py`: a world of one on a free local port.
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_local_port()))
-    elif missing:
-        raise LayoutError(f"torch.distributed rendezvous variables missing: {missing} (launch with torchrun)")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    with rendezvous_for_init():  # a made-up world of one leaves nothing behind for the next world
+        prepare_launch_env()  # stale launcher variables of a single process: ignored, never waited on
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing and os.environ.get("WORLD_SIZE", "1") == "1":
+            # A plain `python script.py`: a world of one on a free local port.
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_local_port()))
+        elif missing:
+            raise LayoutError(
+                f"torch.distributed rendezvous variables missing: {missing} (launch with torchrun)"
+            )
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def _live_process_groups() -> list[dist.ProcessGroup]:

@@ -14,10 +14,11 @@ rank 0 must open but that is already taken is refused in one line too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 from mcore_rl.io.errors import note
@@ -122,3 +123,21 @@ def current_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     return read_launch_env(os.environ).rank
+
+
+@contextlib.contextmanager
+def rendezvous_for_init(**values: str) -> Iterator[None]:
+    """``values`` (rendezvous variables: RANK, MASTER_PORT, ...) in ``os.environ`` while a world is joined, and
+    every rendezvous variable as it was before (also those a world of one made up) afterwards. ``init_process_group`` reads them only then; left behind, they read as a
+    launch to the next world built in the same process (an in-process driver run, then a test's world of
+    one), which then checked a stale MASTER_PORT that was still held and failed with "already in use"."""
+    saved = {k: os.environ.get(k) for k in (*_RENDEZVOUS, "LOCAL_RANK", *values)}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

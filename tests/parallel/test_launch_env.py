@@ -124,3 +124,20 @@ def hf_tiny(tmp_path) -> str:
     from tests.convert.hf_models import save_hf_model
 
     return save_hf_model(str(tmp_path / "hf"), "llama")
+
+
+def test_joining_a_world_leaves_no_rendezvous_variables_behind(monkeypatch):
+    """An in-process driver run once left RANK, LOCAL_RANK and MASTER_PORT behind; the next world built in the
+    same process read them as a launch and failed on the stale, still-held port."""
+    import os
+
+    from mcore_rl.controller.worker import Worker
+    from mcore_rl.parallel.context import ParallelConfig, free_local_port
+
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    worker = Worker(0, 1, num_threads=1)
+    worker.init_parallel("127.0.0.1", free_local_port(), ParallelConfig())
+    with worker.ctx:
+        assert not [k for k in keys if k in os.environ]
