@@ -49,8 +49,9 @@ def _dot_product_attention() -> type:
 
 
 class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
-    """megatron's ``DotProductAttention``, plus torch's fused causal attention for packed rows (``thd``),
-    which megatron's local attention refuses."""
+    """megatron's ``DotProductAttention``, with torch's fused kernel for plain causal attention: padded rows
+    (``sbhd``) and packed ones (``thd``, which megatron's local attention refuses); explicit masks, windows
+    and the like stay megatron's."""
 
     def forward(
         self,

@@ -245,11 +245,7 @@ class _CpuWeightGradAccumulation:
     ) -> None:
         main_grad.addmm_(grad_output.t(), total_input)
 
-    @staticmethod
-    def wgrad_gemm_accum_fp16(
-        total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
-    ) -> None:
-        main_grad.addmm_(grad_output.t(), total_input)
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32  # the same GEMM: addmm_ keeps main_grad's dtype
 
 
 def _patch_wgrad_accumulation() -> None:

@@ -140,8 +140,8 @@ def shared_prefix_packing(
     source = torch.full((b * s,), -1, dtype=torch.long)
     offset = 0
     for rows in groups.values():
-        shared = prompts[rows[0]] if len(rows) > 1 else lengths[rows[0]]
-        pieces = [(rows[0], 0, shared)] + [(r, shared, lengths[r]) for r in (rows if len(rows) > 1 else [])]
+        shared = prompts[rows[0]] if len(rows) > 1 else lengths[rows[0]]  # a lone row is all shared part
+        pieces = [(rows[0], 0, shared)] + [(r, shared, lengths[r]) for r in rows if lengths[r] > shared]
         for row, start, end in pieces:
             ids.append(tokens[row, start:end])
             pos.append(torch.arange(start, end))

@@ -92,3 +92,24 @@ def demo_recipe_overrides(data: str, run: str) -> list[str]:
         "logging.plot=false",
         f"trainer.default_local_dir={run}",
     ]
+
+
+def built_worker(ctx: Any, spec: Any, initial: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+    """A ``HybridWorker`` on ``ctx`` (one per rank of its world) built from ``spec``, its weights set to
+    ``initial``, or kept when None: -> (worker, the starting weights), so the runs a test compares all start
+    from the first one's weights."""
+    import torch
+
+    from mcore_rl.trainer.worker import HybridWorker
+
+    worker = HybridWorker(ctx.rank, ctx.layout.world_size, num_threads=1)
+    worker._ctx = ctx
+    worker.build(spec)
+    params = dict(worker.engine.models[0].named_parameters())
+    if initial is None:
+        initial = {k: p.detach().clone() for k, p in params.items()}
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(initial[k])
+    worker.engine.optimizer.reload_model_params()
+    return worker, initial

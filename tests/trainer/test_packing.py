@@ -50,7 +50,7 @@ def _rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
 def _padded_and_packed(spec, settings) -> dict:
     from mcore_rl.data.sft import SFTBatch
     from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-    from mcore_rl.trainer.worker import HybridWorker
+    from tests.trainer.common import built_worker
 
     rollout, train = _rows(torch.Generator().manual_seed(3))
     out: dict = {}
@@ -58,16 +58,9 @@ def _padded_and_packed(spec, settings) -> dict:
     with ParallelContext.initialize(config) as ctx:
         initial = None
         for name in ("padded", "packed"):
-            worker = HybridWorker(ctx.rank, 2, num_threads=1)
-            worker._ctx = ctx
-            worker.build(dataclasses.replace(spec, remove_padding=name == "packed"))
-            params = dict(worker.engine.models[0].named_parameters())
-            if initial is None:
-                initial = {k: p.detach().clone() for k, p in params.items()}
-            with torch.no_grad():  # the same starting weights for both runs
-                for k, p in params.items():
-                    p.copy_(initial[k])
-            worker.engine.optimizer.reload_model_params()
+            worker, initial = built_worker(
+                ctx, dataclasses.replace(spec, remove_padding=name == "packed"), initial
+            )
             log_probs = worker.log_probs(rollout, 1.0, 4)
             labels = torch.roll(train.tokens, -1, dims=1)
             sft = worker.sft_update(SFTBatch(train.tokens, labels, train.response_mask), 4)

@@ -66,7 +66,7 @@ def _grpo_rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
 def _padded_and_shared(spec, settings, tp: int) -> dict:
     from mcore_rl.data.sft import SFTBatch
     from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-    from mcore_rl.trainer.worker import HybridWorker
+    from tests.trainer.common import built_worker
 
     rollout, train = _grpo_rows(torch.Generator().manual_seed(3))
     out: dict = {}
@@ -74,16 +74,10 @@ def _padded_and_shared(spec, settings, tp: int) -> dict:
     with ParallelContext.initialize(config) as ctx:
         initial = None
         for name in ("padded", "shared"):
-            worker = HybridWorker(ctx.rank, ctx.layout.world_size, num_threads=1)
-            worker._ctx = ctx
-            worker.build(dataclasses.replace(spec, share_prompt_prefix=name == "shared"))
-            params = dict(worker.engine.models[0].named_parameters())
-            if initial is None:
-                initial = {k: p.detach().clone() for k, p in params.items()}
-            with torch.no_grad():  # the same starting weights for both runs
-                for k, p in params.items():
-                    p.copy_(initial[k])
-            worker.engine.optimizer.reload_model_params()
+            shared = name == "shared"
+            worker, initial = built_worker(
+                ctx, dataclasses.replace(spec, share_prompt_prefix=shared), initial
+            )
             log_probs = worker.log_probs(rollout, 1.0, 9)
             labels = torch.roll(train.tokens, -1, dims=1)  # SFT rows sharing a prompt share it too
             sft = worker.sft_update(SFTBatch(train.tokens, labels, train.response_mask), 9)

@@ -86,7 +86,7 @@ def _update_both_ways(spec, settings) -> dict:
     import torch.distributed as dist
 
     from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-    from mcore_rl.trainer.worker import HybridWorker
+    from tests.trainer.common import built_worker
 
     batch, rank = _train_batch(), dist.get_rank()
     order = balanced_order(row_lengths(batch.response_mask).tolist(), 2, 2)
@@ -101,16 +101,8 @@ def _update_both_ways(spec, settings) -> dict:
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         initial = None
         for name, (global_batch, budget, run_spec) in runs.items():
-            worker = HybridWorker(rank, 2, num_threads=1)
-            worker._ctx = ctx
-            worker.build(run_spec)
+            worker, initial = built_worker(ctx, run_spec, initial)
             params = dict(worker.engine.models[0].named_parameters())
-            if initial is None:
-                initial = {k: p.detach().clone() for k, p in params.items()}
-            with torch.no_grad():  # the same starting weights for both runs
-                for k, p in params.items():
-                    p.copy_(initial[k])
-            worker.engine.optimizer.reload_model_params()
             shard = split_record(global_batch, 2)[rank]
             stats = worker.update(shard, settings, 2, 1, 2, "stop", budget)
             grads = {k: p.main_grad.detach().clone() for k, p in params.items()}

@@ -8,7 +8,8 @@ from mcore_rl.engine.rollout.base import (
     SamplingParams,
     SamplingParamsError,
 )
-from mcore_rl.engine.rollout.decoder import KVCache, RolloutDecoder
+from mcore_rl.engine.rollout.decoder import RolloutDecoder
+from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import RolloutLayoutError, rollout_param_shapes, rollout_shards_from_full
 from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
 

@@ -28,7 +28,8 @@ from torch import Tensor
 from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
-from mcore_rl.engine.rollout.decoder import KVCache, RolloutDecoder
+from mcore_rl.engine.rollout.decoder import RolloutDecoder
+from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.sampling import sample_tokens
 
 _TAGS = ("weights", "kv_cache")
