@@ -1,18 +1,28 @@
-"""Ray overhead of the RL step: the same GRPO step through the driver and a Ray worker group vs in-process.
+"""Ray overhead of the RL step: the same GRPO step through the driver and a Ray worker group vs in-process,
+and (``--baseline trl``) against TRL's step in the same rounds.
 
 Both paths run the identical step (``RLStep.run``: generate -> score || actor/reference log-probs ->
 advantages -> PPO update -> weight sync) with the same worker code, seeds and weights; only where the
 worker lives differs: inside the driver process (in-process backend) or in a Ray actor (world size 1),
-reached through ``ray.put`` shards and object refs. Workload: Llama hidden 256, 4 layers, 8 heads,
-intermediate 688, vocab 1000, fp32; 8 prompts x 4 samples x 32 new tokens; 2 torch threads per worker;
-and the demo's own step (``recipes/demo_cpu.yaml`` unchanged but for where its data is written).
+reached through ``ray.put`` shards and object refs. Each path's driver has what a real run's has: the
+in-process rank computes on the driver's torch threads, a Ray driver keeps one. Workload: Llama hidden 256,
+4 layers, 8 heads, intermediate 688, vocab 1000, fp32; 8 prompts x 4 samples x 32 new tokens; 2 torch
+threads per worker; and the demo's own step (``recipes/demo_cpu.yaml`` unchanged but for where its data is
+written).
 
-Steps alternate (in-process, Ray, in-process, ...) so that load from other processes on the machine hits
-both alike; the median step of each is compared. Also printed: the control-call round trip (a no-op method
-on the worker) and the object-store round trip of one rollout batch, i.e. Ray's fixed costs apart.
+Steps rotate between the paths (in-process, Ray, TRL, then Ray, TRL, in-process, ...) so that load from
+other processes on the machine hits all alike; the median step of each is compared. Also printed: the
+control-call round trip (a no-op method on the worker) and the object-store round trip of one rollout
+batch, i.e. Ray's fixed costs apart.
 
-    python bench/bench_driver.py [--steps 6] [--warmup 2] [--threads 2] [--workload llama|demo|both]
-        [--override model.share_prompt_prefix=true ...]
+``--baseline trl`` adds TRL 1.16's ``GRPOTrainer`` step (``bench/bench_grpo_step.py``'s subprocess, the
+``--trl-python`` interpreter) on the llama workload, which then runs as that bench times ours: no reference
+pass (TRL's ``beta=0``) and each prompt once per group (``model.share_prompt_prefix=true``). Issue 17's
+figure through the driver is ``--paths ray --baseline trl``: our step through Ray against TRL's, without a
+third model copy in the rotation (the in-process rank's would share the caches with both).
+
+    python -m bench.bench_driver [--steps 6] [--warmup 2] [--threads 2] [--workload llama|demo|both]
+        [--override model.share_prompt_prefix=true ...] [--baseline trl] [--paths ray]
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,6 +53,7 @@ HF_CONFIG = {
     "initializer_range": 0.02,
 }
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_LEN = 8, 4, 32, 16
+PATHS = ("in-process", "ray")
 
 
 def even_first_word(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
@@ -143,9 +155,10 @@ def demo_config(folder: str, threads: int, extra: list[str]):  # -> RunConfig
     return cfg
 
 
-def compare(cfg, total: int, warmup: int):  # -> (times, rewards, Ray fixed costs)
-    """Alternate ``total`` RL steps in-process and through Ray on the same prompts; per-step stage times
-    after ``warmup``, rewards of every step."""
+def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None, names=PATHS):
+    """Alternate ``total`` RL steps on the ``names`` paths (in-process, Ray) on the same prompts (and TRL's
+    step with ``trl_python``), rotating which runs first; per-step stage times after ``warmup``, rewards of
+    every step, Ray's fixed costs. Returns (times, rewards, fixed costs, TRL label or None)."""
     from mcore_rl.data.prompts import PromptDataset
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
@@ -155,27 +168,60 @@ def compare(cfg, total: int, warmup: int):  # -> (times, rewards, Ray fixed cost
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
     size = cfg.data.train_batch_size
-    paths = {
-        "in-process": build_actor_group(cfg, worker_spec(cfg, total), use_ray=False),
-        "ray": build_actor_group(cfg, worker_spec(cfg, total), use_ray=True),
-    }
-    times: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+    paths = {name: build_actor_group(cfg, worker_spec(cfg, total), use_ray=name == "ray") for name in names}
+    # What each run's driver has: the in-process rank computes on the driver's threads; a Ray driver only
+    # schedules, on one (``build_actor_group``).
+    driver_threads = {"in-process": threads, "ray": 1}
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in [*paths, "trl"]}
     rewards: dict[str, list[float]] = {name: [] for name in paths}
+    trl = None
     try:
         with RewardScorer(cfg.reward) as scorer:
-            steps = {name: RLStep(cfg, actors, tokenizer, scorer) for name, actors in paths.items()}
+            sides = {
+                name: _rl_side(RLStep(cfg, actors, tokenizer, scorer), rewards[name], driver_threads[name])
+                for name, actors in paths.items()
+            }
+            if trl_python is not None:
+                trl = _trl_baseline(trl_python, dataset, threads)
+                sides["trl"] = lambda prompts, step: trl.step(trl.prompts, step)
+            names = list(sides)
             for step in range(1, total + 1):
                 prompts = dataset.batch(range((step - 1) * size, step * size))
-                for name, rl_step in steps.items():  # alternate, so background load hits both alike
-                    metrics = rl_step.run(prompts, step)
-                    rewards[name].append(metrics["reward"])
+                turn = step % len(names)  # rotate, so that background load and cache state hit all alike
+                for name in names[turn:] + names[:turn]:
+                    seconds = sides[name](prompts, step)
                     if step > warmup:
-                        times[name].append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")})
-        fixed = ray_fixed_costs(paths["ray"], cfg)
+                        times[name].append(seconds)
+        fixed = ray_fixed_costs(paths["ray"], cfg) if "ray" in paths else None
     finally:
+        if trl is not None:
+            trl.close()
         for actors in paths.values():
             actors.shutdown()
-    return times, rewards, fixed
+    torch.set_num_threads(threads)
+    return times, rewards, fixed, None if trl is None else trl.label
+
+
+def _rl_side(rl_step, rewards: list[float], threads: int):
+    def run(prompts, step: int) -> dict[str, float]:
+        torch.set_num_threads(threads)
+        metrics = rl_step.run(prompts, step)
+        rewards.append(metrics["reward"])
+        return {k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")}
+
+    return run
+
+
+def _trl_baseline(python: Path, dataset, threads: int):  # -> bench_grpo_step.TrlBaseline
+    """TRL 1.16's ``GRPOTrainer`` step on this workload (``bench/bench_grpo_step.py``'s subprocess); it trains
+    on the bench's first prompts every step."""
+    from bench.bench_grpo_step import TrlBaseline
+
+    prompts = torch.tensor(dataset.batch(range(PROMPTS)).prompt_ids)
+    if tuple(prompts.shape) != (PROMPTS, PROMPT_LEN):
+        raise RuntimeError(f"TRL prompts: shape {tuple(prompts.shape)}, want {(PROMPTS, PROMPT_LEN)}")
+    args = argparse.Namespace(n=SAMPLES, new_tokens=NEW_TOKENS, threads=threads)
+    return TrlBaseline(python, prompts, args)
 
 
 def main() -> int:
@@ -194,7 +240,30 @@ def main() -> int:
         default=[],
         help="KEY=VALUE config override for both paths (repeatable)",
     )
+    parser.add_argument(
+        "--baseline",
+        choices=("none", "trl"),
+        default="none",
+        help="trl: also time TRL's GRPOTrainer step on the llama workload in the same rounds, which then "
+        "runs as bench_grpo_step.py times ours (no reference pass, each prompt once per group)",
+    )
+    parser.add_argument("--trl-python", type=Path, default=None, help="python with trl installed")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=list(PATHS),
+        help="which of our paths to run (--paths ray --baseline trl: ours through Ray against TRL alone, "
+        "without a third model in the rotation)",
+    )
     args = parser.parse_args()
+    trl_python = None
+    if args.baseline == "trl":
+        from bench.bench_grpo_step import TRL_PYTHON
+
+        trl_python = args.trl_python or TRL_PYTHON
+        if not trl_python.exists():
+            parser.error(f"--trl-python: no interpreter at {trl_python} (make trl-venv)")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(args.threads)
 
@@ -207,7 +276,11 @@ def main() -> int:
         write_tokenizer(folder)
         write_prompts(folder, PROMPTS * total)
         title = f"{PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, Llama h256 L4, fp32"
-        report(title, *compare(run_config(folder, args.threads, args.override), total, args.warmup), args)
+        extra = args.override
+        if trl_python is not None:  # TRL's step: beta=0 (no reference model); ours packs shared prompts
+            extra = ["algorithm.use_kl_loss=false", "model.share_prompt_prefix=true", *extra]
+        cfg = run_config(folder, args.threads, extra)
+        report(title, *compare(cfg, total, args.warmup, args.threads, trl_python, args.paths), args, extra)
     if args.workload in ("demo", "both"):
         cfg = demo_config(tempfile.mkdtemp(prefix="bench_driver_demo_"), args.threads, args.override)
         arch = cfg.model.arch()
@@ -215,32 +288,43 @@ def main() -> int:
             f"demo step (recipes/demo_cpu.yaml): {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples "
             f"x {cfg.data.max_response_length} new tokens, h{arch.hidden_size} L{arch.num_layers}, fp32"
         )
-        report(title, *compare(cfg, total, args.warmup), args)
+        report(title, *compare(cfg, total, args.warmup, args.threads, None, args.paths), args, args.override)
     return 0
 
 
-def report(title: str, times, rewards, fixed: tuple[float, float], args) -> None:
-    control, bulk = fixed
-    median = {n: statistics.median(t["step"] for t in ts) for n, ts in times.items()}
-    ratio = median["ray"] / median["in-process"]
+def report(title: str, times, rewards, fixed, trl_label, args, overrides) -> None:
+    median = {n: statistics.median(t["step"] for t in ts) for n, ts in times.items() if ts}
     print(
-        f"GRPO step, {title}, {args.threads} threads, median of {args.steps} steps (after {args.warmup} warm-up):"
+        f"GRPO step, {title}, {args.threads} threads, median of {args.steps} steps (after {args.warmup} warm-up)"
+        f"{', overrides ' + ' '.join(overrides) if overrides else ''}:"
     )
-    print(
-        f"  in-process {median['in-process']:.3f} s   ray {median['ray']:.3f} s   ratio {ratio:.3f} "
-        f"({(ratio - 1) * 100:+.1f}%)"
-    )
-    print(f"  same samples on both paths: {rewards['in-process'] == rewards['ray']} (rewards per step)")
-    print("  per stage (median s)     in-process      ray     ray - in-process")
-    for stage in times["ray"][0]:
-        a = statistics.median(t[stage] for t in times["in-process"])
-        b = statistics.median(t[stage] for t in times["ray"])
-        print(f"    {stage:<22} {a:10.4f} {b:10.4f} {b - a:+10.4f}")
-    print(
-        f"  Ray fixed costs: control call round trip {control * 1e3:.2f} ms; object-store put+get of one "
-        f"rollout batch ({PROMPTS * SAMPLES}x{PROMPT_LEN + NEW_TOKENS} x 4 fp32 tensors) {bulk * 1e3:.2f} ms",
-        flush=True,
-    )
+    ours = [p for p in PATHS if p in median]
+    print("  " + "   ".join(f"{p} {median[p]:.3f} s" for p in ours), end="")
+    if len(ours) == 2:
+        ratio = median["ray"] / median["in-process"]
+        print(f"   ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
+        print(f"  same samples on both paths: {rewards['in-process'] == rewards['ray']} (rewards per step)")
+    else:
+        print()
+    print("  per stage (median s)   " + "".join(f"{p:>12}" for p in ours))
+    for stage in times[ours[0]][0]:
+        cells = "".join(f"{statistics.median(t[stage] for t in times[p]):12.4f}" for p in ours)
+        print(f"    {stage:<22}{cells}")
+    if trl_label is not None:
+        print(f"  baseline: {trl_label}: step {median['trl']:.3f} s")
+        for path in ours:
+            per_round = [t["step"] / o["step"] for t, o in zip(times["trl"], times[path], strict=True)]
+            print(
+                f"    TRL / ours {path:<10}: {median['trl'] / median[path]:.2f}x (medians); per round median "
+                f"{statistics.median(per_round):.2f}x, min {min(per_round):.2f}x, max {max(per_round):.2f}x"
+            )
+    if fixed is not None:
+        control, bulk = fixed
+        print(
+            f"  Ray fixed costs: control call round trip {control * 1e3:.2f} ms; object-store put+get of one "
+            f"rollout batch ({PROMPTS * SAMPLES}x{PROMPT_LEN + NEW_TOKENS} x 4 fp32 tensors) {bulk * 1e3:.2f} ms",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

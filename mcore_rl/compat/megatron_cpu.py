@@ -57,10 +57,17 @@ def _called_from_megatron() -> bool:
     return False
 
 
+_TENSOR_CUDA, _TENSOR_TYPE, _TENSOR_TO = torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to
+
+
 class MegatronCudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placements requested by megatron code to the CPU; see the module docstring."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and func is not _TENSOR_CUDA and func is not _TENSOR_TYPE and func is not _TENSOR_TO:
+            # Nothing to rewrite (no device keyword, no placement method): the ~2,000 other calls of a
+            # training step take this path, each paying the mode's dispatch.
+            return func(*args)
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             if _called_from_megatron():

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.controller.tensor_transport import register_tensor_transport
+
 
 def available_cpus(environ: dict[str, str] | None = None) -> int:
     """CPUs granted to this job: ``SLURM_CPUS_ON_NODE``, else ``len(os.sched_getaffinity(0))``."""
@@ -52,19 +54,26 @@ def init_ray(config: RayConfig | None = None) -> bool:
     import ray
 
     config = config or RayConfig()
-    if ray.is_initialized():
-        return False
-    if config.address is not None:
+    started = not ray.is_initialized()
+    if started and config.address is not None:
         ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
-        return True
-    ray.init(
-        num_cpus=config.num_cpus or available_cpus(),
-        include_dashboard=False,
-        object_store_memory=config.object_store_memory_bytes,
-        log_to_driver=True,
-        _system_config={"worker_niceness": config.worker_niceness},
-    )
-    return True
+    elif started:
+        ray.init(
+            num_cpus=config.num_cpus or available_cpus(),
+            include_dashboard=False,
+            object_store_memory=config.object_store_memory_bytes,
+            log_to_driver=True,
+            _system_config={
+                "worker_niceness": config.worker_niceness,
+                # Ray prestarts one worker process per CPU; those no actor takes stay idle, and each wakes
+                # ~140 times a second (its task loop's 10 ms signal check, gRPC pollers): on a small machine
+                # that preempts the training ranks. With a soft limit of 0 the raylet ends idle workers
+                # after ``idle_worker_killing_time_threshold_ms`` (1 s); actors are never idle.
+                "num_workers_soft_limit": 0,
+            },
+        )
+    register_tensor_transport()
+    return started
 
 
 class ResourcePool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mcore_rl.controller.dispatch import RankInfo
+from mcore_rl.controller.tensor_transport import register_tensor_transport
 from mcore_rl.parallel.context import ParallelConfig, ParallelContext
 from mcore_rl.parallel.launch_env import rendezvous_for_init
 
@@ -27,6 +28,7 @@ class Worker:
         self.world_size = world_size
         self.num_threads = num_threads
         self._ctx: ParallelContext | None = None
+        register_tensor_transport()  # this actor's own Ray serialization context (no-op in-process)
 
     @property
     def ctx(self) -> ParallelContext:

@@ -9,6 +9,7 @@ Ray overhead is measured against, and fast tests).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -83,19 +84,53 @@ class RayBackend:
 
 
 class InProcessBackend:
-    """One rank (world size 1) in the driver's own process: no Ray, no copies."""
+    """One rank (world size 1) in the driver's own process: no Ray, no copies.
+
+    Calls run as a Ray actor runs them: one at a time, in the order they were submitted. A call runs when
+    its result, or that of a later call, is awaited, so that the driver's timers around a wait measure the
+    same work on both backends; an error stays with its own call, as with Ray."""
 
     def __init__(self, worker: HybridWorker) -> None:
         self.worker = worker
         self.infos = [worker.rank_info()]
+        self._queue: deque[_QueuedCall] = deque()
 
     def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
         fn = getattr(self.worker, method)
-        result = [fn(*args) if shards is None else fn(shards[0], *args)]
-        return lambda: result
+        call = _QueuedCall(lambda: fn(*args) if shards is None else fn(shards[0], *args))
+        self._queue.append(call)
+
+        def wait() -> list[Any]:
+            while not call.done:
+                self._queue.popleft().run()
+            return call.result()
+
+        return wait
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+class _QueuedCall:
+    """One pending in-process call: its result, or its error raised where it is awaited."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except Exception as err:  # kept for the caller that awaits this call
+            self.error = err
+        self.done = True
+
+    def result(self) -> list[Any]:
+        if self.error is not None:
+            raise self.error
+        return [self.value]
 
 
 @dataclass(frozen=True)
@@ -144,7 +179,12 @@ class ActorGroup:
 
     def sync_weights(self) -> dict[str, float]:
         """Actor weights -> rollout engines (the hybrid engine's reshard); rank 0's timings."""
-        return dict(self.backend.submit("sync_weights", None, "")()[0])
+        return self.submit_sync_weights()()
+
+    def submit_sync_weights(self) -> Callable[[], dict[str, float]]:
+        """Start :meth:`sync_weights` (it runs after every call submitted before it); call the result to wait."""
+        wait = self.backend.submit("sync_weights", None, "")
+        return lambda: dict(wait()[0])
 
     def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch:
         """Prompts split over rollout replicas; samples back in prompt order."""
@@ -181,13 +221,23 @@ class ActorGroup:
 
     def update(self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan) -> UpdateStats:
         """One step's actor update; the stats of data-parallel rank 0's owner (already DP-reduced)."""
+        return self.submit_update(batch, settings, plan)()
+
+    def submit_update(
+        self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan
+    ) -> Callable[[], UpdateStats]:
+        """Start :meth:`update`; call the result to wait."""
         shards, _ = self._update_shards(batch, plan)
         rows_per_mini_batch = shards[0].tokens.shape[0] // plan.num_mini_batches
         micro = min(plan.micro_batch_size, max(rows_per_mini_batch, 1))
         args = (settings, plan.num_mini_batches, plan.ppo_epochs, micro, plan.on_nonfinite, plan.token_budget)
-        results = self.backend.submit("update", shards, "dp", *args)()
-        stats: UpdateStats = results[self._data_owners[0]]
-        return stats
+        wait = self.backend.submit("update", shards, "dp", *args)
+
+        def collect() -> UpdateStats:
+            stats: UpdateStats = wait()[self._data_owners[0]]
+            return stats
+
+        return collect
 
     def update_on_policy(
         self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan
@@ -195,6 +245,12 @@ class ActorGroup:
         """One optimizer step whose old log-probs are its own forward's (``batch.old_log_probs`` is not read;
         ``plan`` must be one mini-batch, one epoch): the stats of data-parallel rank 0's owner and the
         forward's [N, S] actor log-probs, the owners' shards joined back into ``batch``'s row order."""
+        return self.submit_update_on_policy(batch, settings, plan)()
+
+    def submit_update_on_policy(
+        self, batch: TrainBatch, settings: PolicyLossSettings, plan: UpdatePlan
+    ) -> Callable[[], OnPolicyUpdate]:
+        """Start :meth:`update_on_policy`; call the result to wait."""
         if plan.num_mini_batches != 1 or plan.ppo_epochs != 1:
             raise ValueError(
                 f"update_on_policy: one optimizer step only, got {plan.num_mini_batches} mini-batches x "
@@ -203,12 +259,17 @@ class ActorGroup:
         shards, order = self._update_shards(batch, plan)
         micro = min(plan.micro_batch_size, max(shards[0].tokens.shape[0], 1))
         args = (settings, micro, plan.on_nonfinite, plan.token_budget)
-        results = self.backend.submit("update_on_policy", shards, "dp", *args)()
-        owned: list[OnPolicyUpdate] = [results[i] for i in self._data_owners]
-        log_probs = torch.cat([r.actor_log_probs for r in owned])
-        if order is not None:  # row j of the shards is the batch's row order[j]
-            log_probs = log_probs[torch.argsort(torch.as_tensor(order))]
-        return OnPolicyUpdate(owned[0].stats, log_probs)
+        wait = self.backend.submit("update_on_policy", shards, "dp", *args)
+
+        def collect() -> OnPolicyUpdate:
+            results = wait()
+            owned: list[OnPolicyUpdate] = [results[i] for i in self._data_owners]
+            log_probs = torch.cat([r.actor_log_probs for r in owned])
+            if order is not None:  # row j of the shards is the batch's row order[j]
+                log_probs = log_probs[torch.argsort(torch.as_tensor(order))]
+            return OnPolicyUpdate(owned[0].stats, log_probs)
+
+        return collect
 
     def _update_shards(
         self, batch: TrainBatch, plan: UpdatePlan
@@ -242,7 +303,12 @@ class ActorGroup:
 
     def phase_memory(self) -> dict[str, float]:
         """Peak memory per phase since the last call, the maximum over ranks (``trainer/memory.py``)."""
-        return max_over_ranks(self.backend.submit("take_phase_memory", None, "")())
+        return self.submit_phase_memory()()
+
+    def submit_phase_memory(self) -> Callable[[], dict[str, float]]:
+        """Start :meth:`phase_memory`; call the result to wait."""
+        wait = self.backend.submit("take_phase_memory", None, "")
+        return lambda: max_over_ranks(wait())
 
     def save_model(self, directory: str) -> None:
         """The actor's weights as a model checkpoint (``TrainEngine.save_model``; loadable at any layout)."""

@@ -151,6 +151,10 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
                 ray.shutdown()
             raise
         backend = RayBackend(group, owns_ray=started_ray)
+        # The driver now only schedules, scores and computes advantages. An OpenMP pool of its own would
+        # spin after each of those small ops on the cores the ranks compute on (about 10 ms of CPU a step
+        # measured on 2 cores), so its torch work runs on one thread.
+        torch.set_num_threads(1)
     else:
         if cfg.world_size != 1:
             raise ValueError(

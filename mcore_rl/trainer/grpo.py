@@ -113,13 +113,14 @@ class RLStep:
         )
         advantages, is_metrics = self.lag_correction(advantages, old_log_probs, rollout, lag)
         batch = TrainBatch(rollout.tokens, rollout.response_mask, old_log_probs, advantages, ref_log_probs)
+        wait_update = self.submit_update_for(batch, step, recompute)
+        wait_sync = self.submit_sync_and_memory()
         with timer("update"):
-            stats, trainer_log_probs = self.update_for(batch, step, recompute)
+            stats, trainer_log_probs = wait_update()
         agreement = prob_agreement(rollout.rollout_log_probs, trainer_log_probs, rollout.response_mask)
         self.check_agreement(agreement, rollout, step)
         with timer("sync"):
-            sync = self.sync_rollout()
-        memory = self.actors.phase_memory()  # peaks per phase, max over ranks
+            sync, memory = wait_sync()
         return {
             **step_metrics(rollout, scores, agreement, stats, timer.seconds, cfg.rollout.n),
             "old_log_probs_recomputed": float(recompute),
@@ -168,13 +169,32 @@ class RLStep:
         wait_ref = self.actors.submit_ref_log_probs(*args)
         return lambda: (unread, wait_ref())
 
-    def update_for(self, batch: TrainBatch, step: int, recompute: bool) -> tuple[UpdateStats, torch.Tensor]:
-        """The actor update and the [N, S] trainer log-probs of the rollout before it: the recomputed old
-        log-probs, or on the shortcut those of the update's own forward."""
+    def submit_update_for(
+        self, batch: TrainBatch, step: int, recompute: bool
+    ) -> Callable[[], tuple[UpdateStats, torch.Tensor]]:
+        """Start the actor update; the result waits for its stats and the [N, S] trainer log-probs of the
+        rollout before it: the recomputed old log-probs, or on the shortcut those of the update's own forward.
+        A NaN/inf loss stops the run naming the step (nothing was applied)."""
         if recompute:
-            return self.update(batch, step), batch.old_log_probs
-        result = _named_nonfinite(step, lambda: self.actors.update_on_policy(batch, self.loss, self.plan))
-        return result.stats, result.actor_log_probs
+            wait = self.actors.submit_update(batch, self.loss, self.plan)
+            return lambda: (_named_nonfinite(step, wait), batch.old_log_probs)
+        wait_on_policy = self.actors.submit_update_on_policy(batch, self.loss, self.plan)
+
+        def collect() -> tuple[UpdateStats, torch.Tensor]:
+            result = _named_nonfinite(step, wait_on_policy)
+            return result.stats, result.actor_log_probs
+
+        return collect
+
+    def submit_sync_and_memory(self) -> Callable[[], tuple[dict[str, float], dict[str, float]]]:
+        """Start the weight sync of :meth:`sync_rollout` and then the read of the step's memory peaks (per
+        phase, max over ranks); the result waits for both. Colocated engines sync right behind the update,
+        which is submitted first: an actor runs its calls in order, so no driver round trip separates them.
+        A rollout pool's sync starts when awaited."""
+        if self.rollout_pool is not None:
+            return lambda: (self.sync_rollout(), self.actors.phase_memory())
+        sync, memory = self.actors.submit_sync_weights(), self.actors.submit_phase_memory()
+        return lambda: (sync(), memory())
 
     def rollout_for(
         self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None, timer: StageTimer
