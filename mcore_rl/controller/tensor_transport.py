@@ -12,8 +12,9 @@ is not used here: its tensors alias the read-only object-store buffer, so one in
 batch would corrupt the stored object or fault, while the copy costs microseconds at these sizes.
 
 Anything else, such as a CUDA, sparse or quantized tensor or a tensor with the conjugate or negative bit,
-keeps torch's reduction, byte for byte as before. A ``Parameter`` or another subclass is not
-``torch.Tensor`` itself, so Ray never routes it here.
+travels as torch's own ``torch.save`` archive (read back with ``weights_only=True``), restored where torch
+restores it. A ``Parameter`` or another subclass is not ``torch.Tensor`` itself, so Ray never routes it
+here.
 """
 
 from __future__ import annotations
