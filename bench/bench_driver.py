@@ -257,13 +257,7 @@ def main() -> int:
         "without a third model in the rotation)",
     )
     args = parser.parse_args()
-    trl_python = None
-    if args.baseline == "trl":
-        from bench.bench_grpo_step import TRL_PYTHON
-
-        trl_python = args.trl_python or TRL_PYTHON
-        if not trl_python.exists():
-            parser.error(f"--trl-python: no interpreter at {trl_python} (make trl-venv)")
+    trl_python = _trl_python(args, parser)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     torch.set_num_threads(args.threads)
 
@@ -290,6 +284,18 @@ def main() -> int:
         )
         report(title, *compare(cfg, total, args.warmup, args.threads, None, args.paths), args, args.override)
     return 0
+
+
+def _trl_python(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path | None:
+    """The TRL interpreter of ``--baseline trl`` (``--trl-python``, else ``bench_grpo_step``'s default)."""
+    if args.baseline != "trl":
+        return None
+    from bench.bench_grpo_step import TRL_PYTHON
+
+    python: Path = args.trl_python or TRL_PYTHON
+    if not python.exists():
+        parser.error(f"--trl-python: no interpreter at {python} (make trl-venv)")
+    return python
 
 
 def report(title: str, times, rewards, fixed, trl_label, args, overrides) -> None:

@@ -69,15 +69,15 @@ class MegatronCudaToCpuMode(TorchFunctionMode):
             # training step take this path, each paying the mode's dispatch.
             return func(*args)
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is _TENSOR_CUDA:
             if _called_from_megatron():
                 return args[0]
-        elif func is torch.Tensor.type:
+        elif func is _TENSOR_TYPE:
             if len(args) == 1 and not kwargs and _called_from_megatron():
                 name = func(*args)
                 # megatron whitelists 'torch.cuda.FloatTensor' & co. for optimizer params and grads.
                 return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        elif func is torch.Tensor.to:
+        elif func is _TENSOR_TO:
             if len(args) > 1 and _is_cuda_device(args[1]) and _called_from_megatron():
                 args = (args[0], "cpu", *args[2:])
             elif _is_cuda_device(kwargs.get("device")) and _called_from_megatron():

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-_FAST, _TORCH = "raw", "torch"
+_RAW, _TORCH = "raw", "torch"
 
 
 def tensor_to_wire(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -43,7 +43,7 @@ def tensor_to_wire(tensor: torch.Tensor) -> tuple[Any, ...]:
         return (_TORCH, buffer.getvalue())
     flat = tensor.detach().contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy()
-    return (_FAST, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.requires_grad, data)
+    return (_RAW, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.requires_grad, data)
 
 
 def tensor_from_wire(wire: tuple[Any, ...]) -> torch.Tensor:

@@ -128,9 +128,10 @@ def current_rank() -> int:
 @contextlib.contextmanager
 def rendezvous_for_init(**values: str) -> Iterator[None]:
     """``values`` (rendezvous variables: RANK, MASTER_PORT, ...) in ``os.environ`` while a world is joined, and
-    every rendezvous variable as it was before (also those a world of one made up) afterwards. ``init_process_group`` reads them only then; left behind, they read as a
-    launch to the next world built in the same process (an in-process driver run, then a test's world of
-    one), which then checked a stale MASTER_PORT that was still held and failed with "already in use"."""
+    every rendezvous variable as it was before (also those a world of one made up) afterwards.
+    ``init_process_group`` reads them only then; left behind, they read as a launch to the next world built in
+    the same process (an in-process driver run, then a test's world of one), which then checked a stale
+    MASTER_PORT that was still held and failed with "already in use"."""
     saved = {k: os.environ.get(k) for k in (*_RENDEZVOUS, "LOCAL_RANK", *values)}
     os.environ.update(values)
     try:

@@ -279,7 +279,8 @@ class RLStep:
 
     def update(self, batch: TrainBatch, step: int) -> UpdateStats:
         """The actor update; a NaN/inf loss stops the run naming the step (nothing was applied)."""
-        return _named_nonfinite(step, lambda: self.actors.update(batch, self.loss, self.plan))
+        stats, _ = self.submit_update_for(batch, step, recompute=True)()
+        return stats
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step

@@ -93,7 +93,7 @@ class PPOStep(RLStep):
         with timer("critic_update"):
             critic_stats = wait_critic() if critic_stats is None else critic_stats
         with timer("sync"):
-            sync = self.sync_rollout()
+            sync, memory = self.submit_sync_and_memory()()
         metrics = step_metrics(
             batch.rollout, batch.scores, batch.agreement, stats, timer.seconds, self.cfg.rollout.n
         )
@@ -103,7 +103,7 @@ class PPOStep(RLStep):
             **batch.extra_metrics,
             "actor_frozen": float(frozen),
             **sync,
-            **self.actors.phase_memory(),  # peaks per phase, max over ranks
+            **memory,  # peaks per phase, max over ranks
             **self.lag_metrics(self.policy_lag),
         }
 
