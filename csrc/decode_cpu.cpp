@@ -11,12 +11,14 @@
 // head_dim (values, [max_len, head_dim]).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -372,15 +374,34 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int6
 // attention, output projection + residual, RMSNorm, gate/up projection, SiLU-gate, down projection + residual.
 constexpr int64_t kPerLayer = 11;  // see the schema
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight_t, const at::Tensor& panels,
-                   const std::optional<at::Tensor>& add) {
-  if (panels.numel() > 0) return decode_linear_cpu(x, panels, weight_t.size(1), add);
+// `packed`: empty, column panels (decode_linear), or MKL's packed GEMM operand (an MKL-DNN tensor from
+// mkl::_mkl_reorder_linear_weight for `packed_rows` >= x's rows; fewer rows run zero-padded to that count), as
+// RolloutDecoder._linear runs them.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight_t, const at::Tensor& packed,
+                   const std::optional<at::Tensor>& add, int64_t packed_rows) {
+  if (packed.is_mkldnn()) {
+    static const auto mkl_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkl::_mkl_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                              int64_t)>();
+    const int64_t rows = x.size(0);
+    at::Tensor input = x;
+    if (packed_rows > rows) {
+      input = at::zeros({packed_rows, x.size(1)}, x.options());
+      input.narrow(0, 0, rows).copy_(x);
+    }
+    at::Tensor out = mkl_linear.call(input, packed, weight_t.t(), std::nullopt, input.size(0)).narrow(0, 0, rows);
+    return add.has_value() ? out.add_(*add) : out;
+  }
+  if (packed.numel() > 0) return decode_linear_cpu(x, packed, weight_t.size(1), add);
   return add.has_value() ? at::addmm(*add, x, weight_t) : at::mm(x, weight_t);
 }
 
 at::Tensor decode_layers_cpu(const at::Tensor& x_in, at::TensorList weights, at::TensorList keys,
                              at::TensorList values, const at::Tensor& cos, const at::Tensor& sin, int64_t column,
-                             const std::optional<at::Tensor>& start, int64_t num_heads, double scale, double eps) {
+                             const std::optional<at::Tensor>& start, int64_t num_heads, double scale, double eps,
+                             int64_t packed_rows) {
   const int64_t layers = static_cast<int64_t>(keys.size()), batch = x_in.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && values.size() == keys.size(),
               "decode_layers: ", kPerLayer, " weights per layer and one key and value cache each");
@@ -390,11 +411,11 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, at::TensorList weights, at:
     const std::optional<at::Tensor> bias = w[2].numel() > 0 ? std::optional<at::Tensor>(w[2]) : std::nullopt;
     at::Tensor k_cache = keys[l], v_cache = values[l];
     if (k_cache.size(0) != batch) k_cache = k_cache.narrow(0, 0, batch), v_cache = v_cache.narrow(0, 0, batch);
-    const at::Tensor qkv = project(rms_norm_cpu(x, w[0], eps), w[3], w[4], bias);
+    const at::Tensor qkv = project(rms_norm_cpu(x, w[0], eps), w[3], w[4], bias, packed_rows);
     const at::Tensor context = decode_attention_cpu(qkv, cos, sin, k_cache, v_cache, column, start, num_heads, scale);
-    x = project(context, w[5], w[6], x);
-    const at::Tensor gate_up = project(rms_norm_cpu(x, w[1], eps), w[7], w[8], std::nullopt);
-    x = project(silu_mul_cpu(gate_up), w[9], w[10], x);
+    x = project(context, w[5], w[6], x, packed_rows);
+    const at::Tensor gate_up = project(rms_norm_cpu(x, w[1], eps), w[7], w[8], std::nullopt, packed_rows);
+    x = project(silu_mul_cpu(gate_up), w[9], w[10], x, packed_rows);
   }
   return x;
 }
@@ -404,12 +425,16 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, at::TensorList weights, at:
 TORCH_LIBRARY_FRAGMENT(mcore_rl, m) {
   // The decode step's layers at TP1 (CPU only): x [b, hidden] through every layer; `weights` holds 11 tensors
   // per layer: input norm, post-attention norm, QKV bias (empty: none), then for the QKV, output, gate/up and
-  // down projections each its [in, out] weight and its column panels (empty: none); caches as in
+  // down projections each its [in, out] weight and its packed form (column panels, or MKL's packed operand for
+  // packed_rows rows; empty: none); caches as in
   // decode_attention. Returns the hidden states before the final norm.
   m.def(
       "decode_layers(Tensor x, Tensor[] weights, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor cos, Tensor sin, "
-      "int column, Tensor? start, int num_heads, float scale, float eps) -> Tensor");
+      "int column, Tensor? start, int num_heads, float scale, float eps, int packed_rows=0) -> Tensor");
 }
+
+// A decode step whose weights include MKL-packed operands dispatches on their MKL-DNN key: the same kernel.
+TORCH_LIBRARY_IMPL(mcore_rl, MkldnnCPU, m) { m.impl("decode_layers", &decode_layers_cpu); }
 
 TORCH_LIBRARY_IMPL(mcore_rl, CPU, m) {
   m.impl("decode_layers", &decode_layers_cpu);

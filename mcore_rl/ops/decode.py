@@ -65,6 +65,36 @@ def pack_panels(weight_t: Tensor) -> Tensor:
     return reference.pack_panels(weight_t)
 
 
+def mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether projections can run on MKL's packed GEMM (``mkl::_mkl_linear``, what torch's CPU inductor runs
+    for frozen linears): fp32 on a CPU build of torch with MKL."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
+
+
+def mkl_pack(weight_t: Tensor, rows: int) -> Tensor:
+    """``weight_t`` [K, N] as MKL's packed GEMM operand for products with exactly ``rows`` rows of input: MKL
+    packs its operand inside every plain GEMM call, which for a decode step's few rows costs about a third
+    of the call; packed once per weight load and batch size, decode steps skip it."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t(), rows)
+
+
+def mkl_linear(
+    x: Tensor, packed: Tensor, weight_t: Tensor, add: Tensor | None = None, rows: int = 0
+) -> Tensor:
+    """``add + x @ weight_t`` through :func:`mkl_pack`'s ``packed``, made for ``rows`` rows (>= ``x``'s; fewer run
+    zero-padded to that count). Bitwise ``x @ weight_t`` of the padded rows, then the addition."""
+    count = x.shape[0]
+    if rows > count:
+        x = torch.cat([x, x.new_zeros(rows - count, x.shape[1])])
+    out = torch.ops.mkl._mkl_linear(x, packed, weight_t.t(), None, x.shape[0])[:count]
+    return out if add is None else out.add_(add)
+
+
 def decode_linear(x: Tensor, panels: Tensor, n: int, add: Tensor | None = None) -> Tensor:
     """``add + x @ W`` for ``x`` [M, K] and ``W`` [K, n] packed by :func:`pack_panels`; ``add`` None, a bias [n]
     or a residual [M, n]."""

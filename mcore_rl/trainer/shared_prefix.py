@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mcore_rl.engine.train_engine import PackedInput
+from mcore_rl.ops.row_attention import row_attention as ops_row_attention
 from mcore_rl.trainer.token_batching import row_lengths
 
 
@@ -59,24 +60,21 @@ def row_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any, scale: float
 ) -> torch.Tensor:
     """Causal attention of packed ``query`` [T, heads, d], ``key`` / ``value`` [T, groups, d] in row layout
-    (module docstring) -> [T, heads * d].
+    (module docstring) -> [T, heads * d], by :func:`mcore_rl.ops.row_attention.row_attention`.
 
-    Row positions past a row's end read token 0 instead of a zero slot (no copy of the operands): causality
-    keeps every real query of the row from seeing them, and their outputs are read by no token. Filler
-    tokens (in no row) read position 0's output, which nothing reads back either. Gathers use
-    ``index_select``, whose backward (``index_add_``) is several times faster on CPU than the accumulating
-    ``index_put_`` of advanced indexing."""
-    b, s = packed.rows
-    source, home = packed.row_source, packed.token_home
-
-    def in_rows(t: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [b, h, s, d]
-        return t.index_select(0, source).view(b, s, *t.shape[1:]).transpose(1, 2)
-
-    q, k, v = in_rows(query), in_rows(key), in_rows(value)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    Row positions past a row's end read token 0 (``row_source``), and filler tokens (in no row) have
+    position 0 as their home (``token_home``): causality keeps every real query of a row from seeing the
+    former, and no token reads the outputs of the latter."""
+    return ops_row_attention(
+        query,
+        key,
+        value,
+        packed.row_source,
+        packed.token_home,
+        packed.cu_seqlens_q,
+        packed.rows,
+        scale,
     )
-    return out.transpose(1, 2).reshape(b * s, -1).index_select(0, home)
 
 
 def shared_prefix_seq_params(rows: SharedPrefixRows) -> Any:

@@ -102,6 +102,33 @@ def test_execute_plan_casts_to_bf16_in_flight(run_distributed):
         assert result["received"] == result["planned"]
 
 
+def _kept_whole(dtype: torch.dtype) -> dict:
+    rank = dist.get_rank()
+    plan, full, local = _setup(dist.get_world_size(), rank, 2, 1, 2)
+    local = {name: shard.contiguous() for name, shard in local.items()}  # as an engine's parameters are
+    out, _ = execute_plan(plan, local, dtype=dtype)
+    return {
+        "mismatched": _mismatched(plan, full, out, rank, dtype),
+        "aliased": sorted(n for n in out if n in local and out[n].data_ptr() == local[n].data_ptr()),
+        "same_shape": sorted(n for n in out if n in local and out[n].shape == local[n].shape),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shard_kept_whole_is_handed_over_without_a_copy(run_distributed, dtype):
+    """TP -> the same TP_g: every rank keeps its training shards; in their dtype they are returned as they
+    are (the rollout engine's load copies them anyway), cast ones and the vocab shards as new tensors."""
+    for result in run_distributed(_kept_whole, dtype, world_size=2):
+        assert result["mismatched"] == []
+        if dtype == torch.float32:
+            # a vocab shard holding padding rows copies its real rows only (the rollout's padding is zero)
+            vocab = ("embedding.word_embeddings.weight", "output_layer.weight")
+            assert set(result["aliased"]) <= set(result["same_shape"])
+            assert {n for n in result["same_shape"] if n not in vocab} <= set(result["aliased"])
+        else:
+            assert result["aliased"] == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_buckets_split_transfers_and_bound_the_memory_in_flight(run_distributed, dtype):
     """Messages of at most 512 bytes (smaller than most transfers), 1 KiB in flight: many rounds."""

@@ -16,6 +16,7 @@ from mcore_rl.engine.rollout import (
     SamplingParams,
     rollout_shards_from_full,
 )
+from mcore_rl.ops import decode as fused_decode
 from tests.models import tiny_arch
 from tests.rollout.common import make_engine, random_full_state, recomputed_log_probs
 
@@ -281,6 +282,7 @@ def test_the_one_call_decode_step_is_the_per_layer_loop_bitwise(family, monkeypa
     results = {}
     for native in (True, False):
         monkeypatch.setattr(RolloutDecoder, "_native_step", lambda self, ops, native=native: native)
+        decoder._invalidate()  # both runs start unpacked (decode steps pack their weights as they go)
         cache = KVCache.allocate(
             arch.num_layers, 3, decoder.num_kv_heads, 9, arch.head_dim, torch.float32, "cpu"
         )
@@ -292,3 +294,37 @@ def test_the_one_call_decode_step_is_the_per_layer_loop_bitwise(family, monkeypa
         assert torch.equal(a, b)
     for a, b in zip(results[True][1] + results[True][2], results[False][1] + results[False][2], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(
+    not fused_decode.mkl_packing_available(torch.device("cpu"), torch.float32),
+    reason="torch built without MKL",
+)
+def test_decode_steps_on_mkl_packed_weights_match_plain_gemms(monkeypatch) -> None:
+    """Decode steps run their projections and the LM head on weights MKL-packed at the first step; as finished
+    rows leave, a batch of at least half the packed rows runs zero-padded on them, a smaller one runs plain
+    GEMMs until its size repeats and is packed then (``RolloutDecoder._pack_for``). Logits and caches match
+    the plain GEMMs' to fp32 rounding."""
+    arch = tiny_arch("qwen2")
+    engine = make_engine(arch, random_full_state(arch, seed=4))
+    decoder = engine.decoder
+    prompts = torch.randint(0, arch.vocab_size, (5, 6), generator=torch.Generator().manual_seed(2))
+    pad = torch.tensor([0, 2, 1, 0, 3])
+    results, packed_rows = {}, {}
+    for mkl in (True, False):
+        monkeypatch.setattr(fused_decode, "mkl_packing_available", lambda device, dtype, mkl=mkl: mkl)
+        decoder._invalidate()  # projections are rebuilt with (or without) MKL packing
+        cache = KVCache.allocate(
+            arch.num_layers, 5, decoder.num_kv_heads, 12, arch.head_dim, torch.float32, "cpu"
+        )
+        with torch.inference_mode():
+            decoder.prefill(prompts, pad, cache, slice(0, 5))
+            decoder.start_decoding(5)
+            steps, packed_rows[mkl] = [], []
+            for i, rows in enumerate((5, 5, 3, 2, 2, 2)):  # rows finish and leave the batch
+                steps.append(decoder.decode(prompts[:rows, i], 6 + i, pad[:rows], cache))
+                packed_rows[mkl].append(decoder._packed_rows)
+        results[mkl] = (steps, cache.keys + cache.values)
+    assert packed_rows == {True: [5, 5, 5, 5, 2, 2], False: [0] * 6}
+    for a, b in zip(results[True][0] + results[True][1], results[False][0] + results[False][1], strict=True):
+        assert (a - b).abs().max() <= 1e-5

@@ -14,7 +14,7 @@ cached transposed, and sequences left-padded in the cache so each decode step wr
 whole batch. A decode step (one token per sequence, :meth:`RolloutDecoder.decode`) runs the fused kernels of
 :mod:`mcore_rl.ops.decode` in fp32 on CPU: RMSNorm and SiLU-gate in one pass each, rotary + cache write + GQA
 attention in one kernel, and the projections through MKL's GEMM, or on CPUs without AVX-512 through a copy of
-each weight packed into column panels (see :func:`_panels_pay`). bench/bench_rollout.py measures the result
+each weight packed into column panels (see ``rollout/projection.py``). bench/bench_rollout.py measures the result
 against ``transformers`` ``generate``.
 
 The rollout layout (tensor names and shapes of one TP rank) is defined in ``rollout/layout.py``.
@@ -34,6 +34,7 @@ from torch import Tensor
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
 from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
+from mcore_rl.engine.rollout.projection import Projection, linear, panels_pay, serves
 from mcore_rl.ops import decode as fused
 from mcore_rl.ops.reference import rms_norm as rms_norm_spelled_out
 from mcore_rl.ops.reference import rotate_signed_halves
@@ -47,24 +48,16 @@ _COLUMN_MAJOR = (
 )
 
 
-class _Projection(NamedTuple):
-    """``x @ weight_t``: the contiguous [in, out] storage under an [out, in] weight (one plain GEMM call), and
-    on CPU in fp32 the same matrix packed into column panels for decode steps (``ops.decode.decode_linear``)."""
-
-    weight_t: Tensor
-    panels: Tensor | None
-
-
 class _LayerWeights(NamedTuple):
     """One layer's tensors, resolved once from the weights dict."""
 
     input_norm: Tensor
-    qkv: _Projection
+    qkv: Projection
     qkv_bias: Tensor | None
-    o_proj: _Projection
+    o_proj: Projection
     post_norm: Tensor
-    gate_up: _Projection
-    down: _Projection
+    gate_up: Projection
+    down: Projection
 
 
 class _Step(NamedTuple):
@@ -110,20 +103,6 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_norm_spelled_out(x, weight, eps)
 
 
-def _panels_pay(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode-step projections run on packed panels rather than MKL's GEMM.
-
-    The panel kernel is built for AVX2; MKL repacks the weight on every call but runs AVX-512 where the CPU
-    has it. Measured at the rollout's shapes (hidden 256, one thread): with AVX-512, MKL does 1.0-1.1x the
-    kernel's FLOP/s at 1-4 rows and 1.5-2x at 16-128; capped at AVX2 (``MKL_ENABLE_INSTRUCTIONS=AVX2``) the
-    kernel is 1.1-1.2x faster at 4-8 rows and level beyond. So panels (and the second copy of the weights
-    they cost) only where ATen itself runs without AVX-512.
-    """
-    if not fused.packing_enabled(device, dtype):
-        return False
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
 class RolloutDecoder:
     """One TP rank of the decoder; weights in the rollout layout, loaded by name with :meth:`load`.
 
@@ -151,7 +130,7 @@ class RolloutDecoder:
         self.scale = 1.0 / math.sqrt(arch.head_dim)  # spelled as megatron does: ** -0.5 can differ by an ulp
         self.weights: dict[str, Tensor] = {}
         self._layer_cache: list[_LayerWeights] | None = None
-        self._head: _Projection | None = None
+        self._head: Projection | None = None
         self.allocate()
         self._inv_freq = rope_inv_freq(arch).to(self.device)
         self._cos = self._sin = torch.empty(0, arch.rotary_dim, device=self.device)
@@ -160,18 +139,27 @@ class RolloutDecoder:
     def allocate(self) -> None:
         """(Re)create zero weights; they must be loaded before use.
 
-        Projection weights keep their rollout-layout shape [out, in] but live in column-major storage (the
-        transpose of a contiguous [in, out] buffer): ``x @ w.t()`` is then an NN gemm, which for a few rows is
-        20-30% faster on CPU than the NT gemm of row-major weights (decode steps where no packed panels exist,
-        bf16 or GPU, and multi-token forwards use it).
+        Projection weights keep their rollout-layout shape [out, in]. Where decode steps use no packed weights
+        (bf16, GPU, torch without MKL) they live in column-major storage (the transpose of a contiguous
+        [in, out] buffer): ``x @ w.t()`` is then an NN gemm, which for a few rows is 20-30% faster on CPU than
+        the NT gemm of row-major weights. With MKL-packed decode steps they stay row-major
+        (:meth:`_mkl_decode`).
         """
         self.weights = {}
         self._invalidate()
         for name, shape in self.shapes.items():
-            if name.endswith(_COLUMN_MAJOR):
+            if name.endswith(_COLUMN_MAJOR) and not self._mkl_decode():
                 self.weights[name] = torch.zeros(shape[::-1], dtype=self.dtype, device=self.device).t()
             else:
                 self.weights[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _mkl_decode(self) -> bool:
+        """Whether decode steps run their projections on MKL-packed weights (``_pack_for``). The weights then
+        stay row-major [out, in] as megatron holds them: a straight copy on load, a fast pack (packing a
+        column-major view is ~15x slower), and multi-token forwards run megatron's own NT gemm."""
+        return fused.mkl_packing_available(self.device, self.dtype) and not panels_pay(
+            self.device, self.dtype
+        )
 
     def release(self) -> None:
         self.weights = {}
@@ -182,6 +170,7 @@ class RolloutDecoder:
         self._layer_cache = None
         self._flat: list[Tensor] | None = None
         self._head = None
+        self._flat_rows = self._packed_rows = self._last_decode_rows = 0
 
     def load(self, name: str, tensor: Tensor) -> None:
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
@@ -223,23 +212,48 @@ class RolloutDecoder:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
-    def _projection(self, weight_t: Tensor) -> _Projection:
-        packed = _panels_pay(weight_t.device, weight_t.dtype)
-        return _Projection(weight_t, fused.pack_panels(weight_t) if packed else None)
+    def _projection(self, weight_t: Tensor) -> Projection:
+        if panels_pay(weight_t.device, weight_t.dtype):
+            return Projection(weight_t, fused.pack_panels(weight_t))
+        return Projection(
+            weight_t, None, [] if fused.mkl_packing_available(self.device, self.dtype) else None
+        )
 
-    @staticmethod
-    def _linear(x: Tensor, proj: _Projection, add: Tensor | None, decoding: bool) -> Tensor:
-        """``add + x @ weight_t``: a decode step's few rows run our packed small-batch kernel where it pays
-        (:func:`_panels_pay`); everything else ATen's GEMM, bitwise what megatron computes."""
-        if decoding and proj.panels is not None:
-            return fused.decode_linear(x, proj.panels, proj.weight_t.shape[1], add)
-        return torch.mm(x, proj.weight_t) if add is None else torch.addmm(add, x, proj.weight_t)
+    def start_decoding(self, rows: int) -> None:
+        """A generation's decode steps start from weights packed for its batch size (kept when they already
+        are), so that its outputs do not depend on earlier calls."""
+        if self._packed_rows != rows:
+            for proj in self._packed_projections():
+                if proj.mkl is not None:
+                    proj.mkl.clear()
+            self._packed_rows, self._flat = 0, None
+        self._last_decode_rows = 0
 
-    def _project_add(self, residual: Tensor, x: Tensor, proj: _Projection, decoding: bool) -> Tensor:
+    def _packed_projections(self) -> list[Projection]:
+        layers = self._layers()
+        return [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [
+            self._head_projection()
+        ]
+
+    def _pack_for(self, rows: int) -> None:
+        """Decode steps run their projections on MKL-packed weights: packed at a generation's first decode step
+        (:meth:`start_decoding`), then kept while finished sequences shrink the batch to no less than half the
+        packed rows (the few rows run zero-padded, far cheaper than packing again); a smaller batch is packed
+        for once its size repeats. The packing is forgotten with the weights (:meth:`_invalidate`)."""
+        repeat, self._last_decode_rows = rows == self._last_decode_rows, rows
+        if serves(self._packed_rows, rows) or not (repeat or self._packed_rows == 0):
+            return
+        for proj in self._packed_projections():
+            if proj.mkl is None:
+                return
+            proj.mkl[:] = [rows, fused.mkl_pack(proj.weight_t, rows)]
+        self._packed_rows, self._flat = rows, None
+
+    def _project_add(self, residual: Tensor, x: Tensor, proj: Projection, decoding: bool) -> Tensor:
         """``residual + all_reduce(x @ weight_t)`` for a row-parallel projection; one fused call at TP1."""
         if self.tp_size == 1:
-            return self._linear(x, proj, residual, decoding)
-        return residual + self._all_reduce(self._linear(x, proj, None, decoding))
+            return linear(x, proj, residual, decoding)
+        return residual + self._all_reduce(linear(x, proj, None, decoding))
 
     def _embed(self, tokens: Tensor) -> Tensor:
         table = self.weights["embed_tokens.weight"]
@@ -253,16 +267,19 @@ class RolloutDecoder:
     def logits(self, hidden: Tensor, decoding: bool = False) -> Tensor:
         """Final norm + vocab projection: hidden [n, hidden] -> fp32 logits [n, vocab] (real vocab only)."""
         hidden = self._norm(hidden, self.weights["norm.weight"], decoding)
+        if self.tp_size == 1:
+            return linear(hidden, self._head_projection(), None, decoding).float()
+        local = linear(hidden, self._head_projection(), None, decoding).float()
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)[..., : self.arch.vocab_size]
+
+    def _head_projection(self) -> Projection:
         if self._head is None:
             head = self.weights["embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
             # At TP1 the padding rows' products are skipped altogether.
             self._head = self._projection(head[: self.arch.vocab_size].t() if self.tp_size == 1 else head.t())
-        if self.tp_size == 1:
-            return self._linear(hidden, self._head, None, decoding).float()
-        local = self._linear(hidden, self._head, None, decoding).float()
-        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=-1)[..., : self.arch.vocab_size]
+        return self._head
 
     # --- forward -------------------------------------------------------------------------------------------
     # Sequences are LEFT-padded in the cache: row b's token at position p sits in column ``pad[b] + p``, so all
@@ -288,19 +305,31 @@ class RolloutDecoder:
         first = self._first_visible(b, column, pad)
         eps, heads, scale = self.arch.norm_eps, self.num_heads, self.scale
         x = self._embed(tokens)
+        self._pack_for(b)
         if self._native_step(ops):
             # The loop below in one native call: the same kernels in the same order (bitwise the same).
             x = torch.ops.mcore_rl.decode_layers(
-                x, self._flat_layers(), cache.keys, cache.values, cos, sin, column, first, heads, scale, eps
+                x,
+                self._flat_layers(b),
+                cache.keys,
+                cache.values,
+                cos,
+                sin,
+                column,
+                first,
+                heads,
+                scale,
+                eps,
+                self._packed_rows if serves(self._packed_rows, b) else 0,
             )
             return self.logits(x, decoding=True)
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             if keys.shape[0] != b:  # rows [0, b) of the cache hold the batch
                 keys, values = keys.narrow(0, 0, b), values.narrow(0, 0, b)
-            qkv = self._linear(ops.rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias, True)
+            qkv = linear(ops.rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias, True)
             context = ops.attention(qkv, cos, sin, keys, values, column, first, heads, scale)
             x = self._project_add(x, context, layer.o_proj, decoding=True)
-            gate_up = self._linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
+            gate_up = linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
             x = self._project_add(x, ops.silu_mul(gate_up), layer.down, decoding=True)
         return self.logits(x, decoding=True)
 
@@ -309,15 +338,18 @@ class RolloutDecoder:
         and there is no tensor parallelism (whose all-reduces sit between the kernels)."""
         return self.tp_size == 1 and ops.attention is getattr(torch.ops.mcore_rl, "decode_attention", None)
 
-    def _flat_layers(self) -> list[Tensor]:
-        """``decode_layers``' weights: per layer the norms, the QKV bias and each projection's [in, out] weight
-        and panels, empty tensors for absent ones; resolved once per load like :meth:`_layers`."""
-        if self._flat is None:
+    def _flat_layers(self, rows: int) -> list[Tensor]:
+        """``decode_layers``' weights for ``rows`` rows: per layer the norms, the QKV bias and each projection's
+        [in, out] weight and packed form (:meth:`Projection.decode_packed`), empty tensors for absent ones;
+        resolved once per load and packing like :meth:`_layers`."""
+        if self._flat is None or self._flat_rows != rows:
             none = torch.empty(0, dtype=self.dtype, device=self.device)
 
-            def projection(p: _Projection) -> list[Tensor]:
-                return [p.weight_t, none if p.panels is None else p.panels]
+            def projection(p: Projection) -> list[Tensor]:
+                packed = p.decode_packed(rows)
+                return [p.weight_t, none if packed is None else packed]
 
+            self._flat_rows = rows
             self._flat = []
             for layer in self._layers():
                 self._flat += [layer.input_norm, layer.post_norm]
@@ -417,7 +449,7 @@ class RolloutDecoder:
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.arch.head_dim
         b, s, column, first_row = step.batch, step.seq, step.column, step.rows.start
         h = _rms_norm(x, layer.input_norm, self.arch.norm_eps)
-        qkv = self._linear(h, layer.qkv, layer.qkv_bias, decoding=False)
+        qkv = linear(h, layer.qkv, layer.qkv_bias, decoding=False)
         qk = rotate_signed_halves(
             qkv.narrow(1, 0, (nh + nkv) * hd).view(b, s, nh + nkv, hd), step.cos, step.sin
         )
@@ -478,7 +510,7 @@ class RolloutDecoder:
         return context.view(b, nkv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b * s, nh * hd)
 
     def _mlp_block(self, layer: _LayerWeights, x: Tensor) -> Tensor:
-        gate_up = self._linear(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.gate_up, None, False)
+        gate_up = linear(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.gate_up, None, False)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._project_add(x, F.silu(gate) * up, layer.down, decoding=False)
 

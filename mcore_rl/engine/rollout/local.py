@@ -270,6 +270,7 @@ class LocalRolloutEngine:
         rows = torch.arange(first_row, first_row + num, device=self.device)  # output row of each cache row
         running: Tensor | None = None  # [rows] bool: still running; None until stop ids were checked
         interval = self._stop_check_interval()
+        self.decoder.start_decoding(num)
         for step in range(max_new):
             tokens, log_probs = sample_tokens(logits, params, generator)
             running = _record(out, rows, running, step, tokens, log_probs, stop_ids, params.pad_token_id)

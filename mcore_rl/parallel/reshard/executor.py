@@ -231,7 +231,8 @@ def execute_plan(
     (``engine.weights.local_parameters``); parameters of other pipeline stages are absent. A key the plan does
     not know, or one it reads from this rank that ``local`` lacks, is an error naming the key and the rank. Messages hold at most ``bucket_bytes`` (unless one
     unit is larger) and this rank holds at most ``max_inflight_bytes`` (default ``2 * bucket_bytes``) of them
-    at once, unless a single message is larger.
+    at once, unless a single message is larger. A shard this rank keeps whole and unchanged is returned as the
+    training tensor itself, not a copy: the shards are for reading (the rollout engines copy them on load).
     """
     start = time.perf_counter()
     rank = dist.get_rank()
@@ -246,14 +247,24 @@ def execute_plan(
         bytes_per_element=element_size,
     )
     sources = _sources(plan, rank, local, schedule)
-    out = {
-        name: torch.zeros(
-            shard_shape(spec, plan.tp_g, plan.rollout_vocab_divisible_by), dtype=dtype, device=device
-        )
+    shapes = {
+        name: shard_shape(spec, plan.tp_g, plan.rollout_vocab_divisible_by)
         for name, spec in plan.specs.items()
     }
+    # A training shard this rank keeps whole and unchanged (TP_g = TP, same dtype and device) is handed over
+    # as is: a copy would only be copied again by the rollout engine's load.
+    kept = {
+        name
+        for name, table in schedule.local_copies
+        if _copies_whole(table, sources[name], shapes[name], dtype, device)
+    }
+    out = {
+        name: sources[name] if name in kept else torch.zeros(shape, dtype=dtype, device=device)
+        for name, shape in shapes.items()
+    }
     for name, table in schedule.local_copies:
-        pack_copy([sources[name]], table, out[name])
+        if name not in kept:
+            pack_copy([sources[name]], table, out[name])
     staging = torch.empty(schedule.staging_numel, dtype=dtype, device=device)
     for messages in schedule.rounds:
         _exchange(messages, staging, sources, out)
@@ -264,6 +275,25 @@ def execute_plan(
         staging.numel() * element_size,
     )
     return out, stats
+
+
+def _copies_whole(
+    table: torch.Tensor,
+    source: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> bool:
+    """Whether ``table`` copies all of ``source`` into an output of ``shape`` element for element: every block
+    at the same offset and stride on both sides, covering every element."""
+    if tuple(source.shape) != tuple(shape) or source.dtype != dtype or source.device != device:
+        return False
+    blocks = table.tolist()
+    same_place = all(
+        src_off == dst_off and src_stride == dst_stride
+        for _, src_off, _, _, src_stride, dst_off, dst_stride in blocks
+    )
+    return same_place and sum(rows * cols for _, _, rows, cols, *_ in blocks) == source.numel()
 
 
 def _exchange(
