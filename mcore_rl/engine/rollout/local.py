@@ -188,6 +188,7 @@ class LocalRolloutEngine:
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         for first, last in self._waves(prompts, params):
             self._run_wave(prompts[first:last], first * n, params, stop_ids, generator, out)
+        _finish(out, stop_ids)
         return GenerationOutput(
             prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
             token_ids=out.token_ids.cpu(),
@@ -267,7 +268,8 @@ class LocalRolloutEngine:
             cache.repeat_rows(len(prompts), n, width)
             logits = logits.repeat_interleave(n, 0)
             pad = None if pad is None else pad.repeat_interleave(n)
-        rows = torch.arange(first_row, first_row + num, device=self.device)  # output row of each cache row
+        # output row of each cache row: a slice until finished rows leave the batch
+        rows: Tensor | slice = slice(first_row, first_row + num)
         running: Tensor | None = None  # [rows] bool: still running; None until stop ids were checked
         interval = self._stop_check_interval()
         self.decoder.start_decoding(num)
@@ -277,14 +279,18 @@ class LocalRolloutEngine:
             if step + 1 == max_new:
                 return
             if running is not None and (step + 1) % interval == 0:
-                keep = torch.nonzero(running).squeeze(1)  # the loop's only host sync
-                if keep.numel() == 0:
-                    return
-                if keep.numel() < rows.numel():
+                if bool(running.all()):  # the loop's only host sync
+                    running = None
+                else:
+                    keep = torch.nonzero(running).squeeze(1)
+                    if keep.numel() == 0:
+                        return
                     cache.keep_rows(keep, width + step)  # only the columns written so far move
+                    if isinstance(rows, slice):
+                        rows = torch.arange(rows.start, rows.stop, device=self.device)
                     rows, tokens = rows[keep], tokens[keep]
                     pad = None if pad is None else pad[keep]
-                running = None
+                    running = None
             logits = self.decoder.decode(tokens, width + step, pad, cache)
 
     def _stop_check_interval(self) -> int:
@@ -296,7 +302,7 @@ class LocalRolloutEngine:
 
 def _record(
     out: _Outputs,
-    rows: Tensor,
+    rows: Tensor | slice,
     running: Tensor | None,
     step: int,
     tokens: Tensor,
@@ -304,24 +310,26 @@ def _record(
     stop_ids: Tensor,
     pad_id: int,
 ) -> Tensor | None:
-    """Writes the batch's ``step`` into output ``rows`` -> which rows still run after it (None: no stop ids).
-
-    Rows that stopped earlier stay in the batch until the next check (``stop_check_interval``) and keep
-    decoding, but their outputs keep the pad id and 0. Rows stopping now get their length with a ``where``,
-    not a host sync.
-    """
+    """Writes the batch's ``step`` into output ``rows`` (a slice while they are still the wave's first ones in
+    order) -> which rows still run after it (None: no stop ids). Rows that stopped earlier stay in the batch
+    until the next check (``stop_check_interval``) and keep decoding, but their outputs keep the pad id and 0.
+    Lengths and finish reasons are read from the recorded tokens at the end (:func:`_finish`)."""
     if running is not None:
-        tokens_out = torch.where(running, tokens, pad_id)
+        tokens = torch.where(running, tokens, pad_id)
         log_probs = torch.where(running, log_probs, 0.0)
-    else:
-        tokens_out = tokens
-    out.token_ids[rows, step] = tokens_out
+    out.token_ids[rows, step] = tokens
     out.log_probs[rows, step] = log_probs
     if stop_ids.numel() == 0:
         return None
-    done = torch.isin(tokens, stop_ids)
-    if running is not None:
-        done &= running
-    out.lengths[rows] = torch.where(done, step + 1, out.lengths[rows])
-    out.stopped[rows] = out.stopped[rows] | done
-    return ~done if running is None else running & ~done
+    still = ~torch.isin(tokens, stop_ids)
+    return still if running is None else running & still
+
+
+def _finish(out: _Outputs, stop_ids: Tensor) -> None:
+    """Each row's length and whether it stopped, from its recorded tokens: a row ends at its first stop token
+    (what follows it is padding, which may itself be a stop id); a row without one ran to the end."""
+    if stop_ids.numel() == 0:
+        return
+    hit = torch.isin(out.token_ids, stop_ids)
+    out.stopped = hit.any(dim=1)
+    out.lengths = torch.where(out.stopped, hit.int().argmax(dim=1) + 1, out.lengths)
