@@ -20,8 +20,11 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/zeros.h>
-#include <immintrin.h>
 #include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>

@@ -10,7 +10,8 @@ still match exactly at TP1 (tests/rollout/test_megatron_parity.py holds them to 
 to fp32 rounding:
 
 - :class:`SdpaDotProductAttention`: megatron's core attention, with
-  ``torch.nn.functional.scaled_dot_product_attention`` for plain causal attention, padded or packed rows;
+  ``torch.nn.functional.scaled_dot_product_attention`` for plain causal attention, padded or packed rows
+  (shared-prompt rows: ``ops/row_attention.py``'s fused kernel);
 - :func:`bias_swiglu_impl`: megatron's fused-SwiGLU slot (``bias_activation_fusion``) filled with
   :func:`mcore_rl.ops.train_blocks.swiglu`;
 - :class:`FusedRMSNorm`: ``torch.nn.RMSNorm`` with :func:`mcore_rl.ops.train_blocks.rms_norm`;

@@ -218,9 +218,10 @@ _logprob_entropy_op.register_autograd(_logprob_entropy_backward, setup_context=_
 
 
 def _vocab_chunks(num_rows: int, vocab_start: int, vocab_size: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) row ranges of the weight shard to project, skipping chunks made only of padding."""
+    """[start, stop) row ranges of the weight shard to project: its real vocab rows only, megatron's padding
+    rows never enter a GEMM (their logits would be dropped, their gradient is zero)."""
     real_rows = reference.valid_columns(vocab_start, vocab_size, num_rows)
-    return [(start, min(start + chunk, num_rows)) for start in range(0, real_rows, chunk)]
+    return [(start, min(start + chunk, real_rows)) for start in range(0, real_rows, chunk)]
 
 
 @torch.library.custom_op("mcore_rl::linear_logprob_entropy", mutates_args=())

@@ -6,10 +6,10 @@ A group of rows with the same prompt becomes one packed segment::
     [prompt p tokens][response of row 1][response of row 2]...      positions 0..p-1, p.., p.., ...
 
 Every linear layer, norm and MLP then runs on ``(n - 1) * p`` fewer tokens per group of n rows. Attention is
-the one operation that mixes tokens: it runs in row layout, each row's queries, keys and values gathered from
-the packed tokens (``source``: a shared prompt token feeds every row of its group), causal within the row
-exactly as on the padded path, and each packed token takes its output from one row that holds it
-(``home``). So every token sees what it sees in its own padded row, and the model computes the same
+the one operation that mixes tokens: it runs in row layout, each row's keys and values read from the packed
+tokens (``source``: a shared prompt token feeds every row of its group), causal within the row exactly as on
+the padded path, and each packed token takes its output from one row that holds it (``home``); on CPU in fp32
+a fused kernel computes only those home queries (``ops/row_attention.py``). So every token sees what it sees in its own padded row, and the model computes the same
 function on fewer tokens; autograd sums a shared token's gradients over its rows. The loss reads [b, s]
 rows too: the engine gathers them from the packed output (``PackedInput.source``).
 

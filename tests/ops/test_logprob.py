@@ -191,3 +191,13 @@ def test_native_kernels_match_their_references() -> None:
         native = torch.ops.mcore_rl.logprob_stats(x, targets, 1000, 5500, 0.7)
         ref = reference.logprob_stats(x, targets, 1000, 5500, 0.7)
         torch.testing.assert_close(native, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_linear_op_projects_real_vocab_rows_only() -> None:
+    """megatron pads the vocab (1000 -> 1024 at TP1): no GEMM of the fused LM-head op reaches a padding row."""
+    from mcore_rl.ops.logprob import _vocab_chunks
+
+    assert _vocab_chunks(1024, 0, 1000, 1024) == [(0, 1000)]
+    assert _vocab_chunks(1024, 0, 1000, 300) == [(0, 300), (300, 600), (600, 900), (900, 1000)]
+    assert _vocab_chunks(512, 512, 1000, 512) == [(0, 488)]  # the last TP2 shard: 488 real rows
+    assert _vocab_chunks(512, 1024, 1000, 512) == []  # a shard of padding only

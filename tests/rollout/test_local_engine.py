@@ -300,7 +300,7 @@ def test_the_one_call_decode_step_is_the_per_layer_loop_bitwise(family, monkeypa
     not fused_decode.mkl_packing_available(torch.device("cpu"), torch.float32),
     reason="torch built without MKL",
 )
-def test_decode_steps_on_mkl_packed_weights_match_plain_gemms(monkeypatch) -> None:
+def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
     """Decode steps run their projections and the LM head on weights MKL-packed at the first step; as finished
     rows leave, a batch of at least half the packed rows runs zero-padded on them, a smaller one runs plain
     GEMMs until its size repeats and is packed then (``RolloutDecoder._pack_for``). Logits and caches match
@@ -312,7 +312,9 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms(monkeypatch) -> No
     pad = torch.tensor([0, 2, 1, 0, 3])
     results, packed_rows = {}, {}
     for mkl in (True, False):
-        monkeypatch.setattr(fused_decode, "mkl_packing_available", lambda device, dtype, mkl=mkl: mkl)
+        decoder._packs_for_decode = (
+            mkl  # what allocate() decides (MKL, 2+ threads); the storage works either way
+        )
         decoder._invalidate()  # projections are rebuilt with (or without) MKL packing
         cache = KVCache.allocate(
             arch.num_layers, 5, decoder.num_kv_heads, 12, arch.head_dim, torch.float32, "cpu"
@@ -328,3 +330,23 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms(monkeypatch) -> No
     assert packed_rows == {True: [5, 5, 5, 5, 2, 2], False: [0] * 6}
     for a, b in zip(results[True][0] + results[True][1], results[False][0] + results[False][1], strict=True):
         assert (a - b).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(
+    not fused_decode.mkl_packing_available(torch.device("cpu"), torch.float32),
+    reason="torch built without MKL",
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weights_are_laid_out_for_how_decode_steps_will_multiply(threads) -> None:
+    """With 2+ threads (MKL-packed decode steps) the projection weights stay row-major as megatron holds them;
+    on one thread (plain NN gemms) they are column-major."""
+    arch = tiny_arch("llama")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = make_engine(arch, random_full_state(arch, seed=1))
+    finally:
+        torch.set_num_threads(previous)
+    weight = engine.decoder.weights["layers.0.mlp.gate_up_proj.weight"]
+    assert engine.decoder._packs_for_decode == (threads > 1)
+    assert weight.is_contiguous() == (threads > 1) and weight.t().is_contiguous() == (threads == 1)

@@ -8,14 +8,15 @@ as the trainer's local spec runs it: ``compat/cpu_layers.py``), ``silu(gate) * u
 full-sequence logits come out bitwise equal to the trainer's; TP2 and KV-cached decoding differ by fp32
 rounding (~1e-6, see tests/rollout).
 
-Performance on CPU: fused ``qkv``/``gate_up`` projections, weights stored column-major so every projection
-of a multi-token forward (prefill, recompute) is one NN gemm (``addmm`` folds in the residual at TP1), keys
-cached transposed, and sequences left-padded in the cache so each decode step writes one cache column for the
-whole batch. A decode step (one token per sequence, :meth:`RolloutDecoder.decode`) runs the fused kernels of
-:mod:`mcore_rl.ops.decode` in fp32 on CPU: RMSNorm and SiLU-gate in one pass each, rotary + cache write + GQA
-attention in one kernel, and the projections through MKL's GEMM, or on CPUs without AVX-512 through a copy of
-each weight packed into column panels (see ``rollout/projection.py``). bench/bench_rollout.py measures the result
-against ``transformers`` ``generate``.
+Performance on CPU: fused ``qkv``/``gate_up`` projections, each projection of a multi-token forward (prefill,
+recompute) one gemm (``addmm`` folds in the residual at TP1), keys cached transposed, and sequences left-padded
+in the cache so each decode step writes one cache column for the whole batch. A decode step (one token per
+sequence, :meth:`RolloutDecoder.decode`) runs the fused kernels of :mod:`mcore_rl.ops.decode` in fp32 on CPU:
+RMSNorm and SiLU-gate in one pass each, rotary + cache write + GQA attention in one kernel, and the projections
+on weights packed once per generation: MKL's packed GEMM operand, or on CPUs without AVX-512 our column panels
+(``rollout/projection.py``). Weights stay row-major as megatron holds them where MKL packs them (a straight copy
+on load, a fast pack), column-major elsewhere (an NN gemm for a few rows). bench/bench_rollout.py measures the
+result against ``transformers`` ``generate``.
 
 The rollout layout (tensor names and shapes of one TP rank) is defined in ``rollout/layout.py``.
 """
@@ -147,18 +148,24 @@ class RolloutDecoder:
         """
         self.weights = {}
         self._invalidate()
+        self._packs_for_decode = self._mkl_decode()
         for name, shape in self.shapes.items():
-            if name.endswith(_COLUMN_MAJOR) and not self._mkl_decode():
+            if name.endswith(_COLUMN_MAJOR) and not self._packs_for_decode:
                 self.weights[name] = torch.zeros(shape[::-1], dtype=self.dtype, device=self.device).t()
             else:
                 self.weights[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _mkl_decode(self) -> bool:
-        """Whether decode steps run their projections on MKL-packed weights (``_pack_for``). The weights then
+        """Whether decode steps run their projections on MKL-packed weights (``_pack_for``), decided when the
+        weights are allocated. Packed weights pay with 2+ threads, where MKL's packed GEMM threads a few rows
+        far better than its plain one (at 32 rows and hidden 256: 1.4x the plain NN gemm over the layer's
+        projections); on one thread the plain NN gemm of column-major weights is ~5% faster. Packed weights
         stay row-major [out, in] as megatron holds them: a straight copy on load, a fast pack (packing a
         column-major view is ~15x slower), and multi-token forwards run megatron's own NT gemm."""
-        return fused.mkl_packing_available(self.device, self.dtype) and not panels_pay(
-            self.device, self.dtype
+        return (
+            fused.mkl_packing_available(self.device, self.dtype)
+            and not panels_pay(self.device, self.dtype)
+            and torch.get_num_threads() > 1
         )
 
     def release(self) -> None:
@@ -215,9 +222,7 @@ class RolloutDecoder:
     def _projection(self, weight_t: Tensor) -> Projection:
         if panels_pay(weight_t.device, weight_t.dtype):
             return Projection(weight_t, fused.pack_panels(weight_t))
-        return Projection(
-            weight_t, None, [] if fused.mkl_packing_available(self.device, self.dtype) else None
-        )
+        return Projection(weight_t, None, [] if self._packs_for_decode else None)
 
     def start_decoding(self, rows: int) -> None:
         """A generation's decode steps start from weights packed for its batch size (kept when they already
