@@ -303,7 +303,7 @@ def test_the_one_call_decode_step_is_the_per_layer_loop_bitwise(family, monkeypa
 def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
     """Decode steps run their projections and the LM head on weights MKL-packed at the first step; as finished
     rows leave, a batch of at least half the packed rows runs zero-padded on them, a smaller one runs plain
-    GEMMs until its size repeats and is packed then (``RolloutDecoder._pack_for``). Logits and caches match
+    GEMMs until its size repeats and is packed then (``projection.DecodePacking``). Logits and caches match
     the plain GEMMs' to fp32 rounding."""
     arch = tiny_arch("qwen2")
     engine = make_engine(arch, random_full_state(arch, seed=4))
@@ -312,9 +312,7 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
     pad = torch.tensor([0, 2, 1, 0, 3])
     results, packed_rows = {}, {}
     for mkl in (True, False):
-        decoder._packs_for_decode = (
-            mkl  # what allocate() decides (MKL, 2+ threads); the storage works either way
-        )
+        decoder._packs_for_decode = mkl  # allocate() decides (MKL, 2+ threads); either storage works
         decoder._invalidate()  # projections are rebuilt with (or without) MKL packing
         cache = KVCache.allocate(
             arch.num_layers, 5, decoder.num_kv_heads, 12, arch.head_dim, torch.float32, "cpu"
@@ -325,7 +323,7 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
             steps, packed_rows[mkl] = [], []
             for i, rows in enumerate((5, 5, 3, 2, 2, 2)):  # rows finish and leave the batch
                 steps.append(decoder.decode(prompts[:rows, i], 6 + i, pad[:rows], cache))
-                packed_rows[mkl].append(decoder._packed_rows)
+                packed_rows[mkl].append(decoder.packing.rows)
         results[mkl] = (steps, cache.keys + cache.values)
     assert packed_rows == {True: [5, 5, 5, 5, 2, 2], False: [0] * 6}
     for a, b in zip(results[True][0] + results[True][1], results[False][0] + results[False][1], strict=True):

@@ -35,7 +35,7 @@ from torch import Tensor
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
 from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
-from mcore_rl.engine.rollout.projection import Projection, linear, panels_pay, serves
+from mcore_rl.engine.rollout.projection import DecodePacking, Projection, linear, panels_pay
 from mcore_rl.ops import decode as fused
 from mcore_rl.ops.reference import rms_norm as rms_norm_spelled_out
 from mcore_rl.ops.reference import rotate_signed_halves
@@ -147,8 +147,8 @@ class RolloutDecoder:
         (:meth:`_mkl_decode`).
         """
         self.weights = {}
-        self._invalidate()
         self._packs_for_decode = self._mkl_decode()
+        self._invalidate()
         for name, shape in self.shapes.items():
             if name.endswith(_COLUMN_MAJOR) and not self._packs_for_decode:
                 self.weights[name] = torch.zeros(shape[::-1], dtype=self.dtype, device=self.device).t()
@@ -156,7 +156,7 @@ class RolloutDecoder:
                 self.weights[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _mkl_decode(self) -> bool:
-        """Whether decode steps run their projections on MKL-packed weights (``_pack_for``), decided when the
+        """Whether decode steps run their projections on MKL-packed weights (``DecodePacking``), decided when the
         weights are allocated. Packed weights pay with 2+ threads, where MKL's packed GEMM threads a few rows
         far better than its plain one (at 32 rows and hidden 256: 1.4x the plain NN gemm over the layer's
         projections); on one thread the plain NN gemm of column-major weights is ~5% faster. Packed weights
@@ -177,7 +177,8 @@ class RolloutDecoder:
         self._layer_cache = None
         self._flat: list[Tensor] | None = None
         self._head = None
-        self._flat_rows = self._packed_rows = self._last_decode_rows = 0
+        self._flat_rows = 0
+        self.packing = DecodePacking(self._packs_for_decode)
 
     def load(self, name: str, tensor: Tensor) -> None:
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
@@ -220,6 +221,8 @@ class RolloutDecoder:
         return x
 
     def _projection(self, weight_t: Tensor) -> Projection:
+        if weight_t.shape[1] == 0:  # a vocab shard of padding only: nothing to pack
+            return Projection(weight_t, None)
         if panels_pay(weight_t.device, weight_t.dtype):
             return Projection(weight_t, fused.pack_panels(weight_t))
         return Projection(weight_t, None, [] if self._packs_for_decode else None)
@@ -227,32 +230,14 @@ class RolloutDecoder:
     def start_decoding(self, rows: int) -> None:
         """A generation's decode steps start from weights packed for its batch size (kept when they already
         are), so that its outputs do not depend on earlier calls."""
-        if self._packed_rows != rows:
-            for proj in self._packed_projections():
-                if proj.mkl is not None:
-                    proj.mkl.clear()
-            self._packed_rows, self._flat = 0, None
-        self._last_decode_rows = 0
+        if self.packing.start(rows, self._packed_projections()):
+            self._flat = None
 
     def _packed_projections(self) -> list[Projection]:
         layers = self._layers()
         return [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [
             self._head_projection()
         ]
-
-    def _pack_for(self, rows: int) -> None:
-        """Decode steps run their projections on MKL-packed weights: packed at a generation's first decode step
-        (:meth:`start_decoding`), then kept while finished sequences shrink the batch to no less than half the
-        packed rows (the few rows run zero-padded, far cheaper than packing again); a smaller batch is packed
-        for once its size repeats. The packing is forgotten with the weights (:meth:`_invalidate`)."""
-        repeat, self._last_decode_rows = rows == self._last_decode_rows, rows
-        if serves(self._packed_rows, rows) or not (repeat or self._packed_rows == 0):
-            return
-        for proj in self._packed_projections():
-            if proj.mkl is None:
-                return
-            proj.mkl[:] = [rows, fused.mkl_pack(proj.weight_t, rows)]
-        self._packed_rows, self._flat = rows, None
 
     def _project_add(self, residual: Tensor, x: Tensor, proj: Projection, decoding: bool) -> Tensor:
         """``residual + all_reduce(x @ weight_t)`` for a row-parallel projection; one fused call at TP1."""
@@ -275,6 +260,9 @@ class RolloutDecoder:
         if self.tp_size == 1:
             return linear(hidden, self._head_projection(), None, decoding).float()
         local = linear(hidden, self._head_projection(), None, decoding).float()
+        shard = self.shapes["embed_tokens.weight"][0]
+        if local.shape[1] < shard:  # this rank's padding rows were never multiplied: zero columns for them
+            local = F.pad(local, (0, shard - local.shape[1]))
         parts = [torch.empty_like(local) for _ in range(self.tp_size)]
         dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)[..., : self.arch.vocab_size]
@@ -282,8 +270,9 @@ class RolloutDecoder:
     def _head_projection(self) -> Projection:
         if self._head is None:
             head = self.weights["embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
-            # At TP1 the padding rows' products are skipped altogether.
-            self._head = self._projection(head[: self.arch.vocab_size].t() if self.tp_size == 1 else head.t())
+            # Only this rank's real vocab rows: megatron's padding rows never enter a GEMM.
+            real = max(0, min(self.arch.vocab_size - self.vocab_start, head.shape[0]))
+            self._head = self._projection(head[:real].t())
         return self._head
 
     # --- forward -------------------------------------------------------------------------------------------
@@ -310,7 +299,8 @@ class RolloutDecoder:
         first = self._first_visible(b, column, pad)
         eps, heads, scale = self.arch.norm_eps, self.num_heads, self.scale
         x = self._embed(tokens)
-        self._pack_for(b)
+        if self.packing.pack_for(b, self._packed_projections):
+            self._flat = None
         if self._native_step(ops):
             # The loop below in one native call: the same kernels in the same order (bitwise the same).
             x = torch.ops.mcore_rl.decode_layers(
@@ -325,7 +315,7 @@ class RolloutDecoder:
                 heads,
                 scale,
                 eps,
-                self._packed_rows if serves(self._packed_rows, b) else 0,
+                self.packing.rows_for(b),
             )
             return self.logits(x, decoding=True)
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):

@@ -3,12 +3,13 @@
 A decode step multiplies a few rows (one token per sequence) by every weight. ATen's GEMM re-packs the weight
 inside each call, which at those sizes costs about a third of the call. So a decode step runs on a packed
 copy made once: our AVX2 column-panel kernel where that beats MKL (:func:`panels_pay`), else MKL's own packed
-GEMM (``ops.decode.mkl_pack``), packed for the batch size (``RolloutDecoder._pack_for``). Multi-token
+GEMM (``ops.decode.mkl_pack``), packed for the batch size (:class:`DecodePacking`). Multi-token
 forwards (prefill, recompute) run ATen's GEMM, bitwise what megatron computes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,7 +22,7 @@ class Projection(NamedTuple):
     """``x @ weight_t``: the contiguous [in, out] storage under an [out, in] weight (one plain GEMM call), and
     on CPU in fp32 the same matrix packed for decode steps: into column panels (``ops.decode.decode_linear``)
     where those pay, else as MKL's packed GEMM operand for the current batch size (``mkl``: [rows, packed]
-    once packed, see ``RolloutDecoder._pack_for``)."""
+    once packed, see :class:`DecodePacking`)."""
 
     weight_t: Tensor
     panels: Tensor | None
@@ -63,3 +64,42 @@ def linear(x: Tensor, proj: Projection, add: Tensor | None, decoding: bool) -> T
     if packed is not None and proj.mkl:
         return fused.mkl_linear(x, packed, proj.weight_t, add, rows=proj.mkl[0])
     return torch.mm(x, proj.weight_t) if add is None else torch.addmm(add, x, proj.weight_t)
+
+
+class DecodePacking:
+    """When a decoder's decode steps pack their projections (MKL) and for how many rows: packed at a
+    generation's first decode step (:meth:`start`), then kept while finished sequences shrink the batch to no
+    less than half the packed rows (the few rows run zero-padded, far cheaper than packing again); a smaller
+    batch is packed for once its size repeats. A new instance (weights loaded or moved) has packed nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.rows = 0  # rows the projections are packed for (0: none)
+        self._last = 0  # the previous decode step's rows
+
+    def start(self, rows: int, projections: list[Projection]) -> bool:
+        """A generation of ``rows`` rows starts: keep a packing for exactly that many, else forget it (packed
+        again at the first step). -> whether the packed forms changed."""
+        self._last = 0
+        if self.rows == rows:
+            return False
+        for proj in projections:
+            if proj.mkl is not None:
+                proj.mkl.clear()
+        self.rows = 0
+        return True
+
+    def pack_for(self, rows: int, projections: Callable[[], list[Projection]]) -> bool:
+        """Before a decode step of ``rows`` rows. -> whether it packed (the packed forms changed)."""
+        repeat, self._last = rows == self._last, rows
+        if not self.enabled or serves(self.rows, rows) or not (repeat or self.rows == 0):
+            return False
+        for proj in projections():
+            if proj.mkl is not None:  # None: a vocab shard of padding only
+                proj.mkl[:] = [rows, fused.mkl_pack(proj.weight_t, rows)]
+        self.rows = rows
+        return True
+
+    def rows_for(self, rows: int) -> int:
+        """The packed row count a decode step of ``rows`` rows runs zero-padded to (0: it runs unpacked)."""
+        return self.rows if serves(self.rows, rows) else 0
