@@ -396,13 +396,19 @@ void backward_row(const Rows& r, int64_t row, int64_t g, const Heads& q, const H
   }
 }
 
-// The rows of each segment [starts[s], starts[s + 1]): a row belongs to the segment of its first token.
+// The rows of each segment [starts[s], starts[s + 1]) that hold a home query: a row belongs to the segment of
+// its first token, and must read only that segment's tokens (what lets a task own its tokens' gradients).
 std::vector<std::vector<int64_t>> rows_by_segment(const Rows& r, const int64_t* starts, int64_t segments) {
   std::vector<std::vector<int64_t>> out(segments);
   for (int64_t row = 0; row < r.count; ++row) {
-    const int64_t token = r.source[row * r.len];
-    const int64_t s = std::upper_bound(starts, starts + segments + 1, token) - starts - 1;
-    if (0 <= s && s < segments) out[s].push_back(row);
+    const std::vector<int64_t> home = r.home_positions(row);
+    if (home.empty()) continue;
+    const int64_t* src = r.source + row * r.len;
+    const int64_t s = std::upper_bound(starts, starts + segments + 1, src[0]) - starts - 1;
+    TORCH_CHECK(s < segments && std::all_of(src, src + home.back() + 1,
+                                            [&](int64_t t) { return starts[s] <= t && t < starts[s + 1]; }),
+                "row_attention_backward: row ", row, " reads tokens outside its packed segment");
+    out[s].push_back(row);
   }
   return out;
 }
@@ -422,15 +428,6 @@ void check_backward(const Rows& r, const at::Tensor& q, const at::Tensor& grad_o
   const int64_t segments = starts.size(0) - 1;
   TORCH_CHECK(s[0] == 0 && std::is_sorted(s, s + segments + 1) && s[segments] <= q.size(0),
               "row_attention_backward: segment_starts must rise from 0 to at most T");
-  // Each row must read only its own segment's tokens: that is what lets a task own its tokens' gradients.
-  for (int64_t row = 0; row < r.count; ++row) {
-    const int64_t* src = r.source + row * r.len;
-    const int64_t seg = std::upper_bound(s, s + segments + 1, src[0]) - s - 1;
-    const std::vector<int64_t> home = r.home_positions(row);
-    const int64_t n = home.empty() ? 0 : home.back() + 1;
-    TORCH_CHECK(std::all_of(src, src + n, [&](int64_t t) { return s[seg] <= t && t < s[seg + 1]; }),
-                "row_attention_backward: row ", row, " reads tokens outside its packed segment");
-  }
 }
 
 // -> (dq, dk, dv), contiguous, for grad_out [T, heads, d] of the forward's (out, lse).
