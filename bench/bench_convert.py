@@ -59,9 +59,9 @@ def write_random_hf(directory: str, config: dict) -> None:
     """(child) A random bf16 HF folder, streamed: one tensor in memory at a time."""
     import torch
 
-    from mcore_rl.convert.mapping import hf_shapes, tensor_maps
-    from mcore_rl.convert.safetensors_io import OutputTensor, StreamingShardWriter
     from mcore_rl.engine.arch import ModelArch
+    from mcore_rl.engine.hf.mapping import hf_shapes, tensor_maps
+    from mcore_rl.engine.hf.safetensors_io import OutputTensor, StreamingShardWriter
 
     os.makedirs(directory)
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -105,7 +105,7 @@ def bit_exact(a_dir: str, b_dir: str) -> None:
     """(child) Prints whether two HF folders hold identical tensors, comparing one tensor at a time."""
     import torch
 
-    from mcore_rl.convert.safetensors_io import SafetensorsReader
+    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
 
     a, b = SafetensorsReader(a_dir), SafetensorsReader(b_dir)
     same = sorted(a.infos) == sorted(b.infos) and all(torch.equal(a.get(n), b.get(n)) for n in a.infos)

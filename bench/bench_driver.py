@@ -151,7 +151,7 @@ def demo_config(folder: str, threads: int, extra: list[str]):  # -> RunConfig
             *extra,
         ],
     )
-    prepare_data(cfg)
+    prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
     return cfg
 
 
@@ -163,7 +163,7 @@ def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None,
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
     from mcore_rl.trainer.build import build_actor_group, worker_spec
-    from mcore_rl.trainer.grpo import RLStep
+    from mcore_rl.trainer.step import RLStep
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)

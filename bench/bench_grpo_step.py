@@ -46,17 +46,19 @@ import torch
 from bench.bench_rollout import HF_CONFIG
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
 from mcore_rl.engine.rollout import SamplingParams
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.trainer.losses import (
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.engine.workers.losses import (
     LogProbMicroBatch,
     PolicyLossSettings,
     PolicyMicroBatch,
     log_prob_loss,
     policy_loss,
 )
-from mcore_rl.trainer.shared_prefix import shared_prefix_packing
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import TrainBatch
 
 HIDDEN, LAYERS, HEADS, INTERMEDIATE, VOCAB = 256, 4, 8, 688, 1000
@@ -152,7 +154,7 @@ class Ours:
 
     def __init__(self, ctx: ParallelContext, args: argparse.Namespace) -> None:
         self.arch = ModelArch.from_hf_config(_hf_config())
-        self.engine = TrainEngine.build(self.arch, ctx, optim=OptimizerConfig(lr=LR))
+        self.engine = TrainEngine.build(self.arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=LR))
         self.hybrid, self.rollout = build_local_hybrid(self.engine)
         self.args = args
         self.settings = PolicyLossSettings(vocab_size=VOCAB, temperature=1.0)

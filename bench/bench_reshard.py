@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mcore_rl.parallel.context import free_local_port
+from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.parallel.reshard import build_plan, model_param_specs, padded_rows
 from mcore_rl.parallel.reshard.executor import execute_plan

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from mcore_rl.parallel.context import free_local_port
+from mcore_rl.parallel.launch_env import free_local_port
 
 _PRELOAD = ("torch", "megatron.core", "megatron.core.models.gpt")
 

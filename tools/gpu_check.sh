@@ -51,6 +51,6 @@ status=0
 echo "== nvcc sm_80 / sm_90"
 timeout 300 python3 -m pytest tests/ops/test_cuda.py -k compiles -q -p no:cacheprovider || status=1
 echo "== gpu tests"
-timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/engine/test_gpu_step.py tests/rollout/test_vllm_engine.py -m gpu -q \
+timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/engine/test_gpu_step.py tests/engine/rollout/test_vllm_engine.py -m gpu -q \
     -p no:cacheprovider -rs || status=1
 exit $status

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from mcore_rl.algo.masked import (
     check_mask,
@@ -31,6 +32,7 @@ from mcore_rl.algo.masked import (
     masked_whiten,
     zero_masked,
 )
+from mcore_rl.algo.settings import AdvEstimator
 
 GroupIds = torch.Tensor | Sequence[Hashable] | Any  # Any: numpy arrays, without importing numpy here
 
@@ -227,4 +229,46 @@ def compute_remax_advantages(
     zero = torch.zeros((), dtype=r.dtype, device=r.device)
     return AdvantageOutput(
         advantages=torch.where(mask, advantages, zero), returns=torch.where(mask, returns, zero)
+    )
+
+
+def outcome_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """[N, S]: each sequence's score on its last response position, 0 elsewhere (an outcome reward)."""
+    positions = torch.arange(response_mask.shape[1])
+    last = torch.where(response_mask > 0, positions, -1).max(dim=1).values  # -1 for an empty response
+    rewards = torch.zeros(response_mask.shape)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    rewards[rows, last[rows]] = scores[rows].float()
+    return rewards
+
+
+def compute_advantages(
+    estimator: AdvEstimator | str,
+    scores: Tensor,
+    response_mask: Tensor,
+    group_ids: Tensor,
+    *,
+    norm_adv_by_std: bool = True,
+    gamma: float = 1.0,
+) -> Tensor:
+    """[N, S] advantages of outcome ``scores`` [N] by a critic-free ``estimator`` (GAE needs values: the PPO
+    step calls :func:`compute_gae_advantages` itself)."""
+    try:
+        kind = AdvEstimator(estimator)
+    except ValueError:
+        valid = ", ".join(e.value for e in AdvEstimator)
+        raise ValueError(f"algorithm.adv_estimator: unknown {estimator!r}; valid: {valid}") from None
+    rewards = outcome_rewards(scores, response_mask)
+    groups = group_ids.tolist()
+    if kind in (AdvEstimator.GRPO, AdvEstimator.DR_GRPO):
+        norm = norm_adv_by_std and kind is AdvEstimator.GRPO
+        return compute_grpo_advantages(rewards, response_mask, groups, norm_by_std=norm).advantages
+    if kind is AdvEstimator.RLOO:
+        return compute_rloo_advantages(rewards, response_mask, groups).advantages
+    if kind is AdvEstimator.REINFORCE_PLUS_PLUS:
+        return compute_reinforce_pp_advantages(rewards, response_mask, gamma=gamma).advantages
+    if kind is AdvEstimator.REINFORCE_PLUS_PLUS_BASELINE:
+        return compute_reinforce_pp_baseline_advantages(rewards, response_mask, groups).advantages
+    raise ValueError(
+        f"algorithm.adv_estimator={kind.value}: an outcome-reward step cannot run it (needs a critic)"
     )

@@ -21,19 +21,11 @@ under the reference, and the completion lengths (tokens). With ``logratio = logp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
-
-class DPOLossType(str, Enum):
-    """The per-pair losses :func:`dpo_loss` knows."""
-
-    SIGMOID = "sigmoid"
-    ROBUST = "robust"
-    HINGE = "hinge"
-    IPO = "ipo"
+from mcore_rl.algo.settings import DPOLossType
 
 
 @dataclass(frozen=True)

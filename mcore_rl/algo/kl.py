@@ -15,41 +15,15 @@ loss term (GRPO; `kl_loss`, added to the policy loss times a coefficient).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from mcore_rl.algo.losses import LossAggregation
 from mcore_rl.algo.masked import check_mask, check_shape, masked_mean, zero_masked
+from mcore_rl.algo.settings import KLEstimator, parse_kl_estimator
 
 _K3_LOG_RATIO_CLAMP = 20.0
 _K3_VALUE_CLAMP = 10.0
-
-
-class KLEstimator(str, Enum):
-    """Base KL estimator names; `parse_kl_estimator` also accepts verl's aliases and the `+` suffix."""
-
-    K1 = "k1"
-    ABS = "abs"
-    K2 = "k2"
-    K3 = "k3"
-
-
-_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-
-
-def parse_kl_estimator(name: str | KLEstimator) -> tuple[KLEstimator, bool]:
-    """Parse e.g. `"low_var_kl+"` into `(KLEstimator.K3, straight_through=True)`; ValueError for unknown names."""
-    text = name.value if isinstance(name, KLEstimator) else str(name)
-    straight_through = text.endswith("+")
-    base = text[:-1] if straight_through else text
-    try:
-        return KLEstimator(_ALIASES.get(base, base)), straight_through
-    except ValueError:
-        valid = sorted([m.value for m in KLEstimator] + list(_ALIASES))
-        raise ValueError(
-            f"unknown kl estimator {name!r}; valid names: {', '.join(valid)}, each optionally with a '+' suffix"
-        ) from None
 
 
 def _forward_kl(log_ratio: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

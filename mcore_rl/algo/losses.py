@@ -15,31 +15,16 @@ divides each micro-batch loss by `num_microbatches` unless told otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from mcore_rl.algo.masked import check_mask, check_shape, masked_mean, parse_enum, zero_masked
+from mcore_rl.algo.settings import LossAggMode
 
 # verl clamps the per-token log-ratio to [-20, 20] before exp() so that exp never overflows in float32.
 _LOG_RATIO_CLAMP = 20.0
 # GSPO clamps the sequence log-ratio from above only (verl uses 10).
 _GSPO_LOG_RATIO_MAX = 10.0
-
-
-class LossAggMode(str, Enum):
-    """How a [B, T] loss matrix becomes a scalar (verl's `loss_agg_mode`)."""
-
-    TOKEN_MEAN = "token-mean"
-    """Sum over all valid tokens / number of valid tokens (DAPO; the default)."""
-    TOKEN_SUM = "token-sum"
-    """Sum over all valid tokens, no normaliser: the loss (and gradient) grows with the tokens in the batch."""
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-    """Per-sequence token sum, averaged over sequences."""
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-    """Per-sequence token mean, averaged over sequences (original GRPO)."""
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
-    """Per-sequence token sum / a constant (the max response length), averaged over sequences (Dr.GRPO)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ stand-ins compute the same thing with fewer passes, keep megatron's parameters a
 hand anything they do not cover back to megatron's own code. The forwards of the norm, SwiGLU and rotary
 are bitwise megatron's; plain causal attention runs torch's fused kernel, which sums in another order (within
 fp32 rounding of megatron's), and the rollout decoder calls that same kernel on the same operands, so the two
-still match exactly at TP1 (tests/rollout/test_megatron_parity.py holds them to it). The backwards agree
+still match exactly at TP1 (tests/engine/rollout/test_megatron_parity.py holds them to it). The backwards agree
 to fp32 rounding:
 
 - :class:`SdpaDotProductAttention`: megatron's core attention, with
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mcore_rl.compat.shared_prefix_attention import token_positions
 from mcore_rl.ops import train_blocks
 
 
@@ -97,8 +98,10 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
                 "packed sequences (model.use_remove_padding) on the local layer spec need causal attention "
                 "without an explicit mask, window, dropout or context parallelism"
             )
-        if getattr(packed, "token_home", None) is not None:  # shared prompts (trainer/shared_prefix.py)
-            from mcore_rl.trainer.shared_prefix import row_attention
+        if (
+            getattr(packed, "token_home", None) is not None
+        ):  # shared prompts (engine/packing/shared_prefix.py)
+            from mcore_rl.compat.shared_prefix_attention import row_attention
 
             return row_attention(query, key, value, packed, self.softmax_scale)
         cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
@@ -171,7 +174,7 @@ def apply_rotary_pos_emb(original: Any) -> Any:
             and not config.rotary_interleaved
             and not config.multi_latent_attention
         )
-        positions = getattr(cu_seqlens, "token_positions", None)
+        positions = token_positions(cu_seqlens)
         if positions is not None:  # shared-prompt packing: positions do not restart per segment
             if not plain or config.context_parallel_size > 1:
                 raise ValueError(

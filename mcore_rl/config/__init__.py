@@ -1,6 +1,10 @@
 """Run configuration: one typed schema, YAML recipes and ``key=value`` overrides (OmegaConf).
 
-The schema is the dataclasses in :mod:`mcore_rl.config.model` and :mod:`mcore_rl.config.run`; YAML
+The schema is :class:`RunConfig` (:mod:`mcore_rl.config.run`) composing one dataclass per section, each
+defined once: next to its component when the component sits below the config (``parallel`` and
+``rollout.hybrid`` in :mod:`mcore_rl.parallel.config`, ``optim`` in :mod:`mcore_rl.engine.optim`, ``data`` in
+:mod:`mcore_rl.data.config`, ``reward`` in :mod:`mcore_rl.scoring.config`, ``logging`` in
+:mod:`mcore_rl.logs.config`, ``algorithm.kl_ctrl`` in :mod:`mcore_rl.algo.settings`), here otherwise. YAML
 recipes (``recipes/``) and overrides load into them, nothing else describes a run. Keys follow verl where
 the meaning is the same::
 
@@ -51,31 +55,21 @@ Python API::
 ``mcore-rl config show RECIPE [k=v ...]`` prints the resolved config.
 """
 
+from mcore_rl.algo.settings import KLControl
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
-from mcore_rl.config.model import (
-    AlgorithmConfig,
-    HybridSection,
-    KLControl,
-    ModelConfig,
-    OptimConfig,
-    ParallelSection,
-    RolloutConfig,
-    ValSampling,
-)
+from mcore_rl.config.model import AlgorithmConfig, ModelConfig, RolloutConfig, ValSampling
 from mcore_rl.config.reward_model import RewardModelConfig
-from mcore_rl.config.run import (
-    DataConfig,
-    LoggingConfig,
-    RewardConfig,
-    RunConfig,
-    SFTConfig,
-    TrainerConfig,
-)
+from mcore_rl.config.run import RunConfig, SFTConfig, TrainerConfig
 from mcore_rl.config.run_folder import claim_run_folders
 from mcore_rl.config.validate import validate
+from mcore_rl.data.config import DataConfig
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.logs.config import LoggingConfig
+from mcore_rl.parallel.config import HybridConfig, ParallelConfig
+from mcore_rl.scoring.config import RewardConfig
 
 __all__ = [
     "CONFIG_FILE",
@@ -84,12 +78,12 @@ __all__ = [
     "CriticConfig",
     "DPOConfig",
     "DataConfig",
-    "HybridSection",
+    "HybridConfig",
     "KLControl",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
-    "ParallelSection",
+    "ParallelConfig",
     "RewardConfig",
     "RewardModelConfig",
     "RolloutConfig",

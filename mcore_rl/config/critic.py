@@ -8,8 +8,11 @@ by the clipped value loss on the GAE returns, with its own optimizer, learning-r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from mcore_rl.config.model import OptimConfig, ParallelSection
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.io.fields import NON_NEGATIVE, POSITIVE, check_section
+from mcore_rl.parallel.config import ParallelConfig
 
 
 def _critic_optim() -> OptimConfig:
@@ -20,6 +23,8 @@ def _critic_optim() -> OptimConfig:
 @dataclass
 class CriticConfig:
     """The value model: initialisation, layout, optimizer, micro-batching, value clipping and warm-up."""
+
+    SECTION: ClassVar[str] = "critic"
 
     model_path: str | None = None
     """An HF folder (safetensors, e.g. the actor's base model) whose transformer body starts the critic;
@@ -32,7 +37,7 @@ class CriticConfig:
     with the actor's log-probs."""
     num_ranks: int = 1
     """Ranks of the critic's own pool (``colocate=false``; GPUs, or worker processes on CPU)."""
-    parallel: ParallelSection | None = None
+    parallel: ParallelConfig | None = None
     """The critic's training layout; None: the actor's (``parallel``). A colocated critic shares the
     actor's processes, hence its layout: a different one is refused. On its own pool any layout that
     divides ``num_ranks``."""
@@ -44,3 +49,14 @@ class CriticConfig:
     """Value clipping: the new value stays within this of the rollout-time value in the loss."""
     warmup_steps: int = 0
     """RL steps at the start of the run that train the critic only (the actor is frozen)."""
+
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "num_ranks": POSITIVE,
+                "ppo_micro_batch_size_per_gpu": POSITIVE,
+                "cliprange_value": NON_NEGATIVE,
+                "warmup_steps": NON_NEGATIVE,
+            },
+        )

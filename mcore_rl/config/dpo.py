@@ -5,11 +5,25 @@ RL run. A recipe is a DPO run when it sets ``dpo.train_files``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from mcore_rl.algo.settings import DPOLossType
+from mcore_rl.io.fields import (
+    FREQUENCY,
+    NON_NEGATIVE,
+    OPTIONAL_POSITIVE,
+    POSITIVE,
+    Rule,
+    check_section,
+    choice,
+)
 
 
 @dataclass
 class DPOConfig:
     """Preference data, the DPO loss (TRL's names and defaults) and the run's length and evaluation."""
+
+    SECTION: ClassVar[str] = "dpo"
 
     train_files: list[str] = field(default_factory=list)
     """Preference pairs (.parquet, .jsonl): ``data.prompt_key`` (text or chat messages) plus ``chosen_key``
@@ -20,7 +34,7 @@ class DPOConfig:
     """Column holding the preferred completion."""
     rejected_key: str = "rejected"
     """Column holding the dispreferred completion."""
-    loss_type: str = "sigmoid"
+    loss_type: str = DPOLossType.SIGMOID.value
     """sigmoid (DPO; cDPO with ``label_smoothing``), robust (rDPO), hinge (SLiC) or ipo (length-averaged)."""
     beta: float = 0.1
     """Strength of the implicit KL constraint to the reference policy."""
@@ -47,5 +61,17 @@ class DPOConfig:
     only before and after training. Length, checkpoints and resume follow ``trainer.total_training_steps``
     (None: ``trainer.total_epochs`` passes over the pairs), ``trainer.save_freq`` and ``trainer.resume_mode``."""
 
-
-DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "loss_type": choice(DPOLossType),
+                "beta": POSITIVE,
+                "label_smoothing": Rule("in [0, 0.5)", lambda v: 0 <= v < 0.5),
+                "sft_loss_weight": NON_NEGATIVE,
+                "max_length": OPTIONAL_POSITIVE,
+                "train_batch_size": POSITIVE,
+                "micro_batch_size_per_gpu": POSITIVE,
+                "test_freq": FREQUENCY,
+            },
+        )

@@ -24,7 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.run import RunConfig
-from mcore_rl.config.validate import CHOICES, validate
+from mcore_rl.config.validate import validate
+from mcore_rl.io.fields import FieldError
 
 CONFIG_FILE = "config.yaml"
 """Name of the resolved config written next to a run's outputs and inside each checkpoint."""
@@ -49,12 +50,46 @@ def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False) -> RunC
     such as ``rollout.response_length`` take their values, wrong types and broken rules raise ConfigError."""
     try:
         node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
-        resolved = OmegaConf.to_object(node)
+        values = OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(_reword(err, "config")) from None
+    problems: list[str] = []
+    resolved = _build(RunConfig, values, "", problems)
+    if resolved is None:
+        raise ConfigError("invalid run config:\n  " + "\n  ".join(problems))
     assert isinstance(resolved, RunConfig)
     validate(resolved, check_paths=check_paths)
     return resolved
+
+
+def _build(schema: type, values: Any, prefix: str, problems: list[str]) -> Any:
+    """``schema(**values)`` with its nested sections built first, each named by its dotted key: a section's
+    own field checks raise naming its ``SECTION``, renamed here to where it sits (``sft.optim``). Bad fields
+    go to ``problems`` (every section is tried, so all are reported at once); None when any was bad."""
+    hints = typing.get_type_hints(schema)
+    kwargs, complete = {}, True
+    for f in dataclasses.fields(schema):
+        if not f.init or f.name not in values:
+            continue
+        value, section = values[f.name], _section_type(hints[f.name])
+        if section is not None and isinstance(value, Mapping):
+            value = _build(section, value, f"{prefix}{f.name}.", problems)
+            complete = complete and value is not None
+        kwargs[f.name] = value
+    if not complete:
+        return None
+    try:
+        return schema(**kwargs)
+    except FieldError as err:
+        own = getattr(schema, "SECTION", schema.__name__)
+        problems += [f"{prefix}{key[len(own) + 1 :]}{message}" for key, message in err.problems]
+        return None
+
+
+def _section_type(hint: Any) -> type | None:
+    """The dataclass a field holds (``X`` or ``X | None``), or None for a plain value."""
+    options = [hint, *typing.get_args(hint)]
+    return next((o for o in options if dataclasses.is_dataclass(o) and isinstance(o, type)), None)
 
 
 def config_to_yaml(cfg: RunConfig) -> str:
@@ -155,10 +190,7 @@ def _expected(full_key: str) -> str:
             return "a value"
         hint = typing.get_type_hints(schema).get(part)
         schema = hint
-    text = str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    if full_key in CHOICES:
-        text += " (one of: " + ", ".join("null" if c is None else str(c) for c in CHOICES[full_key]) + ")"
-    return text
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
 def _first_line(err: Exception) -> str:

@@ -1,34 +1,60 @@
-"""Schema sections for the model and how it is trained: ``model``, ``parallel``, ``rollout``, ``algorithm``,
-``optim``.
+"""Schema sections for the model and how it is trained: ``model``, ``rollout``, ``algorithm``.
+
+The sections of components below the config live with them and are composed here and in ``run.py``:
+``parallel`` and ``rollout.hybrid`` (:mod:`mcore_rl.parallel.config`), ``optim`` (:mod:`mcore_rl.engine.optim`),
+``algorithm.kl_ctrl`` and the algorithms' choice lists (:mod:`mcore_rl.algo.settings`).
 
 Plain dataclasses with a docstring per field; OmegaConf reads them as structured configs, so a YAML recipe
-or ``key=value`` override of the wrong type fails where it is loaded. Value ranges and cross-field rules live
-in :mod:`mcore_rl.config.validate` (one table that names each full dotted key). Fields whose default is
-``II("...")`` are OmegaConf interpolations: they follow another key unless set (verl does the same).
+or ``key=value`` override of the wrong type fails where it is loaded. Each section checks its own fields when
+constructed (:func:`mcore_rl.io.fields.check_section`, naming the dotted key); rules that span sections live
+in :mod:`mcore_rl.config.validate`. Fields whose default is ``II("...")`` are OmegaConf interpolations: they
+follow another key unless set (verl does the same).
 
-Nothing here imports megatron or torch: ``mcore-rl config show`` stays instant. The ``to_*`` methods build
-the component configs the engines take (they import those modules when called).
+Nothing here imports megatron or torch: ``mcore-rl config show`` stays instant.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from omegaconf import II
+
+from mcore_rl.algo.settings import (
+    ADV_ESTIMATOR_ALIASES,
+    AdvEstimator,
+    KLControl,
+    LossAggMode,
+    kl_estimator_rule,
+)
+from mcore_rl.io.fields import (
+    CLOSED_UNIT,
+    NON_NEGATIVE,
+    OPTIONAL_POSITIVE,
+    POSITIVE,
+    PROBABILITY,
+    Rule,
+    check_section,
+    choice,
+    one_of,
+)
+from mcore_rl.parallel.config import HybridConfig
 
 if TYPE_CHECKING:
     from mcore_rl.engine.arch import ModelArch
     from mcore_rl.engine.rollout.base import SamplingParams
-    from mcore_rl.engine.train_engine import OptimizerConfig
-    from mcore_rl.parallel.context import ParallelConfig
-    from mcore_rl.parallel.reshard.hybrid import HybridConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""Parameter dtypes by name (``model.dtype``)."""
 
 
 @dataclass
 class ModelConfig:
     """The policy model: a local Hugging Face folder, or an inline architecture trained from scratch."""
+
+    SECTION: ClassVar[str] = "model"
 
     path: str | None = None
     """Local HF model folder (``config.json``, safetensors weights, tokenizer files). None: the architecture
@@ -59,6 +85,9 @@ class ModelConfig:
     those passes. The local layer spec on CPU only (Transformer Engine's attention has no such mask); needs
     ``parallel.pipeline_model_parallel_size=1``."""
 
+    def __post_init__(self) -> None:
+        check_section(self, {"dtype": one_of(*DTYPES)})
+
     def hf_config_dict(self) -> dict[str, Any]:
         """The effective ``config.json``: the folder's (when ``path`` is set) updated by ``hf_config``."""
         import json
@@ -83,74 +112,10 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelSection:
-    """The training (actor and reference) layout; names as megatron-core and verl's megatron worker."""
-
-    tensor_model_parallel_size: int = 1
-    """Ranks that split every weight matrix. Keep within one node."""
-    pipeline_model_parallel_size: int = 1
-    """Pipeline stages the layers are split into."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per stage (interleaved 1F1B); None disables interleaving. Needs pipeline size >= 2."""
-    sequence_parallel: bool = False
-    """Split norm/dropout activations by sequence over the TP group (needs TP >= 2)."""
-    data_parallel_size: int | None = None
-    """Replicas; None derives it (world size / (TP * PP)). When set it must equal the derived value."""
-    backend: str | None = None
-    """torch.distributed backend: nccl or gloo; None picks nccl with CUDA and gloo without."""
-    timeout_minutes: int = 30
-    """Collective timeout before a hung rank fails the job."""
-
-    def to_parallel_config(self, seed: int) -> ParallelConfig:
-        from mcore_rl.parallel.context import ParallelConfig
-
-        return ParallelConfig(
-            tensor_parallel_size=self.tensor_model_parallel_size,
-            pipeline_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_parallel_size=self.virtual_pipeline_model_parallel_size,
-            sequence_parallel=self.sequence_parallel,
-            seed=seed,
-            backend=self.backend,
-            timeout_minutes=self.timeout_minutes,
-        )
-
-
-@dataclass
-class HybridSection:
-    """The train <-> rollout switch (:class:`~mcore_rl.parallel.reshard.hybrid.HybridConfig`, field for field,
-    except the dtype, which is written by name)."""
-
-    offload_optimizer: bool = True
-    """Move optimizer state to host memory during rollout (GPU only; a no-op on CPU)."""
-    offload_grad_buffers: bool = True
-    """Free the DDP gradient buffers during rollout."""
-    sleep_level: int = 1
-    """Rollout sleep between phases: 1 frees the KV cache, 2 also drops the rollout weights."""
-    bucket_bytes: int = 256 << 20
-    """Largest p2p message during resharding."""
-    max_inflight_bytes: int | None = None
-    """Most bytes a rank sends plus receives per reshard round (None: ``2 * bucket_bytes``)."""
-    rollout_dtype: str | None = None
-    """Cast weights to this dtype (float32, bfloat16, float16) while resharding; None keeps the train dtype."""
-
-    def to_hybrid_config(self) -> HybridConfig:
-        import torch
-
-        from mcore_rl.parallel.reshard.hybrid import HybridConfig
-
-        return HybridConfig(
-            offload_optimizer=self.offload_optimizer,
-            offload_grad_buffers=self.offload_grad_buffers,
-            sleep_level=self.sleep_level,
-            bucket_bytes=self.bucket_bytes,
-            max_inflight_bytes=self.max_inflight_bytes,
-            rollout_dtype=getattr(torch, self.rollout_dtype) if self.rollout_dtype else None,
-        )
-
-
-@dataclass
 class ValSampling:
     """Sampling for validation and held-out tests (verl's ``rollout.val_kwargs``); greedy by default."""
+
+    SECTION: ClassVar[str] = "rollout.val_kwargs"
 
     temperature: float = 0.0
     """0 is greedy."""
@@ -159,12 +124,26 @@ class ValSampling:
     n: int = 1
     """Samples per prompt; accuracy averages over them."""
 
+    def __post_init__(self) -> None:
+        check_section(self, {"temperature": NON_NEGATIVE, "top_p": PROBABILITY, "n": POSITIVE})
+
+
+class RolloutEngineName(str, Enum):
+    """``rollout.name``: which engine samples the rollouts."""
+
+    LOCAL = "local"
+    """Our KV-cached PyTorch sampler (``engine/rollout/local.py``), any device."""
+    VLLM = "vllm"
+    """vLLM in the actor's processes (``engine/rollout/vllm_engine.py``)."""
+
 
 @dataclass
 class RolloutConfig:
     """The rollout engine and how it samples (verl's ``actor_rollout_ref.rollout``)."""
 
-    name: str = "local"
+    SECTION: ClassVar[str] = "rollout"
+
+    name: str = RolloutEngineName.LOCAL.value
     """Engine: local (our KV-cached PyTorch sampler, any device) or vllm (GPU, in the same processes)."""
     tensor_model_parallel_size: int = 1
     """Rollout TP: must divide the world size and the attention (and key/value) heads."""
@@ -184,7 +163,7 @@ class RolloutConfig:
     """vllm only: fraction of GPU memory for weights plus KV cache."""
     val_kwargs: ValSampling = field(default_factory=ValSampling)
     """Sampling for validation and the held-out test."""
-    hybrid: HybridSection = field(default_factory=HybridSection)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     """Memory handling of the train <-> rollout switch."""
     colocate: bool = True
     """True: the rollout engines live in the actor's processes and get its weights through the hybrid
@@ -193,6 +172,23 @@ class RolloutConfig:
     next rollout then runs on that pool while the actor updates (verl's one-step-off placement)."""
     num_ranks: int = 1
     """Ranks of the rollout pool (``colocate=false``): ``num_ranks / tensor_model_parallel_size`` replicas."""
+
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "name": choice(RolloutEngineName),
+                "tensor_model_parallel_size": POSITIVE,
+                "n": POSITIVE,
+                "temperature": NON_NEGATIVE,
+                "top_p": PROBABILITY,
+                "top_k": Rule("-1 (off) or >= 0", lambda v: v >= -1),
+                "response_length": POSITIVE,
+                "stop_token_ids": Rule("a list of ids >= 0", lambda v: all(t >= 0 for t in v)),
+                "gpu_memory_utilization": PROBABILITY,
+                "num_ranks": POSITIVE,
+            },
+        )
 
     def sampling_params(
         self, eos_token_id: int, pad_token_id: int, seed: int | None, validation: bool = False
@@ -214,32 +210,21 @@ class RolloutConfig:
         )
 
 
-ADV_ESTIMATOR_ALIASES = {
-    "reinforce++": "reinforce_plus_plus",
-    "reinforce++-baseline": "reinforce_plus_plus_baseline",
-    "dr-grpo": "dr_grpo",
-}
+class RecomputeOldLogProbs(str, Enum):
+    """``algorithm.recompute_old_log_probs``: when the actor's old-log-prob pass runs before the update."""
 
-
-@dataclass
-class KLControl:
-    """Coefficient of a KL penalty in the reward (verl's ``algorithm.kl_ctrl``)."""
-
-    type: str = "fixed"
-    """fixed or adaptive."""
-    kl_coef: float = 0.001
-    """Initial (fixed: constant) coefficient."""
-    target_kl: float = 0.1
-    """adaptive: the KL the controller steers to."""
-    horizon: int = 10000
-    """adaptive: steps over which the coefficient adapts."""
+    AUTO = "auto"
+    """Skipped where it provably equals the update's own forward (verl's on-policy shortcut)."""
+    ALWAYS = "always"
 
 
 @dataclass
 class AlgorithmConfig:
     """Advantage estimator and the PPO-style actor loss (verl's ``algorithm`` plus its actor loss keys)."""
 
-    adv_estimator: str = "grpo"
+    SECTION: ClassVar[str] = "algorithm"
+
+    adv_estimator: str = AdvEstimator.GRPO.value
     """grpo, dr_grpo (GRPO without std normalisation, seq-mean-token-sum-norm loss), rloo,
     reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO with the ``critic``); 'reinforce++' and
     'reinforce++-baseline' are accepted spellings."""
@@ -267,7 +252,7 @@ class AlgorithmConfig:
     """PPO ratio clip above 1 (DAPO's clip-higher when larger than ``clip_ratio_low``)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = LossAggMode.TOKEN_MEAN.value
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight (0 disables)."""
@@ -283,7 +268,7 @@ class AlgorithmConfig:
     ``ppo_micro_batch_size_per_gpu`` rows; each mini-batch's rows are also balanced over the data-parallel
     ranks by tokens and each micro-batch is trimmed to its longest row (``trainer/token_batching.py``).
     Needs pipeline_model_parallel_size=1; null: a fixed number of rows."""
-    recompute_old_log_probs: str = "auto"
+    recompute_old_log_probs: str = RecomputeOldLogProbs.AUTO.value
     """The actor's forward pass for the PPO ratio's old log-probs before the update. auto (verl's on-policy
     shortcut): skipped when the update is one optimizer step (``ppo_epochs=1``, ``ppo_mini_batch_size =
     data.train_batch_size``) on a rollout of the current weights (not a ``trainer.one_step_off`` lagged
@@ -301,42 +286,26 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         # Store one spelling so the driver compares against one name.
-        self.adv_estimator = ADV_ESTIMATOR_ALIASES.get(self.adv_estimator, self.adv_estimator)
-
-
-@dataclass
-class OptimConfig:
-    """Adam(W) and the learning-rate schedule (megatron's ``OptimizerParamScheduler`` names)."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay."""
-    lr_warmup_steps: int = 0
-    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
-    lr_decay_style: str = "constant"
-    """constant, linear, cosine or inverse-square-root, after the warmup."""
-    lr_decay_steps: int | None = None
-    """Steps from the start to the end of the decay; None: the run's total optimizer steps."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global grad-norm clip (0 disables)."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
-
-    def to_optimizer_config(self) -> OptimizerConfig:
-        from mcore_rl.engine.train_engine import OptimizerConfig
-
-        return OptimizerConfig(
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            adam_beta1=self.adam_beta1,
-            adam_beta2=self.adam_beta2,
-            adam_eps=self.adam_eps,
-            clip_grad=self.clip_grad,
-            use_distributed_optimizer=self.use_distributed_optimizer,
+        if isinstance(self.adv_estimator, str):
+            self.adv_estimator = ADV_ESTIMATOR_ALIASES.get(self.adv_estimator, self.adv_estimator)
+        check_section(
+            self,
+            {
+                "adv_estimator": choice(AdvEstimator),
+                "gamma": CLOSED_UNIT,
+                "lam": CLOSED_UNIT,
+                "kl_loss_coef": NON_NEGATIVE,
+                "kl_loss_type": kl_estimator_rule(),
+                "kl_penalty": kl_estimator_rule(),
+                "clip_ratio_low": Rule("in [0, 1)", lambda v: 0 <= v < 1),
+                "clip_ratio_high": NON_NEGATIVE,
+                "clip_ratio_c": Rule("> 1", lambda v: v > 1),
+                "loss_agg_mode": choice(LossAggMode),
+                "ppo_epochs": POSITIVE,
+                "ppo_mini_batch_size": POSITIVE,
+                "ppo_micro_batch_size_per_gpu": POSITIVE,
+                "ppo_max_token_len_per_gpu": OPTIONAL_POSITIVE,
+                "recompute_old_log_probs": choice(RecomputeOldLogProbs),
+                "rollout_is_threshold": Rule("> 1 or null", lambda v: v is None or v > 1),
+            },
         )

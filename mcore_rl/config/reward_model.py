@@ -8,11 +8,16 @@ The model is an HF sequence-classification checkpoint with one label, scored on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from mcore_rl.io.fields import POSITIVE, check_section
 
 
 @dataclass
 class RewardModelConfig:
     """Where the reward model is and how its score combines with the rules'."""
+
+    SECTION: ClassVar[str] = "reward_model"
 
     path: str | None = None
     """HF folder of a ``*ForSequenceClassification`` model (Llama, Qwen2, Mistral; one label) sharing the
@@ -24,3 +29,6 @@ class RewardModelConfig:
     """Weight of the rule (or ``reward.custom_function``) score in the step's reward."""
     micro_batch_size_per_gpu: int = 8
     """Sequences per reward-model forward on one data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        check_section(self, {"micro_batch_size_per_gpu": POSITIVE})

@@ -1,95 +1,66 @@
-"""Schema sections for the run around the model: ``data``, ``reward``, ``trainer``, ``logging``, ``sft``, and
-:class:`RunConfig`, the root that holds every section (see :mod:`mcore_rl.config` for the whole tree)."""
+"""Schema sections of the run itself (``trainer``, ``sft``) and :class:`RunConfig`, the root that composes every
+section (see :mod:`mcore_rl.config` for the whole tree): ``data`` (:mod:`mcore_rl.data.config`), ``reward``
+(:mod:`mcore_rl.scoring.config`) and ``logging`` (:mod:`mcore_rl.logs.config`) live with their components."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar
 
 from omegaconf import II
 
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
-from mcore_rl.config.model import (
-    AlgorithmConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelSection,
-    RolloutConfig,
-)
+from mcore_rl.config.model import AlgorithmConfig, ModelConfig, RolloutConfig
 from mcore_rl.config.reward_model import RewardModelConfig
+from mcore_rl.data.config import DataConfig
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.io.fields import (
+    FREQUENCY,
+    OPTIONAL_POSITIVE,
+    POSITIVE,
+    Rule,
+    check_section,
+    choice,
+)
+from mcore_rl.logs.config import LoggingConfig
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.scoring.config import RewardConfig
 
 
-@dataclass
-class DataConfig:
-    """Prompt datasets in verl's format (verl's ``data`` keys): jsonl or parquet rows with ``prompt`` (chat
-    messages or plain text), ``data_source``, ``reward_model.ground_truth`` and ``extra_info``."""
+class ResumeMode(str, Enum):
+    """``trainer.resume_mode``: which run checkpoint a run continues from."""
 
-    train_files: list[str] = field(default_factory=list)
-    """Training prompt files (.parquet, .jsonl), read in order and concatenated."""
-    val_files: list[str] = field(default_factory=list)
-    """Validation prompts, scored every ``trainer.test_freq`` steps."""
-    test_files: list[str] = field(default_factory=list)
-    """Held-out test prompts, scored before training and at the end only."""
-    prompt_key: str = "prompt"
-    """Column holding the prompt."""
-    reward_fn_key: str = "data_source"
-    """Column whose value picks the reward function."""
-    max_prompt_length: int = 512
-    """Longest prompt in tokens, chat template included."""
-    max_response_length: int = 512
-    """Longest response in tokens (``rollout.response_length`` follows it)."""
-    train_batch_size: int = 1024
-    """Prompts per RL step, over all data-parallel ranks."""
-    val_batch_size: int | None = None
-    """Prompts per validation generate call; None: the whole validation set at once."""
-    filter_overlong_prompts: bool = False
-    """True drops prompts longer than ``max_prompt_length`` with one counted warning; False refuses them,
-    naming the file and row."""
-    skip_bad_rows: bool = False
-    """True skips rows missing a needed column (counted, one warning); False stops naming file, row, column."""
-    apply_chat_template: bool = True
-    """Render message-list prompts through the tokenizer's chat template (plain-text prompts are encoded
-    as they are)."""
-    shuffle: bool = True
-    """Reshuffle the training prompts every epoch (deterministic from ``seed`` and the epoch)."""
-    seed: int = II("trainer.seed")
-    """Shuffle seed; follows ``trainer.seed``."""
-    drop_last: bool = True
-    """Drop an epoch's last incomplete batch (every step then has ``train_batch_size`` prompts)."""
-    generate: str | None = None
-    """A built-in task ('arithmetic'; 'arithmetic_reversed' writes the answers least-significant digit
-    first) whose generator writes the files named by ``train_files``, ``val_files``, ``test_files``,
-    ``sft.train_files`` and the tokenizer at ``model.tokenizer_path`` when they are missing (see
-    :mod:`mcore_rl.data.demo_task`); None: the files must exist."""
+    AUTO = "auto"
+    """The latest checkpoint in ``trainer.default_local_dir`` when there is one."""
+    DISABLE = "disable"
+    RESUME_PATH = "resume_path"
+    """``trainer.resume_from_path``."""
 
 
-@dataclass
-class RewardConfig:
-    """Rule rewards (verl's ``default_compute_score`` dispatch by ``data_source``) and user scorers."""
+class Device(str, Enum):
+    """``trainer.device``."""
 
-    custom_function: str | None = None
-    """A user scorer for every row, ``module:function`` or ``path/to/file.py:function``, called as
-    ``fn(data_source, solution_str, ground_truth, extra_info)`` and returning a float or a dict with
-    ``score`` plus extra metrics. None: the built-in dispatch."""
-    sources: dict[str, str] = field(default_factory=dict)
-    """Extra ``data_source -> scorer`` entries: a built-in name (gsm8k, math, exact_match) or a
-    ``module:function`` / ``file.py:function`` spec. They take precedence over the built-in table."""
-    on_error: str = "zero"
-    """A scorer that raises or returns NaN: zero (score 0, counted, one warning per kind) or raise (stop,
-    naming the row)."""
-    num_workers: int = 0
-    """Scorer worker processes; 0 scores in the calling process (no timeout protection)."""
-    timeout_s: float = 10.0
-    """Per-answer limit in a worker; past it the worker is killed and replaced, and the answer scores 0."""
-    gsm8k_method: str = "strict"
-    """GSM8K answer extraction: strict (the last ``#### number``) or flexible (the last number)."""
-    format_score: float = 0.0
-    """Score of a well-formed but wrong answer (GSM8K and the format checks)."""
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class OnNonFiniteLoss(str, Enum):
+    """``trainer.on_nonfinite_loss``: what a NaN/inf loss does (the update is never applied)."""
+
+    STOP = "stop"
+    """End the run naming the step."""
+    SKIP = "skip"
+    """Skip that optimizer step, count it (``num_skipped``) and go on."""
 
 
 @dataclass
 class TrainerConfig:
     """The run: length, schedule of validation and checkpoints, placement (verl's ``trainer`` keys)."""
+
+    SECTION: ClassVar[str] = "trainer"
 
     project_name: str = "mcore_rl"
     experiment_name: str = "run"
@@ -103,7 +74,7 @@ class TrainerConfig:
     """Validate (and score the held-out test set) before the first step."""
     save_freq: int = -1
     """Save a run checkpoint every this many steps and after the last one; -1 never saves."""
-    resume_mode: str = "auto"
+    resume_mode: str = ResumeMode.AUTO.value
     """auto (the latest checkpoint in ``default_local_dir`` when there is one), disable, or resume_path
     (``resume_from_path``)."""
     resume_from_path: str | None = None
@@ -118,13 +89,13 @@ class TrainerConfig:
     """Nodes in the run."""
     n_gpus_per_node: int = 1
     """Ranks per node: GPUs, or worker processes on CPU. World size = nnodes * n_gpus_per_node."""
-    device: str = "auto"
+    device: str = Device.AUTO.value
     """auto (cuda when available), cuda or cpu."""
     ray_address: str | None = None
     """An existing Ray cluster (``ray start``) to join; None starts a local one."""
     num_cpus: int | None = None
     """CPUs for a local Ray; None takes them from the environment (Slurm / cgroup), never a guess."""
-    on_nonfinite_loss: str = "stop"
+    on_nonfinite_loss: str = OnNonFiniteLoss.STOP.value
     """A NaN/inf loss or grad norm: stop (no update is written, the step is named) or skip the update."""
     overlap_stages: bool = True
     """PPO: after each rollout, start scoring, critic values and actor/reference log-probs together (they
@@ -140,29 +111,30 @@ class TrainerConfig:
     the actor updates. Run checkpoints hold the pending rollout, so a resumed run continues exactly. False:
     on-policy."""
 
-
-@dataclass
-class LoggingConfig:
-    """What the run reports and where."""
-
-    log_dir: str = "${trainer.default_local_dir}/logs"
-    """Folder for the metrics JSONL, TensorBoard events and the reward plot."""
-    jsonl: bool = True
-    """One JSON object per step in ``metrics.jsonl``."""
-    tensorboard: bool = False
-    """TensorBoard event files."""
-    progress_bar: bool = True
-    """A live progress bar on the console."""
-    plot: bool = True
-    """At the end, a PNG of reward and validation accuracy per step."""
-    token_mult_prob_error_threshold: float = 1.05
-    """Warn (with the worst samples) when the mean exp(|rollout - trainer log-prob|) over response tokens
-    exceeds this (NeMo-RL's check; our engines should read 1.000000)."""
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "total_epochs": POSITIVE,
+                "total_training_steps": OPTIONAL_POSITIVE,
+                "test_freq": FREQUENCY,
+                "save_freq": FREQUENCY,
+                "resume_mode": choice(ResumeMode),
+                "max_ckpt_to_keep": OPTIONAL_POSITIVE,
+                "nnodes": POSITIVE,
+                "n_gpus_per_node": POSITIVE,
+                "device": choice(Device),
+                "num_cpus": OPTIONAL_POSITIVE,
+                "on_nonfinite_loss": choice(OnNonFiniteLoss),
+            },
+        )
 
 
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning on the same engines (``mcore-rl sft`` and the RL run's warm start)."""
+
+    SECTION: ClassVar[str] = "sft"
 
     enable: bool = False
     """Run SFT before RL in ``mcore-rl train`` (the warm start)."""
@@ -188,6 +160,19 @@ class SFTConfig:
     target_val_accuracy: float | None = None
     """Stop as soon as validation accuracy reaches this (None: run ``total_steps``)."""
 
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "total_steps": POSITIVE,
+                "train_batch_size": POSITIVE,
+                "micro_batch_size_per_gpu": POSITIVE,
+                "max_length": OPTIONAL_POSITIVE,
+                "test_freq": POSITIVE,
+                "target_val_accuracy": Rule("in (0, 1] or null", lambda v: v is None or 0 < v <= 1),
+            },
+        )
+
 
 @dataclass
 class RunConfig:
@@ -195,7 +180,7 @@ class RunConfig:
     directly from Python, then :func:`mcore_rl.config.check_config`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Training layout of the actor and reference."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -1,148 +1,19 @@
-"""Every rule a :class:`~mcore_rl.config.run.RunConfig` must satisfy, checked before any process starts.
-
-Field rules live in two tables keyed by the full dotted key (a dataclass's ``__post_init__`` does not know
-where it sits in the tree, so it could only name the bare field). Cross-field rules follow: the layout fits
-the world size and the model, batch sizes split evenly over data-parallel ranks and micro-batches, lengths
-fit the model's positions. All problems are reported at once, one line each.
+"""The rules of a :class:`~mcore_rl.config.run.RunConfig` that span fields or sections, checked before any
+process starts: the layout fits the world size and the model, batch sizes split evenly over data-parallel
+ranks and micro-batches, lengths fit the model's positions, options that need each other are set together.
+All problems are reported at once, one line each. Each field's own type and range are checked by its section
+when it is built (``__post_init__``, :mod:`mcore_rl.io.fields`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
-from mcore_rl.config.dpo import DPO_LOSS_TYPES, DPOConfig
+from mcore_rl.algo.settings import AdvEstimator, DPOLossType
+from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.run import RunConfig
-
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-_KL_NAMES = (*KL_ESTIMATORS, *(f"{name}+" for name in KL_ESTIMATORS))
-
-CHOICES: dict[str, tuple[Any, ...]] = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "parallel.backend": (None, "nccl", "gloo"),
-    "rollout.name": ("local", "vllm"),
-    "rollout.hybrid.sleep_level": (1, 2),
-    "rollout.hybrid.rollout_dtype": (None, "float32", "bfloat16", "float16"),
-    "algorithm.adv_estimator": (
-        "grpo",
-        "dr_grpo",
-        "rloo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-        "gae",
-    ),
-    "algorithm.kl_loss_type": _KL_NAMES,
-    "algorithm.kl_penalty": _KL_NAMES,
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "algorithm.loss_agg_mode": LOSS_AGG_MODES,
-    "algorithm.recompute_old_log_probs": ("auto", "always"),
-    "optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
-    "sft.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
-    "critic.optim.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
-    "data.generate": (None, "arithmetic", "arithmetic_reversed"),
-    "reward.on_error": ("zero", "raise"),
-    "reward.gsm8k_method": ("strict", "flexible"),
-    "trainer.resume_mode": ("auto", "disable", "resume_path"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-    "trainer.on_nonfinite_loss": ("stop", "skip"),
-    "dpo.loss_type": DPO_LOSS_TYPES,
-}
-
-_POSITIVE = ("> 0", lambda v: v > 0)
-_NON_NEGATIVE = (">= 0", lambda v: v >= 0)
-_OPTIONAL_POSITIVE = ("> 0 or null", lambda v: v is None or v > 0)
-_UNIT = ("in [0, 1)", lambda v: 0 <= v < 1)
-_FREQ = ("a positive step count or -1", lambda v: v == -1 or v > 0)
-
-RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "parallel.tensor_model_parallel_size": _POSITIVE,
-    "parallel.pipeline_model_parallel_size": _POSITIVE,
-    "parallel.virtual_pipeline_model_parallel_size": _OPTIONAL_POSITIVE,
-    "algorithm.ppo_max_token_len_per_gpu": _OPTIONAL_POSITIVE,
-    "parallel.data_parallel_size": _OPTIONAL_POSITIVE,
-    "parallel.timeout_minutes": _POSITIVE,
-    "rollout.tensor_model_parallel_size": _POSITIVE,
-    "rollout.n": _POSITIVE,
-    "rollout.temperature": _NON_NEGATIVE,
-    "rollout.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "rollout.top_k": ("-1 (off) or >= 0", lambda v: v >= -1),
-    "rollout.response_length": _POSITIVE,
-    "rollout.stop_token_ids": ("a list of ids >= 0", lambda v: all(t >= 0 for t in v)),
-    "rollout.gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "rollout.val_kwargs.temperature": _NON_NEGATIVE,
-    "rollout.val_kwargs.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "rollout.val_kwargs.n": _POSITIVE,
-    "rollout.hybrid.bucket_bytes": _POSITIVE,
-    "rollout.hybrid.max_inflight_bytes": _OPTIONAL_POSITIVE,
-    "algorithm.gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "algorithm.kl_loss_coef": _NON_NEGATIVE,
-    "algorithm.kl_ctrl.kl_coef": _NON_NEGATIVE,
-    "algorithm.clip_ratio_low": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "algorithm.clip_ratio_high": _NON_NEGATIVE,
-    "algorithm.clip_ratio_c": ("> 1", lambda v: v > 1),
-    "algorithm.ppo_epochs": _POSITIVE,
-    "algorithm.ppo_mini_batch_size": _POSITIVE,
-    "algorithm.ppo_micro_batch_size_per_gpu": _POSITIVE,
-    "data.max_prompt_length": _POSITIVE,
-    "data.max_response_length": _POSITIVE,
-    "data.train_batch_size": _POSITIVE,
-    "data.val_batch_size": _OPTIONAL_POSITIVE,
-    "reward.num_workers": _NON_NEGATIVE,
-    "reward.timeout_s": _POSITIVE,
-    "trainer.total_epochs": _POSITIVE,
-    "trainer.total_training_steps": _OPTIONAL_POSITIVE,
-    "trainer.test_freq": _FREQ,
-    "trainer.save_freq": _FREQ,
-    "trainer.max_ckpt_to_keep": _OPTIONAL_POSITIVE,
-    "trainer.nnodes": _POSITIVE,
-    "trainer.n_gpus_per_node": _POSITIVE,
-    "trainer.num_cpus": _OPTIONAL_POSITIVE,
-    "logging.token_mult_prob_error_threshold": ("> 1", lambda v: v > 1),
-    "sft.total_steps": _POSITIVE,
-    "sft.train_batch_size": _POSITIVE,
-    "sft.micro_batch_size_per_gpu": _POSITIVE,
-    "sft.max_length": _OPTIONAL_POSITIVE,
-    "sft.test_freq": _POSITIVE,
-    "sft.target_val_accuracy": ("in (0, 1] or null", lambda v: v is None or 0 < v <= 1),
-    "dpo.beta": _POSITIVE,
-    "dpo.label_smoothing": ("in [0, 0.5)", lambda v: 0 <= v < 0.5),
-    "dpo.sft_loss_weight": _NON_NEGATIVE,
-    "dpo.max_length": _OPTIONAL_POSITIVE,
-    "dpo.train_batch_size": _POSITIVE,
-    "dpo.micro_batch_size_per_gpu": _POSITIVE,
-    "dpo.test_freq": _FREQ,
-    "critic.ppo_micro_batch_size_per_gpu": _POSITIVE,
-    "critic.cliprange_value": _NON_NEGATIVE,
-    "critic.warmup_steps": _NON_NEGATIVE,
-    "critic.num_ranks": _POSITIVE,
-    "rollout.num_ranks": _POSITIVE,
-    "algorithm.rollout_is_threshold": ("> 1 or null", lambda v: v is None or v > 1),
-    "reward_model.micro_batch_size_per_gpu": _POSITIVE,
-    "algorithm.lam": ("in [0, 1]", lambda v: 0 <= v <= 1),
-}
-for _prefix in ("optim", "sft.optim", "critic.optim"):
-    RANGES.update(
-        {
-            f"{_prefix}.lr": _NON_NEGATIVE,
-            f"{_prefix}.min_lr": _NON_NEGATIVE,
-            f"{_prefix}.lr_warmup_steps": _NON_NEGATIVE,
-            f"{_prefix}.lr_decay_steps": _OPTIONAL_POSITIVE,
-            f"{_prefix}.weight_decay": _NON_NEGATIVE,
-            f"{_prefix}.adam_beta1": _UNIT,
-            f"{_prefix}.adam_beta2": _UNIT,
-            f"{_prefix}.adam_eps": _POSITIVE,
-            f"{_prefix}.clip_grad": _NON_NEGATIVE,
-        }
-    )
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -154,28 +25,12 @@ def get_key(cfg: Any, dotted: str) -> Any:
 def validate(cfg: RunConfig, check_paths: bool = False) -> None:
     """Raise :class:`ConfigError` listing every broken rule; ``check_paths`` also requires the data files,
     the model folder and the tokenizer to exist (the driver checks them once data generation has run)."""
-    problems = _field_problems(cfg)
-    if not problems:  # cross-field rules assume each field is in range
-        layout = _layout_problems(cfg)
-        problems += layout + ([] if layout else _batch_problems(cfg)) + _run_problems(cfg)
-        if check_paths:
-            problems += _path_problems(cfg)
+    layout = _layout_problems(cfg)
+    problems = layout + ([] if layout else _batch_problems(cfg)) + _run_problems(cfg)
+    if check_paths:
+        problems += _path_problems(cfg)
     if problems:
         raise ConfigError("invalid run config:\n  " + "\n  ".join(problems))
-
-
-def _field_problems(cfg: RunConfig) -> list[str]:
-    problems = []
-    for key, allowed in CHOICES.items():
-        value = get_key(cfg, key)
-        if value not in allowed:
-            shown = ", ".join("null" if a is None else str(a) for a in allowed)
-            problems.append(f"{key}={value!r} is not allowed; choose one of: {shown}")
-    for key, (what, ok) in RANGES.items():
-        value = get_key(cfg, key)
-        if not ok(value):
-            problems.append(f"{key}={value!r} must be {what}")
-    return problems
 
 
 def _layout_problems(cfg: RunConfig) -> list[str]:
@@ -264,7 +119,13 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
             f"algorithm.ppo_micro_batch_size_per_gpu={micro} does not divide the {mini * n // dp} sequences "
             f"per data-parallel rank of a mini-batch (ppo_mini_batch_size * rollout.n / DP)"
         )
-    if cfg.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and n < 2:
+    grouped = (
+        AdvEstimator.GRPO,
+        AdvEstimator.DR_GRPO,
+        AdvEstimator.RLOO,
+        AdvEstimator.REINFORCE_PLUS_PLUS_BASELINE,
+    )
+    if cfg.algorithm.adv_estimator in grouped and n < 2:
         problems.append(
             f"rollout.n={n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses "
             "within a group and needs rollout.n >= 2"
@@ -302,7 +163,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         problems.append("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     if not cfg.data.train_files and not cfg.dpo.train_files:
         problems.append("data.train_files is empty: give at least one .parquet or .jsonl file")
-    if cfg.dpo.label_smoothing and cfg.dpo.loss_type in ("hinge", "ipo"):
+    if cfg.dpo.label_smoothing and cfg.dpo.loss_type in (DPOLossType.HINGE, DPOLossType.IPO):
         problems.append(
             f"dpo.label_smoothing={cfg.dpo.label_smoothing} applies to loss_type sigmoid and robust only, "
             f"not {cfg.dpo.loss_type}"
@@ -344,7 +205,7 @@ def _critic_problems(cfg: RunConfig) -> list[str]:
             "critic.parallel differs from parallel, but critic.colocate=true runs the critic in the actor's "
             "processes (same layout): drop critic.parallel or set it equal"
         )
-    if cfg.algorithm.adv_estimator != "gae":
+    if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
         return problems
     par, alg = critic.parallel or cfg.parallel, cfg.algorithm
     world = cfg.world_size if critic.colocate else critic.num_ranks

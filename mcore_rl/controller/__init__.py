@@ -9,8 +9,8 @@ from mcore_rl.controller.dispatch import (
     split_record,
 )
 from mcore_rl.controller.resources import RayConfig, ResourcePool, available_cpus, init_ray
-from mcore_rl.controller.worker import Worker
 from mcore_rl.controller.worker_group import Pending, WorkerError, WorkerGroup
+from mcore_rl.engine.workers.base import Worker
 
 __all__ = [
     "Pending",

@@ -16,32 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from mcore_rl.types import RankInfo
+
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where one worker sits in the training layout and in the rollout layout."""
-
-    rank: int
-    """Global torch.distributed rank."""
-    dp_rank: int
-    """Training data-parallel rank: which train shard this rank consumes."""
-    tp_rank: int
-    """Training tensor-parallel rank."""
-    pp_rank: int
-    """Training pipeline stage."""
-    is_last_stage: bool
-    """Holds the loss and the logits (the owner of per-sample results when ``tp_rank == 0``)."""
-    rollout_replica: int = 0
-    """Which rollout engine (group of tp_g ranks) this rank belongs to: its prompt shard."""
-    rollout_tp_rank: int = 0
-    """Rank within its rollout engine's TP group; rank 0 owns the generated samples."""
 
 
 def row_slices(num_rows: int, num_shards: int, what: str = "rows") -> list[slice]:

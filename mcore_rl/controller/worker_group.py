@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mcore_rl.controller.dispatch import RankInfo, shard_of_rank
+from mcore_rl.controller.dispatch import shard_of_rank
 from mcore_rl.controller.resources import ResourcePool
-from mcore_rl.parallel.context import ParallelConfig
+from mcore_rl.controller.tensor_transport import register_tensor_transport
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.types import RankInfo
 
 ROOT_CAUSE_WAIT_S = 3.0
 """How long a rank's error waits for the other ranks' results, in case one of them died (the cause)."""
@@ -38,6 +40,31 @@ class WorkerError(RuntimeError):
 
 
 _PORT_ATTEMPTS = 3
+
+
+class _RayRank:
+    """What a rank needs as a Ray actor, mixed into the worker class at :meth:`WorkerGroup.spawn` (the worker
+    classes themselves know nothing of Ray)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        register_tensor_transport()  # this actor's own Ray serialization context
+        super().__init__(*args, **kwargs)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0 only: this node's IP and a port free on it, for every rank's MASTER_ADDR/PORT."""
+        import socket
+
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((address, 0))
+            return address, int(s.getsockname()[1])
+
+
+def ray_actor_class(worker_cls: type) -> type:
+    """``worker_cls`` with :class:`_RayRank` mixed in, under the same name (Ray's logs show it)."""
+    return type(worker_cls.__name__, (_RayRank, worker_cls), {"__qualname__": worker_cls.__qualname__})
 
 
 @dataclass(frozen=True)
@@ -72,6 +99,7 @@ class WorkerGroup:
         worker_args: Sequence[Any] = (),
         start_timeout_s: float = 300.0,
         take_pool: bool = False,
+        seed: int = 1234,
     ) -> WorkerGroup:
         """Start one actor per rank on ``pool`` (default: a new pool sharing the cluster's CPUs), form the
         torch.distributed world and build each rank's ParallelContext. ``take_pool``: the group owns the given
@@ -83,7 +111,9 @@ class WorkerGroup:
         pool = pool or ResourcePool.for_world(world_size)
         for attempt in range(_PORT_ATTEMPTS):
             try:
-                group = cls._spawn_once(worker_cls, world_size, parallel, pool, worker_args, start_timeout_s)
+                group = cls._spawn_once(
+                    worker_cls, world_size, parallel, pool, worker_args, start_timeout_s, seed
+                )
                 group.owns_pool = owns_pool
                 return group
             except WorkerError as err:
@@ -107,6 +137,7 @@ class WorkerGroup:
         pool: ResourcePool,
         worker_args: Sequence[Any],
         start_timeout_s: float,
+        seed: int,
     ) -> WorkerGroup:
         """One attempt of :meth:`spawn`; a failure kills the actors and leaves the pool to the caller."""
         import ray
@@ -114,7 +145,7 @@ class WorkerGroup:
         if pool.num_bundles < world_size:
             raise ValueError(f"pool has {pool.num_bundles} bundles, world_size {world_size} needs one each")
         threads = max(1, int(pool.cpus_per_bundle))
-        remote_cls = ray.remote(worker_cls)
+        remote_cls = ray.remote(ray_actor_class(worker_cls))
         actors = [
             remote_cls.options(
                 num_cpus=pool.cpus_per_bundle,
@@ -128,7 +159,9 @@ class WorkerGroup:
         try:
             first = Pending("rendezvous_address", [actors[0].rendezvous_address.remote()])
             address, port = group.get(first, timeout_s=start_timeout_s)[0]
-            group.infos = group.get(group.call("init_parallel", address, port, parallel or ParallelConfig()))
+            group.infos = group.get(
+                group.call("init_parallel", address, port, parallel or ParallelConfig(), seed)
+            )
         except BaseException:
             group.shutdown()
             raise

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from mcore_rl.convert.mapping import ConvertError
+from mcore_rl.engine.hf.mapping import ConvertError
 from mcore_rl.io.checkpoint_read import read_dcp_metadata
 
 # --- writing ---------------------------------------------------------------------------------------------

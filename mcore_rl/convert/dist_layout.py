@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mcore_rl.convert.mapping import TensorMap, full_shape, tensor_maps
-from mcore_rl.convert.score_head import has_score_head
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.hf.mapping import TensorMap, full_shape, tensor_maps
+from mcore_rl.engine.hf.score_head import has_score_head
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.parallel.sharding import ShardKind, shard_kind
 
@@ -138,7 +138,7 @@ def tensor_chunks(arch: ModelArch, tensor_map: TensorMap, tp: int, pp: int) -> l
 def checkpoint_plan(arch: ModelArch, tp: int = 1, pp: int = 1) -> tuple[list[Chunk], list[ExtraState]]:
     """Every chunk and extra-state object of ``arch``'s model checkpoint as a (tp, pp) trainer writes it.
 
-    Chunks come grouped by full-state tensor in :func:`~mcore_rl.convert.mapping.tensor_maps` order.
+    Chunks come grouped by full-state tensor in :func:`~mcore_rl.engine.hf.mapping.tensor_maps` order.
     """
     chunks = [c for m in tensor_maps(arch) for c in tensor_chunks(arch, m, tp, pp)]
     per_stage = arch.num_layers // pp

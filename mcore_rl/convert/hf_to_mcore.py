@@ -24,22 +24,21 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from mcore_rl.convert.dcp_io import bytes_write_item, save_lazily, tensor_write_item
 from mcore_rl.convert.dist_layout import Chunk, checkpoint_plan
-from mcore_rl.convert.mapping import (
+from mcore_rl.convert.memory import release_freed_memory
+from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, ModelCheckpointInfo
+from mcore_rl.engine.hf.mapping import (
     ConvertError,
     TensorMap,
     check_convertible,
     check_finite,
-    hf_shapes,
-    optional_hf_names,
     tensor_maps,
     to_full,
 )
-from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
-from mcore_rl.convert.safetensors_io import SafetensorsReader
-from mcore_rl.convert.score_head import arch_of_file
-from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
+from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
+from mcore_rl.engine.hf.score_head import arch_of_file
+from mcore_rl.engine.hf.state import check_hf_weights
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
 from mcore_rl.io.inputs import input_file
 from mcore_rl.io.output import OutputFolder
@@ -62,51 +61,6 @@ class HfToMcoreOptions:
     """Replace a non-empty ``out`` (never an input, the current directory or home)."""
     allow_nonfinite: bool = False
     """Convert weights holding NaN/Inf with a warning instead of refusing them."""
-
-
-def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype | None) -> torch.dtype:
-    """Every tensor the config implies is present with that shape; returns the dtype to store."""
-    expected: dict[str, tuple[int, ...]] = {}
-    for tensor_map in tensor_maps(arch):
-        expected.update(zip(tensor_map.hf_names, hf_shapes(arch, tensor_map), strict=True))
-    config = os.path.join(reader.directory, "config.json")
-    for name, shape in expected.items():
-        info = reader.infos.get(name)
-        if info is None:
-            raise ConvertError(f"{reader.directory}: tensor {name} is missing, but {config} implies it")
-        if info.shape != shape:
-            raise ConvertError(
-                f"{os.path.join(reader.directory, info.file)}: {name} has shape {list(info.shape)}, "
-                f"but {config} implies {list(shape)} ({_shape_fields(arch)})"
-            )
-    unexpected = sorted(set(reader.infos) - set(expected) - optional_hf_names(arch))
-    if unexpected:
-        file = os.path.join(reader.directory, reader.infos[unexpected[0]].file)
-        raise ConvertError(
-            f"{file}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) has no place in the model "
-            f"{config} describes ({_shape_fields(arch)})"
-        )
-    if dtype is not None:
-        return dtype
-    dtypes = sorted({str(reader.infos[n].dtype) for n in expected})
-    if len(dtypes) > 1:
-        raise ConvertError(f"{reader.directory}: weights mix dtypes {dtypes}; choose one with --dtype")
-    stored = reader.infos[next(iter(expected))]
-    if stored.dtype not in STORABLE_DTYPES:
-        raise ConvertError(
-            f"{os.path.join(reader.directory, stored.file)}: weights are {stored.dtype}, which a checkpoint "
-            "does not store; choose --dtype bf16, fp16 or fp32"
-        )
-    return stored.dtype
-
-
-def _shape_fields(arch: ModelArch) -> str:
-    return (
-        f"num_hidden_layers={arch.num_layers}, hidden_size={arch.hidden_size}, "
-        f"intermediate_size={arch.ffn_hidden_size}, num_attention_heads={arch.num_attention_heads}, "
-        f"num_key_value_heads={arch.num_query_groups}, head_dim={arch.head_dim}, vocab_size={arch.vocab_size}, "
-        f"tie_word_embeddings={arch.tie_word_embeddings}"
-    )
 
 
 def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, torch.dtype, OutputFolder]:
@@ -214,7 +168,8 @@ def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
 
     Collective: on return the checkpoint is complete at ``options.out`` for every rank, or every rank raises.
     """
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
 
     arch, reader, dtype, output = prepare(options)
     source = _ChunkSource(arch, reader, dtype, options.allow_nonfinite)

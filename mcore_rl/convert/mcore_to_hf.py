@@ -21,7 +21,11 @@ import torch
 
 from mcore_rl.convert.dcp_io import DistCheckpointReader, Region
 from mcore_rl.convert.dist_layout import checkpoint_key
-from mcore_rl.convert.mapping import (
+from mcore_rl.convert.memory import release_freed_memory
+from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
+from mcore_rl.engine.hf.mapping import (
     ConvertError,
     TensorMap,
     check_convertible,
@@ -31,12 +35,8 @@ from mcore_rl.convert.mapping import (
     tensor_maps,
     to_hf,
 )
-from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
-from mcore_rl.convert.safetensors_io import OutputTensor, StreamingShardWriter
-from mcore_rl.convert.score_head import arch_of_config, hf_config_of
-from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
+from mcore_rl.engine.hf.safetensors_io import OutputTensor, StreamingShardWriter
+from mcore_rl.engine.hf.score_head import arch_of_config, hf_config_of
 from mcore_rl.io.inputs import check_input_tree, input_file
 from mcore_rl.parallel.launch_env import current_rank
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from mcore_rl.config.run import RunConfig
 from mcore_rl.data.arithmetic import AdditionProblem, CharTokenizer, make_problems
+from mcore_rl.data.config import GENERATED_TASKS, DataConfig
 from mcore_rl.data.rows import write_rows
 from mcore_rl.data.tokenizer import write_tokenizer_config
 
@@ -32,8 +33,6 @@ DATA_SOURCE = "mcore_rl/arithmetic"
 SPLIT_SIZES = {"test": 1000, "val": 200, "train": 20_000, "sft": 40_000}
 """Rows per split; the held-out test and validation sets match the old demo's."""
 PAD_TOKEN, EOS_TOKEN = "<pad>", "</s>"
-TASKS = {"arithmetic": False, "arithmetic_reversed": True}
-"""``data.generate`` names -> whether the answers are written least-significant digit first."""
 
 
 def write_tokenizer(folder: str) -> None:
@@ -100,19 +99,23 @@ def write_demo_dataset(
             write_rows(path, rows(problems[split], split, with_response=split == "sft"))
 
 
-def prepare_data(cfg: RunConfig) -> list[str]:
-    """Run ``cfg.data.generate`` for the files the config names that are missing; returns those written."""
-    if cfg.data.generate is None:
+def prepare_data(
+    data: DataConfig, sft_files: Sequence[str] = (), tokenizer_path: str | None = None
+) -> list[str]:
+    """Run ``data.generate`` for the files the run names that are missing (``data.*_files``, ``sft_files``
+    and the tokenizer folder); returns those written."""
+    if data.generate is None:
         return []
-    if cfg.data.generate not in TASKS:
-        raise ValueError(f"data.generate={cfg.data.generate!r}: unknown task; known: {', '.join(TASKS)}")
-    reverse = TASKS[cfg.data.generate]
+    if data.generate not in GENERATED_TASKS:
+        known = ", ".join(GENERATED_TASKS)
+        raise ValueError(f"data.generate={data.generate!r}: unknown task; known: {known}")
+    reverse = GENERATED_TASKS[data.generate]
     wanted = {
-        "train": cfg.data.train_files[:1],
-        "val": cfg.data.val_files[:1],
-        "test": cfg.data.test_files[:1],
-        "sft": cfg.sft.train_files[:1],
-        "tokenizer": [cfg.model.tokenizer_path] if cfg.model.tokenizer_path else [],
+        "train": data.train_files[:1],
+        "val": data.val_files[:1],
+        "test": data.test_files[:1],
+        "sft": list(sft_files)[:1],
+        "tokenizer": [tokenizer_path] if tokenizer_path else [],
     }
 
     def present(split: str, path: str) -> bool:
@@ -121,8 +124,8 @@ def prepare_data(cfg: RunConfig) -> list[str]:
     missing = {split: paths[0] for split, paths in wanted.items() if paths and not present(split, paths[0])}
     for split in ("test", "sft"):  # files kept from an earlier run must hold this task's answers
         if wanted[split] and split not in missing:
-            check_task(wanted[split][0], cfg.data.generate, reverse)
-    write_demo_dataset(missing, cfg.data.seed, reverse=reverse)
+            check_task(wanted[split][0], data.generate, reverse)
+    write_demo_dataset(missing, data.seed, reverse=reverse)
     return list(missing.values())
 
 

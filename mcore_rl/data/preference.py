@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.config.run import DataConfig, RunConfig
+from mcore_rl.data.config import DataConfig
 from mcore_rl.data.prompts import encode_prompt
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.tokenizer import Tokenizer
@@ -247,7 +247,9 @@ def arithmetic_preference_rows(problems: Sequence[Any], seed: int) -> list[dict[
     ]
 
 
-def prepare_preference_data(cfg: RunConfig) -> list[str]:
+def prepare_preference_data(
+    data: DataConfig, train_files: Sequence[str], val_files: Sequence[str], tokenizer_path: str | None
+) -> list[str]:
     """For ``data.generate=arithmetic``: write the missing ``dpo.train_files`` / ``dpo.val_files`` (pairs
     from the demo task's train and validation problems), and the test prompts and tokenizer the demo task
     writes. Returns the files written."""
@@ -256,13 +258,13 @@ def prepare_preference_data(cfg: RunConfig) -> list[str]:
     from mcore_rl.data.demo_task import prepare_data, splits
     from mcore_rl.data.rows import write_rows
 
-    if cfg.data.generate is None:
+    if data.generate is None:
         return []
-    written = prepare_data(cfg)
-    wanted = {"train": cfg.dpo.train_files[:1], "val": cfg.dpo.val_files[:1]}
+    written = prepare_data(data, tokenizer_path=tokenizer_path)
+    wanted = {"train": list(train_files)[:1], "val": list(val_files)[:1]}
     missing = {split: paths[0] for split, paths in wanted.items() if paths and not os.path.isfile(paths[0])}
     if missing:
-        problems = splits(cfg.data.seed, {"sft": 0})
+        problems = splits(data.seed, {"sft": 0})
         for split, path in missing.items():
-            write_rows(path, arithmetic_preference_rows(problems[split], seed=cfg.data.seed + len(split)))
+            write_rows(path, arithmetic_preference_rows(problems[split], seed=data.seed + len(split)))
     return written + list(missing.values())

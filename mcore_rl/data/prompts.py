@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.config.run import DataConfig
+from mcore_rl.data.config import DataConfig
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.config.run import DataConfig, SFTConfig
+from mcore_rl.data.config import DataConfig
 from mcore_rl.data.prompts import encode_prompt
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.sampler import EpochSampler
@@ -61,14 +61,19 @@ class SFTDataset:
 
     @classmethod
     def from_files(
-        cls, files: Sequence[str], tokenizer: Tokenizer, data: DataConfig, sft: SFTConfig
+        cls,
+        files: Sequence[str],
+        tokenizer: Tokenizer,
+        data: DataConfig,
+        response_key: str = "response",
+        max_length: int | None = None,
     ) -> SFTDataset:
-        max_length = sft.max_length or data.max_prompt_length + data.max_response_length
+        max_length = max_length or data.max_prompt_length + data.max_response_length
         records, skipped = [], []
         for file in files:
             for row, raw in read_rows(file):
                 try:
-                    records.append(_record(raw, (file, row), tokenizer, data, sft.response_key, max_length))
+                    records.append(_record(raw, (file, row), tokenizer, data, response_key, max_length))
                 except BadRowError as bad:
                     overlong = bad.error.reason.startswith("example has")
                     if not (data.filter_overlong_prompts if overlong else data.skip_bad_rows):

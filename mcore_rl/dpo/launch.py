@@ -44,7 +44,7 @@ def run_dpo(recipe: RunConfig | str | os.PathLike[str], overrides: Sequence[str]
 def _spawn(cfg: RunConfig) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from mcore_rl.parallel.context import free_local_port
+    from mcore_rl.parallel.launch_env import free_local_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -17,8 +17,8 @@ import torch
 
 from mcore_rl.algo import DPOSettings, dpo_loss, sequence_log_probs
 from mcore_rl.engine.train_engine import LossFn, MicroBatch
+from mcore_rl.engine.workers.losses import token_log_probs
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.trainer.losses import token_log_probs
 
 METRICS = (
     "loss",

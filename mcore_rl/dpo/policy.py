@@ -14,12 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config.model import OptimConfig
 from mcore_rl.data.preference import PreferenceBatch
 from mcore_rl.dpo.loss import METRICS, DPOLossSettings, PairMicroBatch, dpo_pair_loss, sequence_log_prob_loss
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.parallel.context import ParallelContext
 
@@ -66,7 +65,7 @@ class DPOPolicy:
         """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation) and
         the reference, a frozen copy of it."""
         options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
-        engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
+        engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if full_state is not None:
             engine.load_full_state(full_state)
         return cls(ctx, spec, engine, frozen_copy(engine, options) if spec.with_reference else None)
@@ -244,8 +243,8 @@ def hf_full_state(directory: str, arch: ModelArch) -> dict[str, torch.Tensor]:
     """The full (TP=1) megatron state of a HF checkpoint folder, for :meth:`TrainEngine.load_full_state`.
     Small models: it holds every tensor at once (convert large ones with ``mcore-rl convert hf-to-mcore``)."""
     from mcore_rl.convert.hf_to_mcore import check_hf_weights
-    from mcore_rl.convert.mapping import tensor_maps, to_full
-    from mcore_rl.convert.safetensors_io import SafetensorsReader
+    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
+    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
 
     reader = SafetensorsReader(directory)
     check_hf_weights(arch, reader, None)

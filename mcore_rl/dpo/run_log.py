@@ -10,8 +10,8 @@ import logging
 import os
 from typing import Any
 
-from mcore_rl.config import LoggingConfig
-from mcore_rl.trainer.run_log import emit_record
+from mcore_rl.logs.config import LoggingConfig
+from mcore_rl.logs.run_log import emit_record
 
 log = logging.getLogger(__name__)
 

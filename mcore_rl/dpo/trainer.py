@@ -104,12 +104,14 @@ class DPOTrainer:
         if not cfg.dpo.train_files:
             raise ConfigError("dpo.train_files is empty: a DPO run needs preference pairs (.parquet, .jsonl)")
         owns_world = not dist.is_initialized()
-        ctx = ParallelContext.initialize(cfg.parallel.to_parallel_config(cfg.trainer.seed))
+        ctx = ParallelContext.initialize(cfg.parallel, cfg.trainer.seed)
         try:
             with ctx.guard("preparing the run folder"):  # rank 0's refusal stops its peers, naming it
                 if ctx.rank == 0:
                     claim_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
-                    prepare_preference_data(cfg)
+                    prepare_preference_data(
+                        cfg.data, cfg.dpo.train_files, cfg.dpo.val_files, cfg.model.tokenizer_path
+                    )
                     save_config(cfg, cfg.trainer.default_local_dir)
                 dist.barrier()
             data = load_dpo_data(cfg)

@@ -6,8 +6,9 @@ from mcore_rl.engine.rollout.from_megatron import rollout_tensors
 from mcore_rl.engine.rollout.local import LocalRolloutEngine
 from mcore_rl.engine.train_engine import TrainEngine
 from mcore_rl.engine.weights import local_parameters
+from mcore_rl.parallel.config import HybridConfig
 from mcore_rl.parallel.reshard import arch_param_specs, build_plan
-from mcore_rl.parallel.reshard.hybrid import HybridConfig, HybridEngine
+from mcore_rl.parallel.reshard.hybrid import HybridEngine
 
 
 def build_local_hybrid(

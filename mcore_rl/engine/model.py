@@ -143,7 +143,6 @@ def build_model_chunks(
 
     Load real weights afterwards (``mcore_rl.convert`` or a distributed checkpoint).
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     options = options or ModelOptions()
@@ -155,13 +154,13 @@ def build_model_chunks(
     chunks = []
     for vp_stage in range(ctx.layout.num_model_chunks):
         vp = vp_stage if ctx.layout.vpp else None
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        post_process = ctx.holds_last_layers(vp)
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab,
             max_sequence_length=max_len,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            pre_process=ctx.holds_first_layers(vp),
             post_process=post_process,
             share_embeddings_and_output_weights=arch.tie_word_embeddings and not options.value_head,
             position_embedding_type="rope",
@@ -172,7 +171,7 @@ def build_model_chunks(
         # transformers' exact frequencies (incl. llama3 scaling, whose constants megatron hard-codes).
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
         if options.value_head and post_process:
-            model.output_layer = ValueHead(arch.hidden_size, config, arch.initializer_range, ctx.config.seed)
+            model.output_layer = ValueHead(arch.hidden_size, config, arch.initializer_range, ctx.seed)
         chunks.append(model.to(ctx.device))
     return chunks
 

@@ -31,34 +31,10 @@ from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.weights import load_full_state, unwrap
 from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Adam(W) as megatron runs it: fp32 main params and states, optionally sharded over DP."""
-
-    lr: float = 1e-6
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Global grad-norm clip (0 disables)."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
-
-    def __post_init__(self) -> None:
-        if self.lr < 0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
-        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
-            raise ValueError(f"adam betas must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
 
 
 @dataclass
@@ -194,7 +170,7 @@ class TrainEngine:
         arch: ModelArch,
         ctx: ParallelContext,
         model_options: ModelOptions | None = None,
-        optim: OptimizerConfig | None = None,
+        optim: OptimConfig | None = None,
     ) -> TrainEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -202,7 +178,7 @@ class TrainEngine:
         from megatron.core.transformer.module import Float16Module
 
         model_options = model_options or ModelOptions()
-        optim = optim or OptimizerConfig()
+        optim = optim or OptimConfig(weight_decay=0.0)
         bare = build_model_chunks(arch, ctx, model_options)
         config = bare[0].config
         config.calculate_per_token_loss = True

@@ -120,8 +120,8 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
     check_checkpoint_folder(directory)
     if saved_tp != engine.ctx.tp_size:
         raise ValueError(
-            f"{directory}: saved at tensor_parallel_size={saved_tp}, this run has {engine.ctx.tp_size}; resume at "
-            "the saved tensor_parallel_size (any data-parallel or pipeline size), or load the weights alone "
+            f"{directory}: saved at tensor_model_parallel_size={saved_tp}, this run has {engine.ctx.tp_size}; resume "
+            "at the saved tensor_model_parallel_size (any data-parallel or pipeline size), or load the weights alone "
             "with TrainEngine.load_model"
         )
     _materialise_optimizer_state(engine)

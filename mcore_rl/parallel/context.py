@@ -12,44 +12,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.failure import FailureGuard
+from mcore_rl.parallel.launch_env import free_local_port, prepare_launch_env, rendezvous_for_init
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the training ranks are split. The world size comes from the launcher (torchrun, Ray, Slurm)."""
-
-    tensor_parallel_size: int = 1
-    """Ranks that split every weight matrix (megatron TP). Keep within one node."""
-    pipeline_parallel_size: int = 1
-    """Pipeline stages the layers are split into."""
-    virtual_pipeline_parallel_size: int | None = None
-    """Model chunks per stage for the interleaved 1F1B schedule; None disables interleaving."""
-    sequence_parallel: bool = False
-    """Split norm/dropout activations by sequence over the TP group (needs TP >= 2)."""
-    seed: int = 1234
-    """Base seed; megatron derives the data-parallel and per-TP-rank RNG streams from it."""
-    backend: str | None = None
-    """torch.distributed backend; None picks nccl with CUDA and gloo without."""
-    timeout_minutes: int = 30
-    """Collective timeout before a hung rank fails the job."""
-
-    def layout(self, world_size: int) -> ParallelLayout:
-        return ParallelLayout(
-            world_size=world_size,
-            tp=self.tensor_parallel_size,
-            pp=self.pipeline_parallel_size,
-            vpp=self.virtual_pipeline_parallel_size,
-            sp=self.sequence_parallel,
-        )
 
 
 def _default_backend() -> str:
@@ -64,8 +36,6 @@ def _init_world(backend: str, timeout_minutes: int) -> None:
                 f"process group uses backend {dist.get_backend()!r}, config asks for {backend!r}"
             )
         return
-    from mcore_rl.parallel.launch_env import prepare_launch_env, rendezvous_for_init
-
     with rendezvous_for_init():  # a made-up world of one leaves nothing behind for the next world
         prepare_launch_env()  # stale launcher variables of a single process: ignored, never waited on
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -92,15 +62,6 @@ def _live_process_groups() -> list[dist.ProcessGroup]:
     return [g for g in distributed_c10d._world.pg_map if g is not default]
 
 
-def free_local_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (single-node rendezvous without a launcher; tests, benches)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ParallelContext:
     """The process groups and coordinates of this rank, built once and passed explicitly.
 
@@ -112,9 +73,16 @@ class ParallelContext:
     """Contexts built in this process; all ranks build them in step, so it names one context world-wide."""
 
     def __init__(
-        self, config: ParallelConfig, layout: ParallelLayout, rank: int, device: torch.device
+        self,
+        config: ParallelConfig,
+        layout: ParallelLayout,
+        rank: int,
+        device: torch.device,
+        seed: int = 1234,
     ) -> None:
         self.config = config
+        self.seed = seed
+        """The base seed megatron's data-parallel and per-TP-rank RNG streams derive from."""
         self.layout = layout
         self.rank = rank
         self.device = device
@@ -127,7 +95,7 @@ class ParallelContext:
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
-    def initialize(cls, config: ParallelConfig | None = None) -> ParallelContext:
+    def initialize(cls, config: ParallelConfig | None = None, seed: int = 1234) -> ParallelContext:
         """Join (or create) the torch.distributed world, then build megatron's groups for ``config``."""
         config = config or ParallelConfig()
         if cls._active is not None:
@@ -150,12 +118,12 @@ class ParallelContext:
             distributed_timeout_minutes=config.timeout_minutes,
             create_gloo_process_groups=backend == "gloo",
         )
-        torch.manual_seed(config.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
         device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
-        ctx = cls(config, layout, dist.get_rank(), device)
+        ctx = cls(config, layout, dist.get_rank(), device, seed)
         # megatron's destroy_model_parallel only forgets its groups; we destroy them, or every rebuilt
         # context would leak a few dozen communicators (and their threads) into the process.
         ctx._megatron_groups = [g for g in _live_process_groups() if g not in groups_before]
@@ -251,12 +219,25 @@ class ParallelContext:
         return self._ps.get_model_parallel_group()
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    def holds_first_layers(self, chunk: int | None = None) -> bool:
+        """Whether model chunk ``chunk`` (its virtual stage; None without interleaving) on this rank starts the
+        model (the embedding lives there): megatron's ``is_pipeline_first_stage(vp_stage=chunk)``."""
+        return self.pp_rank == 0 and (chunk is None or chunk == 0)
+
+    def holds_last_layers(self, chunk: int | None = None) -> bool:
+        """Whether model chunk ``chunk`` on this rank ends the model (the output layer and loss live there):
+        megatron's ``is_pipeline_last_stage(vp_stage=chunk)``."""
+        last_chunk = (self.layout.vpp or 1) - 1
+        return self.is_last_stage and (chunk is None or chunk == last_chunk)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length must be a multiple of: the TP size under sequence parallelism (each TP
+        rank holds an equal slice of the sequence), else 1."""
+        return self.tp_size if self.layout.sp else 1
 
     def subgroup(self, groups: list[list[int]]) -> dist.ProcessGroup:
         """This rank's group within ``groups``, a partition of the world (e.g. the rollout TP groups).
@@ -281,13 +262,6 @@ class ParallelContext:
         (:class:`~mcore_rl.parallel.failure.PeerFailureError`) naming this rank and its exception; see
         :mod:`mcore_rl.parallel.failure`. ``what`` names the region in those errors."""
         return self.failures.guard(what) if self.failures is not None else contextlib.nullcontext()
-
-    def pg_collection(self) -> Any:
-        """megatron's ``ProcessGroupCollection`` for modules that accept groups explicitly."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        _ = self._ps
-        return ProcessGroupCollection.use_mpu_process_groups()
 
     def __repr__(self) -> str:
         c = self.coords

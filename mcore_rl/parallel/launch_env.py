@@ -95,8 +95,6 @@ def prepare_launch_env(env: MutableMapping[str, str] | None = None) -> LaunchEnv
     A single process gets a world of one on a free local port, stale variables replaced (one note);
     rank 0 of a launch whose store it must open itself gets a one-line error when the port is taken.
     """
-    from mcore_rl.parallel.context import free_local_port
-
     env = os.environ if env is None else env
     launch = read_launch_env(env)
     if launch.world_size == 1 and launch.stale:
@@ -142,3 +140,12 @@ def rendezvous_for_init(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (single-node rendezvous without a launcher; tests, benches)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -54,12 +54,14 @@ class ParallelLayout:
         if self.world_size % (self.tp * self.pp) != 0:
             raise LayoutError(
                 f"world_size={self.world_size} is not divisible by tp*pp={self.tp}*{self.pp}; "
-                "choose tensor_parallel_size and pipeline_parallel_size whose product divides the world"
+                "choose tensor_model_parallel_size and pipeline_model_parallel_size whose product divides the world"
             )
         if self.vpp is not None and self.pp < 2:
-            raise LayoutError(f"virtual_pipeline_parallel_size={self.vpp} needs pipeline_parallel_size >= 2")
+            raise LayoutError(
+                f"virtual_pipeline_model_parallel_size={self.vpp} needs pipeline_model_parallel_size >= 2"
+            )
         if self.sp and self.tp < 2:
-            raise LayoutError("sequence_parallel=True needs tensor_parallel_size >= 2")
+            raise LayoutError("sequence_parallel=True needs tensor_model_parallel_size >= 2")
 
     @property
     def dp(self) -> int:
@@ -154,27 +156,27 @@ class ParallelLayout:
         """Raise :class:`LayoutError` naming the field when the model cannot be split this way."""
         if num_attention_heads % self.tp:
             raise LayoutError(
-                f"num_attention_heads={num_attention_heads} is not divisible by tensor_parallel_size={self.tp}"
+                f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={self.tp}"
             )
         if num_query_groups % self.tp:
             raise LayoutError(
-                f"num_key_value_heads={num_query_groups} is not divisible by tensor_parallel_size={self.tp}"
+                f"num_key_value_heads={num_query_groups} is not divisible by tensor_model_parallel_size={self.tp}"
             )
         chunks = self.pp * self.num_model_chunks
         if num_layers % chunks:
             what = (
-                f"pipeline_parallel_size*virtual_pipeline_parallel_size={chunks}"
+                f"pipeline_model_parallel_size*virtual_pipeline_model_parallel_size={chunks}"
                 if self.vpp
-                else (f"pipeline_parallel_size={self.pp}")
+                else (f"pipeline_model_parallel_size={self.pp}")
             )
             raise LayoutError(f"num_layers={num_layers} is not divisible by {what}")
         if vocab_size is not None and not pad_vocab and vocab_size % self.tp:
             raise LayoutError(
-                f"vocab_size={vocab_size} is not divisible by tensor_parallel_size={self.tp} and padding is off"
+                f"vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={self.tp} and padding is off"
             )
         if seq_length is not None and self.sp and seq_length % self.tp:
             raise LayoutError(
-                f"sequence length {seq_length} is not divisible by tensor_parallel_size={self.tp}, "
+                f"sequence length {seq_length} is not divisible by tensor_model_parallel_size={self.tp}, "
                 "which sequence_parallel requires"
             )
 

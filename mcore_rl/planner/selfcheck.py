@@ -92,19 +92,21 @@ def self_check_reports(plan: PlanInput) -> tuple[PlanInput, list[tuple[RankBytes
     """Collective (every rank of the launcher's world): build, step, measure, compare. Returns the plan at
     the world's size and every rank's ``(measured, problems)``."""
     from mcore_rl.engine.model import ModelOptions
-    from mcore_rl.engine.train_engine import OptimizerConfig, TrainEngine
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.engine.optim import OptimConfig
+    from mcore_rl.engine.train_engine import TrainEngine
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
 
     config = ParallelConfig(
-        tensor_parallel_size=plan.tp,
-        pipeline_parallel_size=plan.pp,
-        virtual_pipeline_parallel_size=plan.vpp,
+        tensor_model_parallel_size=plan.tp,
+        pipeline_model_parallel_size=plan.pp,
+        virtual_pipeline_model_parallel_size=plan.vpp,
         sequence_parallel=plan.sp,
     )
     with ParallelContext.initialize(config) as ctx:
         plan = plan.with_layout(world_size=ctx.world_size)
         options = ModelOptions(dtype=torch.bfloat16 if plan.bf16 else torch.float32)
-        optim = OptimizerConfig(use_distributed_optimizer=plan.use_distributed_optimizer)
+        optim = OptimConfig(weight_decay=0.0, use_distributed_optimizer=plan.use_distributed_optimizer)
         engine = TrainEngine.build(plan.arch, ctx, options, optim)
         engine.zero_grad()
         engine.step()

@@ -150,7 +150,7 @@ class PlanInput:
             raise PlanError(str(err)) from None
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             raise PlanError(
-                f"tensor_parallel_size={self.tp} must divide gpus_per_node={self.gpus_per_node} "
+                f"tensor_model_parallel_size={self.tp} must divide gpus_per_node={self.gpus_per_node} "
                 "(a TP group must stay inside one node's NVLink domain)"
             )
         if self.world_size % self.rollout_tp:
@@ -166,7 +166,7 @@ class PlanInput:
         if self.vpp is not None and self.num_microbatches % self.pp:
             raise PlanError(
                 f"micro-batches per step={self.num_microbatches} (global_batch_size/(micro_batch_size*dp)) "
-                f"must be a multiple of pipeline_parallel_size={self.pp} with interleaving (megatron's rule)"
+                f"must be a multiple of pipeline_model_parallel_size={self.pp} with interleaving (megatron's rule)"
             )
         if self.seq_length > self.arch.max_position_embeddings:
             raise PlanError(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from mcore_rl.config.run import RewardConfig
+from mcore_rl.scoring.config import RewardConfig
 from mcore_rl.scoring.registry import ScoreDispatch
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mcore_rl.config.run import RewardConfig
 from mcore_rl.scoring import rules
+from mcore_rl.scoring.config import RewardConfig
 
 ScoreFn = Callable[[str, str, Any, dict[str, Any]], "float | dict[str, Any]"]
 

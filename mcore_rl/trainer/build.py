@@ -9,11 +9,14 @@ import torch
 
 from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
-from mcore_rl.parallel.context import free_local_port
-from mcore_rl.trainer.actor_group import ActorGroup, Backend, InProcessBackend, RayBackend
-from mcore_rl.trainer.critic import CriticGroup, CriticSpec, CriticWorker
-from mcore_rl.trainer.rollout_pool import RolloutGroup, RolloutSpec, RolloutWorker
-from mcore_rl.trainer.worker import HybridWorker, WorkerSpec
+from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
+from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
+from mcore_rl.engine.workers.critic import CriticSpec, CriticWorker
+from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
+from mcore_rl.parallel.launch_env import free_local_port
+from mcore_rl.trainer.groups.actor import ActorGroup
+from mcore_rl.trainer.groups.critic import CriticGroup
+from mcore_rl.trainer.groups.rollout import RolloutGroup
 
 
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
@@ -36,7 +39,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         share_prompt_prefix=cfg.model.share_prompt_prefix,
         # rollout.tensor_model_parallel_size is the pool's when the rollout has a pool of its own
         rollout_tp=cfg.rollout.tensor_model_parallel_size if cfg.rollout.colocate else 1,
-        hybrid=cfg.rollout.hybrid.to_hybrid_config(),
+        hybrid=cfg.rollout.hybrid,
         with_reference=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         load_dir=load_dir,
         hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights else None,
@@ -61,10 +64,10 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
         return critic
     if not isinstance(actors.backend, RayBackend):
         raise ConfigError("critic.colocate=false: a critic on its own pool needs the Ray driver (use_ray)")
-    parallel = (cfg.critic.parallel or cfg.parallel).to_parallel_config(cfg.trainer.seed)
+    parallel = cfg.critic.parallel or cfg.parallel
     ranks = cfg.critic.num_ranks
     pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    group = WorkerGroup.spawn(CriticWorker, ranks, parallel, pool=pool, take_pool=True)
+    group = WorkerGroup.spawn(CriticWorker, ranks, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed)
     try:
         group.infos = group.run("build", spec)
         critic = CriticGroup(RayBackend(group), actors=actors.backend)
@@ -90,14 +93,16 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
         weights_dtype=rollout.hybrid.rollout_dtype,  # the colocated reshard's cast, then a float32 engine
     )  # the default pad id, as the actor's WorkerSpec: pool and colocated rollouts pad alike
     parallel = dataclasses.replace(  # replicas are the pool's data-parallel ranks
-        cfg.parallel.to_parallel_config(cfg.trainer.seed),
-        tensor_parallel_size=rollout.tensor_model_parallel_size,
-        pipeline_parallel_size=1,
-        virtual_pipeline_parallel_size=None,
+        cfg.parallel,
+        tensor_model_parallel_size=rollout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
         sequence_parallel=False,
     )
     pool = ResourcePool(rollout.num_ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    group = WorkerGroup.spawn(RolloutWorker, rollout.num_ranks, parallel, pool=pool, take_pool=True)
+    group = WorkerGroup.spawn(
+        RolloutWorker, rollout.num_ranks, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed
+    )
     try:
         group.infos = group.run("build", spec)
         rollouts = RolloutGroup(RayBackend(group))
@@ -128,13 +133,15 @@ def _use_gpus(cfg: RunConfig) -> bool:
 
 def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) -> ActorGroup:
     """Start the workers, build their engines, and sync the initial weights into the rollout engines."""
-    parallel = cfg.parallel.to_parallel_config(cfg.trainer.seed)
+    parallel = cfg.parallel
     backend: Backend
     if use_ray:
         started_ray = init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
         pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
         try:
-            group = WorkerGroup.spawn(HybridWorker, cfg.world_size, parallel, pool=pool, take_pool=True)
+            group = WorkerGroup.spawn(
+                HybridWorker, cfg.world_size, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed
+            )
         except BaseException:
             if started_ray:  # nothing of this run may outlive its failure
                 import ray
@@ -161,7 +168,7 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
                 f"in-process runs have one rank; trainer.n_gpus_per_node * nnodes = {cfg.world_size}"
             )
         worker = HybridWorker(0, 1, num_threads=cfg.trainer.num_cpus or available_cpus())
-        worker.init_parallel("127.0.0.1", free_local_port(), parallel)
+        worker.init_parallel("127.0.0.1", free_local_port(), parallel, cfg.trainer.seed)
         worker.build(spec)
         backend = InProcessBackend(worker)
     actors = ActorGroup(backend)

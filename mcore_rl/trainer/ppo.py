@@ -21,15 +21,17 @@ from typing import Any
 import torch
 
 from mcore_rl.algo import compute_gae_advantages
+from mcore_rl.algo.advantages import outcome_rewards
+from mcore_rl.algo.agreement import ProbAgreement, prob_agreement
+from mcore_rl.algo.kl_reward import KLRewardController, penalise
 from mcore_rl.config import RunConfig
 from mcore_rl.data.prompts import PromptBatch
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.engine.workers.critic import CriticStats, ValueBatch
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.actor_group import ActorGroup
-from mcore_rl.trainer.batch import ProbAgreement, outcome_rewards, prob_agreement
-from mcore_rl.trainer.critic import CriticGroup, CriticStats, ValueBatch
-from mcore_rl.trainer.grpo import RLStep, StageTimer, step_metrics
-from mcore_rl.trainer.kl_reward import KLRewardController, penalise
+from mcore_rl.trainer.groups.actor import ActorGroup
+from mcore_rl.trainer.groups.critic import CriticGroup
+from mcore_rl.trainer.step import RLStep, StageTimer, step_metrics
 from mcore_rl.types import LogProbBatch, RolloutBatch, TrainBatch, UpdateStats
 
 

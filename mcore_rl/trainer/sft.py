@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from mcore_rl.config import ConfigError, RunConfig, load_config
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 from mcore_rl.convert.output import copy_side_files
-from mcore_rl.trainer.run_log import RunLog
+from mcore_rl.logs.run_log import RunLog
 from mcore_rl.trainer.trainer import Trainer
 
 MODEL_DIR = "model"

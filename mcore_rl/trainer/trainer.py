@@ -30,14 +30,15 @@ from mcore_rl.data.demo_task import prepare_data
 from mcore_rl.data.prompts import PromptBatch, PromptDataset, PromptLoader
 from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.engine.workers.reward_model import RewardModelSpec, reward_model_checkpoint
 from mcore_rl.io.inputs import input_file
+from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.actor_group import ActorGroup
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, build_rollout_group, worker_spec
-from mcore_rl.trainer.grpo import RLStep, update_plan
+from mcore_rl.trainer.groups.actor import ActorGroup
+from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.ppo import PPOStep
-from mcore_rl.trainer.reward_model import RewardModelGroup, RewardModelSpec, reward_model_checkpoint
-from mcore_rl.trainer.run_log import RunLog
+from mcore_rl.trainer.step import RLStep, update_plan
 from mcore_rl.types import RolloutBatch
 
 PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
@@ -64,7 +65,13 @@ def load_run_data(cfg: RunConfig) -> RunData:
         dataset = PromptDataset.from_files(files, tokenizer, cfg.data)
         return dataset.batch(range(len(dataset)))
 
-    sft = SFTDataset.from_files(cfg.sft.train_files, tokenizer, cfg.data, cfg.sft) if cfg.sft.enable else None
+    sft = (
+        SFTDataset.from_files(
+            cfg.sft.train_files, tokenizer, cfg.data, cfg.sft.response_key, cfg.sft.max_length
+        )
+        if cfg.sft.enable
+        else None
+    )
     return RunData(
         tokenizer, PromptLoader(train, cfg.data), whole(cfg.data.val_files), whole(cfg.data.test_files), sft
     )
@@ -95,7 +102,7 @@ class Trainer:
             raise ValueError("overrides apply to a recipe path; set the fields of a RunConfig directly")
         cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
         claim_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
-        prepare_data(cfg)
+        prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
         save_config(cfg, cfg.trainer.default_local_dir)
         data = load_run_data(cfg)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.compat import megatron_cpu
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 
@@ -25,7 +27,7 @@ def _grads_with_and_without_fusion() -> dict:
     tokens = torch.randint(0, arch.vocab_size, (3, 10), generator=gen)
     batches = [MicroBatch(tokens[i : i + 1], torch.arange(10).expand(1, 10)) for i in range(3)]
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-3))
+        engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
         linears = _linears(engine)
         fused_at_build = [m.gradient_accumulation_fusion for m in linears]
         grads = {}
@@ -58,7 +60,7 @@ def _modes_seen_by_the_rollout() -> dict:
         seen.append(torch.overrides._get_current_function_mode())
         return original(*args, **kwargs)
 
-    from tests.rollout.common import make_engine, random_full_state
+    from tests.engine.rollout.common import make_engine, random_full_state
 
     arch = tiny_arch("llama")
     with ParallelContext.initialize(ParallelConfig()):

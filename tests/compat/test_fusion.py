@@ -70,8 +70,10 @@ def test_te_whose_pytorch_extension_fails_is_unavailable(cuda_present: None, sit
 
 def _bf16_train_step(arch_seq: int) -> float:
     from mcore_rl.engine.model import ModelOptions
-    from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.engine.optim import OptimConfig
+    from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
     from tests.models import tiny_arch
 
     arch = tiny_arch("llama")
@@ -79,7 +81,9 @@ def _bf16_train_step(arch_seq: int) -> float:
     tokens = torch.randint(0, arch.vocab_size, (2, arch_seq), generator=torch.Generator().manual_seed(0))
     batch = MicroBatch(tokens, torch.arange(arch_seq).expand(2, arch_seq))
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimizerConfig(lr=1e-3))
+        engine = TrainEngine.build(
+            arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimConfig(weight_decay=0.0, lr=1e-3)
+        )
         _, out = engine.train_step(
             [batch], lambda o, mb: (o.float().square().mean(), {"loss": o.float().mean()})
         )

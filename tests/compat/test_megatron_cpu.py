@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.compat import megatron_cpu
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is inactive with CUDA")
 
@@ -24,7 +25,7 @@ def test_targets_the_pinned_megatron_version():
 def _current_device_and_sp_gather() -> tuple[str, list[int]]:
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)):
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)):
         local = torch.full((2, 1, 3), float(dist.get_rank()))
         gathered = gather_from_sequence_parallel_region(local)  # allocates on torch.cuda.current_device()
         torch.cuda.synchronize()  # p2p_communication calls it; must be a no-op here
@@ -40,7 +41,7 @@ def test_current_device_is_cpu_and_sequence_parallel_gather_works(run_distribute
 def _rng_streams() -> dict:
     from megatron.core import tensor_parallel
 
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2, seed=11)):
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2), seed=11):
         before = torch.get_rng_state()
         with tensor_parallel.get_cuda_rng_tracker().fork():
             tp_draw = torch.rand(4)
@@ -64,7 +65,7 @@ def _torch_norm_under_sp() -> tuple[str, bool, float]:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)):
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)):
         config = TransformerConfig(
             num_layers=1,
             hidden_size=8,
@@ -131,11 +132,12 @@ def test_mode_rewrites_cuda_only_for_megatron_callers(run_distributed):
 
 
 def _distopt_state_load_keeps_step() -> dict:
-    from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+    from mcore_rl.engine.optim import OptimConfig
+    from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
     from tests.models import tiny_arch
 
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        engine = TrainEngine.build(tiny_arch(), ctx, optim=OptimizerConfig(lr=1e-2))
+        engine = TrainEngine.build(tiny_arch(), ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
         tokens = torch.randint(0, 200, (1, 8))
         batch = MicroBatch(tokens, torch.arange(8)[None], {})
         engine.train_step([batch], lambda out, mb: (out.float().pow(2).mean(), {}))

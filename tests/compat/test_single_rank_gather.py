@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 
@@ -20,7 +22,7 @@ def _weights_after_two_steps(distributed: bool) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, arch.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
     batch = MicroBatch(tokens, torch.arange(12).expand(4, 12))
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        optim = OptimizerConfig(lr=1e-3, use_distributed_optimizer=distributed)
+        optim = OptimConfig(weight_decay=0.0, lr=1e-3, use_distributed_optimizer=distributed)
         engine = TrainEngine.build(arch, ctx, optim=optim)
         for _ in range(2):
             engine.train_step([batch], lambda out, mb: (out.float().square().mean(), {}))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.controller import Worker
 from mcore_rl.controller.tensor_transport import tensor_from_wire, tensor_to_wire
+from mcore_rl.engine.workers.base import Worker
 
 
 def _cases() -> dict[str, torch.Tensor]:
@@ -71,9 +71,13 @@ def test_driver_and_worker_both_send_tensors_as_bytes(ray_session: None) -> None
     transposed = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
     got = ray.get(ray.put(transposed))  # the driver's encoding
     assert torch.equal(got, transposed) and got.is_contiguous()
-    actor = ray.remote(_TransposeWorker).options(num_cpus=1).remote(0, 1, 1)
+    from mcore_rl.controller.worker_group import ray_actor_class
+
+    actor = ray.remote(ray_actor_class(_TransposeWorker)).options(num_cpus=1).remote(0, 1, 1)
     try:
-        got = ray.get(actor.transposed.remote())  # the worker's encoding (registered in Worker.__init__)
+        got = ray.get(
+            actor.transposed.remote()
+        )  # the worker's encoding (registered by the controller's Ray mixin)
         assert torch.equal(got, transposed) and got.is_contiguous()
         base = torch.zeros(3)
         assert torch.equal(ray.get(actor.bump.remote(base)), torch.ones(3))

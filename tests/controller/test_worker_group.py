@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_rl.controller import Worker, WorkerError, WorkerGroup, data_owners
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.controller import WorkerError, WorkerGroup, data_owners
+from mcore_rl.engine.workers.base import Worker
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -47,7 +49,7 @@ def _wait_in_collective(ctx: ParallelContext) -> None:
 
 
 def test_four_ranks_tp2_dp2_run_collectives_and_dp_dispatch() -> None:
-    with WorkerGroup.spawn(_ShardSumWorker, 4, ParallelConfig(tensor_parallel_size=2)) as group:
+    with WorkerGroup.spawn(_ShardSumWorker, 4, ParallelConfig(tensor_model_parallel_size=2)) as group:
         assert [(i.tp_rank, i.dp_rank) for i in group.infos] == [(0, 0), (1, 0), (0, 1), (1, 1)]
         assert group.run("run", _sum_of_ranks) == [(10, 1), (10, 1), (10, 5), (10, 5)]
         # The ranks run at the driver's priority, not Ray's default worker niceness of 15.

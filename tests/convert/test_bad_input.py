@@ -132,7 +132,8 @@ CASES = [
     _c(
         "out-disk-full",
         mocked(
-            "mcore_rl.convert.safetensors_io.StreamingShardWriter.add", OSError(errno.ENOSPC, "No space left")
+            "mcore_rl.engine.hf.safetensors_io.StreamingShardWriter.add",
+            OSError(errno.ENOSPC, "No space left"),
         ),
         "No space left",
     ),
@@ -361,7 +362,7 @@ CASES = [
         "tp-not-dividing-heads",
         lambda ws: to_mcore(ws, "--tp", "3"),
         "num_attention_heads=4",
-        "tensor_parallel_size=3",
+        "tensor_model_parallel_size=3",
     ),
     _c("dtype-unknown", lambda ws: to_mcore(ws, "--dtype", "fp8"), "--dtype 'fp8'", code=2),
     _c("shard-size-word", lambda ws: to_hf(ws, "--max-shard-size", "big"), "--max-shard-size", code=2),

@@ -69,5 +69,5 @@ def test_python_dash_m_entry_point(hf_sharded, tmp_path):
     )
     assert (
         done.returncode == 1
-        and "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in done.stderr
+        and "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3" in done.stderr
     )

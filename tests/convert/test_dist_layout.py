@@ -17,10 +17,11 @@ from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import save_model
 from mcore_rl.engine.model import build_model_chunks
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import save_hf_model
 
-LAYOUT = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+LAYOUT = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
 
 
 def _megatron_and_converted(hf_dirs: list[str], tmp: str) -> None:

@@ -12,8 +12,8 @@ import torch
 
 from mcore_rl.cli import main
 from mcore_rl.convert.dcp_io import DistCheckpointReader
-from mcore_rl.convert.mapping import ConvertError
-from mcore_rl.convert.safetensors_io import SafetensorsReader, StreamingShardWriter
+from mcore_rl.engine.hf.mapping import ConvertError
+from mcore_rl.engine.hf.safetensors_io import SafetensorsReader, StreamingShardWriter
 from tests.convert.bad_inputs import Workspace, nan_weight
 from tests.convert.hf_models import save_hf_model
 
@@ -25,8 +25,8 @@ def workspace(tmp_path, hf_sharded, ckpt) -> Workspace:
 
 def test_nonfinite_weights_are_refused_or_converted_with_a_warning(workspace: Workspace, capsys):
     from mcore_rl.convert.hf_to_mcore import _ChunkSource
-    from mcore_rl.convert.mapping import tensor_maps
     from mcore_rl.engine.arch import ModelArch
+    from mcore_rl.engine.hf.mapping import tensor_maps
 
     nan_weight(workspace)
     arch = ModelArch.from_hf_config(workspace.hf)
@@ -134,7 +134,7 @@ def test_a_model_made_elsewhere_converts_with_its_config(ckpt, hf_sharded, tmp_p
 _SLOW_CONVERSION = """
 import sys, time
 from mcore_rl.cli import main
-from mcore_rl.convert import safetensors_io
+from mcore_rl.engine.hf import safetensors_io
 
 add = safetensors_io.StreamingShardWriter.add
 

@@ -18,18 +18,20 @@ from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import VARIANTS, hf_logits, listing, save_hf_model
 
 ATOL = 1e-4
 SEQ = 16  # > mistral's sliding window of 8
 WORLD2_LAYOUTS = {
     "tp1": {},
-    "tp2": {"tensor_parallel_size": 2},
-    "pp2": {"pipeline_parallel_size": 2},
+    "tp2": {"tensor_model_parallel_size": 2},
+    "pp2": {"pipeline_model_parallel_size": 2},
 }
-WORLD4_LAYOUTS = {"tp2-pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}
+WORLD4_LAYOUTS = {"tp2-pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}
 
 
 def _tokens(vocab: int = 250, batch: int = 2) -> torch.Tensor:
@@ -72,7 +74,7 @@ def _micro_batch(tokens: torch.Tensor, vocab_size: int) -> MicroBatch:
 def _engine(ckpt: str, ctx: ParallelContext, lr: float = 0.0) -> TrainEngine:
     info = ModelCheckpointInfo.read(ckpt)
     assert info is not None
-    engine = TrainEngine.build(info.arch, ctx, ModelOptions(), OptimizerConfig(lr=lr))
+    engine = TrainEngine.build(info.arch, ctx, ModelOptions(), OptimConfig(weight_decay=0.0, lr=lr))
     load_model(engine.models, ctx, ckpt)
     engine.optimizer.reload_model_params()
     return engine
@@ -183,7 +185,7 @@ def test_hf_mcore_hf_is_bit_exact(run_distributed, tmp_path, variant, dtype, sha
 def _train_save_export(hf_dir: str, tmp: str, tokens: torch.Tensor) -> dict:
     ckpt, trained, exported = (os.path.join(tmp, n) for n in ("ckpt", "trained", "exported"))
     convert_hf_to_mcore(HfToMcoreOptions(hf_dir, ckpt))
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
         engine = _engine(ckpt, ctx, lr=1e-2)
         batch = [_micro_batch(tokens, engine.arch.vocab_size)]
         losses = [float(engine.train_step(batch, _ce_loss)[1][0]["loss"]) for _ in range(3)]

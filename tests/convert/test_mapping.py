@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from mcore_rl.convert.cli import parse_dtype, parse_size
 from mcore_rl.convert.dist_layout import checkpoint_key, checkpoint_plan
-from mcore_rl.convert.mapping import (
+from mcore_rl.engine.hf.mapping import (
     ConvertError,
     check_convertible,
     full_shape,
@@ -22,7 +22,12 @@ from mcore_rl.convert.mapping import (
     to_full,
     to_hf,
 )
-from mcore_rl.convert.safetensors_io import INDEX_FILE, OutputTensor, SafetensorsReader, StreamingShardWriter
+from mcore_rl.engine.hf.safetensors_io import (
+    INDEX_FILE,
+    OutputTensor,
+    SafetensorsReader,
+    StreamingShardWriter,
+)
 from mcore_rl.io.errors import UsageError
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.parallel.sharding import ShardKind, shard_kind, tp_shard

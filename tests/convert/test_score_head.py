@@ -15,15 +15,16 @@ import torch
 
 from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
-from mcore_rl.convert.score_head import arch_of_config, has_score_head, hf_config_of
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.trainer.reward_model import RewardModel, RewardModelSpec, reward_model_arch
+from mcore_rl.engine.hf.score_head import arch_of_config, has_score_head, hf_config_of
+from mcore_rl.engine.workers.reward_model import RewardModel, RewardModelSpec, reward_model_arch
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import listing
 from tests.convert.test_hf_parity import _all_tensors
 from tests.trainer.test_reward_model import ROWS, _rollout, _save_classifier
 
-LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
 
 
 def _convert_back_and_score(hf_dir: str, ckpt: str, out: str) -> dict[str, torch.Tensor]:

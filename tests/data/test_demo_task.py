@@ -25,8 +25,11 @@ def test_prepare_data_writes_what_the_recipe_names(tmp_path: Path, monkeypatch: 
     for split, size in SMALL.items():
         monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
     cfg = load_config(RECIPE)
-    written = demo_task.prepare_data(cfg)
-    assert len(written) == 5 and demo_task.prepare_data(cfg) == []  # second call: all present
+    written = demo_task.prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
+    assert (
+        len(written) == 5
+        and demo_task.prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path) == []
+    )  # second call: all present
     load_config(RECIPE, check_paths=True)
 
     tok = load_tokenizer(cfg.model.tokenizer_path or "")
@@ -46,7 +49,7 @@ def test_prepare_data_writes_what_the_recipe_names(tmp_path: Path, monkeypatch: 
     assert record.ground_truth == str(int(a) + int(b))[::-1]
     assert tok.decode([*chars.encode("579"), chars.EOS, chars.PAD]) == "579"
 
-    sft = SFTDataset.from_files(cfg.sft.train_files, tok, cfg.data, cfg.sft)
+    sft = SFTDataset.from_files(cfg.sft.train_files, tok, cfg.data, cfg.sft.response_key, cfg.sft.max_length)
     held_out = {r.prompt_ids for r in test.records + val.records}
     assert not held_out & {r.prompt_ids for r in train.records + sft.records}  # type: ignore[operator]
 
@@ -87,12 +90,20 @@ def test_reversed_task_writes_answers_least_significant_digit_first(
         monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
     plain = load_config(RECIPE, _task_config(tmp_path / "plain", "arithmetic"))
     reversed_ = load_config(RECIPE, _task_config(tmp_path / "rev", "arithmetic_reversed"))
-    assert len(demo_task.prepare_data(plain)) == len(demo_task.prepare_data(reversed_)) == 5
+    assert (
+        len(demo_task.prepare_data(plain.data, plain.sft.train_files, plain.model.tokenizer_path))
+        == len(
+            demo_task.prepare_data(reversed_.data, reversed_.sft.train_files, reversed_.model.tokenizer_path)
+        )
+        == 5
+    )
     tok = load_tokenizer(reversed_.model.tokenizer_path or "")
     for cfg, flip in ((plain, False), (reversed_, True)):
         for dataset in (
             PromptDataset.from_files(cfg.data.test_files, tok, cfg.data),
-            SFTDataset.from_files(cfg.sft.train_files, tok, cfg.data, cfg.sft),
+            SFTDataset.from_files(
+                cfg.sft.train_files, tok, cfg.data, cfg.sft.response_key, cfg.sft.max_length
+            ),
         ):
             for record in dataset.records[:20]:
                 a, b = tok.decode(list(record.prompt_ids))[:-1].split("+")
@@ -110,12 +121,12 @@ def test_generated_files_of_the_other_task_are_refused(
 ) -> None:
     for split, size in SMALL.items():
         monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
-    demo_task.prepare_data(load_config(RECIPE, _task_config(tmp_path, "arithmetic")))
+    _prepare(load_config(RECIPE, _task_config(tmp_path, "arithmetic")))
     before = {p: p.read_bytes() for p in tmp_path.glob("*.jsonl")}
     with pytest.raises(
         ValueError, match=r"data\.generate=arithmetic_reversed: .*test\.jsonl holds another task"
     ):
-        demo_task.prepare_data(load_config(RECIPE, _task_config(tmp_path, "arithmetic_reversed")))
+        _prepare(load_config(RECIPE, _task_config(tmp_path, "arithmetic_reversed")))
     assert {p: p.read_bytes() for p in tmp_path.glob("*.jsonl")} == before  # nothing rewritten
 
 
@@ -128,3 +139,7 @@ def test_command_line_writes_the_reversed_task(tmp_path: Path, monkeypatch: pyte
     row = json.loads((tmp_path / "sft.jsonl").read_text().splitlines()[0])
     a, b = row["prompt"][0]["content"][:-1].split("+")
     assert row["response"] == row["reward_model"]["ground_truth"] == str(int(a) + int(b))[::-1]
+
+
+def _prepare(cfg):
+    return demo_task.prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from mcore_rl.config import DataConfig, SFTConfig
+from mcore_rl.config import DataConfig
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.rows import DataError, write_rows
 from mcore_rl.data.sampler import EpochSampler
@@ -144,9 +144,9 @@ def test_sft_examples_mask_the_prompt_and_name_bad_rows(tmp_path: Path, hf_tok: 
     write_rows(path, [row(0, response="seven"), row(1)])
     data = DataConfig(max_prompt_length=64, max_response_length=8)
     with pytest.raises(DataError, match=rf"{path}: row 1: column 'response': missing"):
-        SFTDataset.from_files([path], hf_tok, data, SFTConfig())
+        SFTDataset.from_files([path], hf_tok, data)
     write_rows(path, [row(0, response="seven")])
-    ds = SFTDataset.from_files([path], hf_tok, data, SFTConfig())
+    ds = SFTDataset.from_files([path], hf_tok, data)
     batch = ds.batch([0])
     prompt = hf_tok.encode("<|user|>the cat sat 0</s><|assistant|>")
     target = [*hf_tok.encode("seven"), hf_tok.eos_token_id]

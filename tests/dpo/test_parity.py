@@ -78,7 +78,7 @@ def _trl_loss(logps, ref, lengths, settings: DPOSettings, sft: float) -> torch.T
 
 
 def _hf_oracle(policy: Any, reference: Any, batch: PreferenceBatch) -> dict[str, Any]:
-    from mcore_rl.convert.mapping import tensor_maps, to_full
+    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
 
     arch = ModelArch.from_hf_config(policy.config.to_dict())
     with torch.no_grad():
@@ -118,14 +118,15 @@ def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int, sp: boo
 
     from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, _stack, hf_full_state, shard_indices
     from mcore_rl.engine.weights import load_full_state
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
 
     arch = ModelArch.from_hf_config(str(Path(policy_dir) / "config.json"))
     dataset = PreferenceDataset(_records(arch.vocab_size), pad_token_id=0)
     optim = OptimConfig(lr=0.0, weight_decay=0.0, use_distributed_optimizer=False)
     out = {}
     with ParallelContext.initialize(
-        ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     ) as ctx:
         micro_pairs = NUM_PAIRS // ctx.dp_size // 2 or 1  # PP runs two micro-batches
         loss0 = DPOLossSettings(CASES[0][1], arch.vocab_size)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from mcore_rl.engine.arch import ConfigError
 from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.trainer_checkpoint import (
     TRAINER_STATE_FILE,
     load_training_checkpoint,
@@ -25,15 +26,16 @@ from mcore_rl.engine.trainer_checkpoint import (
 from mcore_rl.engine.weights import gather_full_state, load_full_state
 from mcore_rl.io.errors import InputError, OutputError, UnsafeInputError
 from mcore_rl.io.output import MARKER_FILE
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 LOAD_LAYOUTS = {
     "tp1-dp2": ({}, {}),
-    "pp2": ({"pipeline_parallel_size": 2}, {}),
-    "pp2-vpp2": ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, {}),
+    "pp2": ({"pipeline_model_parallel_size": 2}, {}),
+    "pp2-vpp2": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, {}),
     # A different padded vocab (400 rows) than saved (256): the overlap loads, padding starts at zero.
-    "tp2-vocab-pad-100": ({"tensor_parallel_size": 2}, {"make_vocab_size_divisible_by": 100}),
+    "tp2-vocab-pad-100": ({"tensor_model_parallel_size": 2}, {"make_vocab_size_divisible_by": 100}),
 }
 
 
@@ -41,7 +43,7 @@ def _save_then_load_everywhere(family: str, directory: str) -> dict[str, bool]:
     arch = tiny_arch(family)
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)  # random, identical on all ranks
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
         chunks = build_model_chunks(arch, ctx)
         load_full_state(chunks, full, arch, ctx)
         save_model(chunks, ctx, directory, ModelCheckpointInfo.for_arch(arch, torch.float32))
@@ -57,12 +59,12 @@ def _save_then_load_everywhere(family: str, directory: str) -> dict[str, bool]:
                 padding = embedding[arch.vocab_size - ctx.tp_rank * embedding.shape[0] :]
                 same[name] &= bool((padding == 0).all()) if ctx.tp_rank == 1 else True
     # Virtual pipeline chunks save under model0/model1 with global keys: the same checkpoint layout.
-    vpp = {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}
+    vpp = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
     with ParallelContext.initialize(ParallelConfig(**vpp)) as ctx:
         chunks = build_model_chunks(arch, ctx)
         load_full_state(chunks, full, arch, ctx)
         save_model(chunks, ctx, directory + "-vpp")
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
         chunks = build_model_chunks(arch, ctx)
         load_model(chunks, ctx, directory + "-vpp")
         loaded = gather_full_state(chunks, arch, ctx)
@@ -168,13 +170,13 @@ def _engine_save_train_load(directory: str) -> dict[str, float]:
 
     arch = tiny_arch("llama")
     batch = _batch(arch.vocab_size, 0)
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
-        engine = TrainEngine.build(arch, ctx, bf16, OptimizerConfig(lr=1e-2))
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
+        engine = TrainEngine.build(arch, ctx, bf16, OptimConfig(weight_decay=0.0, lr=1e-2))
         engine.train_step([batch], _loss)
         engine.save_model(directory)
         trained = gather_full_state(engine.models, arch, ctx)
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        engine = TrainEngine.build(arch, ctx, bf16, OptimizerConfig(lr=0.0))
+        engine = TrainEngine.build(arch, ctx, bf16, OptimConfig(weight_decay=0.0, lr=0.0))
         engine.load_model(directory)
         loaded = gather_full_state(engine.models, arch, ctx)
         engine.train_step([batch], _loss)
@@ -191,7 +193,7 @@ def _resume_matches_uninterrupted(directory: str, parallel: dict, resume_paralle
     """Train 2 steps, checkpoint, train 1 more; a fresh engine restored from the checkpoint and trained 1 step
     must reach the same weights (Adam moments and step count restored, not just the weights)."""
     arch = tiny_arch("llama")
-    optim = OptimizerConfig(lr=1e-2, adam_beta2=0.99)
+    optim = OptimConfig(weight_decay=0.0, lr=1e-2, adam_beta2=0.99)
 
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=optim)
@@ -213,8 +215,8 @@ def _resume_matches_uninterrupted(directory: str, parallel: dict, resume_paralle
     "parallel, resume_parallel",
     [
         ({}, {}),
-        ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2}),
-        ({}, {"pipeline_parallel_size": 2}),
+        ({"tensor_model_parallel_size": 2}, {"tensor_model_parallel_size": 2}),
+        ({}, {"pipeline_model_parallel_size": 2}),
     ],
     ids=["dp2", "tp2", "dp2-to-pp2"],
 )
@@ -225,11 +227,11 @@ def test_training_checkpoint_resumes_exactly(run_distributed, tmp_path, parallel
 
 def _resume_at_another_tp(directory: str) -> str:
     arch = tiny_arch("llama")
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
         save_training_checkpoint(TrainEngine.build(arch, ctx), directory, step=0)
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         engine = TrainEngine.build(arch, ctx)
-        with pytest.raises(ValueError, match="tensor_parallel_size=2") as err:
+        with pytest.raises(ValueError, match="tensor_model_parallel_size=2") as err:
             load_training_checkpoint(engine, directory)
         return str(err.value)
 
@@ -245,7 +247,7 @@ def _save_before_the_first_step_changes_nothing(directory: str) -> float:
     states = []
     for save in (False, True):
         with ParallelContext.initialize(ParallelConfig()) as ctx:
-            engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
+            engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
             if save:
                 save_training_checkpoint(engine, directory, step=0)
             engine.train_step([_batch(arch.vocab_size, 0)], _loss)

@@ -9,7 +9,8 @@ import pytest
 
 from mcore_rl.engine.train_engine import TrainEngine
 from mcore_rl.engine.trainer_checkpoint import save_training_checkpoint
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine, _use_fused_torch_adam
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine, _use_fused_torch_adam
 from mcore_rl.engine.weights import unwrap
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 ROWS, SEQ = 3, 12
@@ -62,9 +64,9 @@ def _fused_vs_stock(family: str) -> dict[str, float]:
     weights = torch.randn(ROWS, SEQ, 256, generator=gen)  # padded vocab 256
     batch = MicroBatch(tokens, torch.arange(SEQ).expand(ROWS, SEQ), {"weights": weights})
     with ParallelContext.initialize(ParallelConfig()) as ctx:
-        fused = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-3))
+        fused = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
         with _stock_blocks():
-            stock = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-3))
+            stock = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
         stock.config.bias_activation_fusion = False  # megatron's chunk -> silu -> mul
         _copy_weights(fused, stock)
         layer, stock_layer = fused.models[0].decoder.layers[0], stock.models[0].decoder.layers[0]

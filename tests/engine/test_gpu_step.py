@@ -10,20 +10,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_rl.algo.agreement import prob_agreement
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.model import ModelOptions
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.packing.token_batching import packing_of
 from mcore_rl.engine.rollout import SamplingParams
-from mcore_rl.engine.train_engine import OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.trainer.batch import prob_agreement, rollout_batch
-from mcore_rl.trainer.losses import (
+from mcore_rl.engine.rollout.batch import rollout_batch
+from mcore_rl.engine.train_engine import TrainEngine
+from mcore_rl.engine.workers.losses import (
     LogProbMicroBatch,
     PolicyLossSettings,
     PolicyMicroBatch,
     log_prob_loss,
     policy_loss,
 )
-from mcore_rl.trainer.token_batching import packing_of
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import RolloutBatch, TrainBatch
 from tests.models import tiny_arch
 
@@ -56,7 +59,9 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal() -> None:
     prompts = torch.randint(1, arch.vocab_size, (4, 6), generator=gen).tolist()
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         assert ctx.device.type == "cuda"
-        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=torch.float32), OptimizerConfig(lr=1e-2))
+        engine = TrainEngine.build(
+            arch, ctx, ModelOptions(dtype=torch.float32), OptimConfig(weight_decay=0.0, lr=1e-2)
+        )
         hybrid, _ = build_local_hybrid(engine)
         before = {n: p.detach().clone() for n, p in engine.models[0].named_parameters()}
         for step in range(2):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mcore_rl.engine.model import build_model_chunks
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.trainer.losses import (
+from mcore_rl.engine.workers.losses import (
     LogProbMicroBatch,
     PolicyLossSettings,
     PolicyMicroBatch,
@@ -19,6 +19,8 @@ from mcore_rl.trainer.losses import (
     policy_loss,
     token_log_probs,
 )
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import TrainBatch
 from tests.models import tiny_arch
 
@@ -62,7 +64,7 @@ def _run(family: str, parallel: dict) -> dict:
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
-        engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-3))
+        engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
         engine.load_full_state(full)
         batch = _train_batch(arch.vocab_size, ctx.tp_size if ctx.layout.sp else 1)
         positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
@@ -114,10 +116,10 @@ def _run(family: str, parallel: dict) -> dict:
 CASES = {
     "tp1-llama": ("llama", {}, 1),
     "tp1-tied": ("qwen2", {}, 1),
-    "tp2": ("llama", {"tensor_parallel_size": 2}, 2),
-    "tp2-sp": ("llama", {"tensor_parallel_size": 2, "sequence_parallel": True}, 2),
-    "pp2-tied": ("qwen2", {"pipeline_parallel_size": 2}, 2),
-    "pp2-vpp2": ("llama", {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, 2),
+    "tp2": ("llama", {"tensor_model_parallel_size": 2}, 2),
+    "tp2-sp": ("llama", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 2),
+    "pp2-tied": ("qwen2", {"pipeline_model_parallel_size": 2}, 2),
+    "pp2-vpp2": ("llama", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 2),
 }
 
 
@@ -141,11 +143,11 @@ def _replicated_norms_after_head_loss_training() -> dict[str, float]:
     """Max |rank r - rank 0| of every TP-replicated norm weight after three HeadLoss training steps at TP2."""
     import torch.distributed as dist
 
-    from mcore_rl.trainer.losses import SFTMicroBatch, sft_loss
+    from mcore_rl.engine.workers.losses import SFTMicroBatch, sft_loss
 
     arch = tiny_arch("qwen2", vocab_size=14)  # tied; TP rank 1's vocab shard is all padding
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
-        engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
+        engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
         tokens = torch.randint(2, 14, (4, 12), generator=torch.Generator().manual_seed(0))
         mask = torch.zeros(4, 12)
         mask[:, 6:11] = 1

@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state, load_full_state
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 GLOBAL_BATCH, SEQ, LR = 4, 16, 1e-3
-OPTIM = OptimizerConfig(lr=LR, clip_grad=1.0, weight_decay=0.0)
+OPTIM = OptimConfig(lr=LR, clip_grad=1.0, weight_decay=0.0)
 
 
 def _global_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,10 +141,10 @@ def _check(results: list[dict], atol: float) -> dict:
 
 CASES_WORLD2 = {
     "tp1-dp2-distopt": {},
-    "tp2": {"tensor_parallel_size": 2},
-    "tp2-sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
-    "pp2": {"pipeline_parallel_size": 2},
-    "pp2-vpp2": {"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+    "tp2": {"tensor_model_parallel_size": 2},
+    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_model_parallel_size": 2},
+    "pp2-vpp2": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
 }
 
 
@@ -153,9 +155,9 @@ def test_parity_world2_llama(run_distributed, case):
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_parity_tied_bias_and_window_under_pp2(run_distributed, family):
-    _check(run_distributed(_layout_run, family, {"pipeline_parallel_size": 2}), atol=1e-5)
+    _check(run_distributed(_layout_run, family, {"pipeline_model_parallel_size": 2}), atol=1e-5)
 
 
 def test_parity_tp2_pp2_sp_world4(run_distributed):
-    parallel = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel": True}
+    parallel = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "sequence_parallel": True}
     _check(run_distributed(_layout_run, "llama", parallel, world_size=4), atol=1e-5)

@@ -7,9 +7,11 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.model import ModelOptions, ValueHead, build_model_chunks
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state, load_full_state, unwrap
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 SEQ = 8
@@ -27,7 +29,7 @@ def _values_in_layout(parallel: dict) -> dict:
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         full = gather_full_state(build_model_chunks(arch, ctx, options), arch, ctx)
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
-        engine = TrainEngine.build(arch, ctx, options, OptimizerConfig(lr=1e-3))
+        engine = TrainEngine.build(arch, ctx, options, OptimConfig(weight_decay=0.0, lr=1e-3))
         engine.load_full_state(full)
         out = engine.forward_backward(
             [MicroBatch(tokens, positions)],
@@ -44,7 +46,7 @@ def _values_in_layout(parallel: dict) -> dict:
 
 @pytest.mark.parametrize(
     "parallel",
-    [{}, {"tensor_parallel_size": 2, "sequence_parallel": True}, {"pipeline_parallel_size": 2}],
+    [{}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"pipeline_model_parallel_size": 2}],
     ids=["tp1", "tp2-sp", "pp2"],
 )
 def test_value_head_is_scalar_and_layout_invariant(run_distributed, parallel):
@@ -74,9 +76,9 @@ def _round_trip(parallel: dict) -> bool:
 @pytest.mark.parametrize(
     ("parallel", "world_size"),
     [
-        ({"tensor_parallel_size": 2}, 2),
-        ({"pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2}, 2),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
+        ({"tensor_model_parallel_size": 2}, 2),
+        ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 2),
+        ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, 4),
     ],
     ids=["tp2", "pp2-vpp2", "tp2-pp2"],
 )
@@ -87,8 +89,10 @@ def test_full_state_round_trips_through_any_layout(run_distributed, parallel, wo
 def _bf16_training() -> dict:
     arch = tiny_arch("llama")
     tokens, positions = _tokens(arch.vocab_size)
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
-        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimizerConfig(lr=3e-3))
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
+        engine = TrainEngine.build(
+            arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimConfig(weight_decay=0.0, lr=3e-3)
+        )
         batch = MicroBatch(tokens, positions, {"labels": torch.roll(tokens, -1, 1)})
 
         def loss_fn(output, mb):
@@ -128,13 +132,13 @@ def _init_weights(parallel: dict) -> dict[str, dict[str, torch.Tensor]]:
     arch = tiny_arch("llama")
     out = {}
     for scaled in (True, False):
-        with ParallelContext.initialize(ParallelConfig(seed=7, **parallel)) as ctx:
+        with ParallelContext.initialize(ParallelConfig(**parallel), seed=7) as ctx:
             chunks = build_model_chunks(arch, ctx, ModelOptions(scaled_output_init=scaled))
             out["scaled" if scaled else "plain"] = gather_full_state(chunks, arch, ctx)
     return out
 
 
-@pytest.mark.parametrize("parallel", [{}, {"tensor_parallel_size": 2}], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("parallel", [{}, {"tensor_model_parallel_size": 2}], ids=["tp1", "tp2"])
 def test_plain_init_draws_output_projections_at_the_full_std(run_distributed, parallel):
     """``scaled_output_init=False`` (transformers' Llama init) changes only the scale of the attention and
     MLP output projections: the same draws, sqrt(2 x layers) larger; every other tensor is identical."""

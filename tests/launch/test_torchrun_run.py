@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mcore_rl.parallel.context import free_local_port
+from mcore_rl.parallel.launch_env import free_local_port
 from tests.launch.conftest import run_script
 from tests.models import tiny_hf_config
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing, shared_prefix_seq_params
 from mcore_rl.ops import _native
 from mcore_rl.ops.row_attention import _native_ok, row_attention, row_attention_reference
-from mcore_rl.trainer.shared_prefix import shared_prefix_packing, shared_prefix_seq_params
 
 pytestmark = pytest.mark.skipif(
     not (_native.extension_loaded() and hasattr(torch.ops.mcore_rl, "row_attention")),

@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.layout import LayoutError
 
 
 def _groups_match_layout(tp: int, pp: int, vpp: int | None = None) -> dict:
     with ParallelContext.initialize(
-        ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, virtual_pipeline_parallel_size=vpp)
+        ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+        )
     ) as ctx:
         layout = ctx.layout
         rank = dist.get_rank()
@@ -58,7 +63,7 @@ def test_only_one_active_context(run_distributed):
 
 def _bad_size_error() -> str:
     try:
-        ParallelContext.initialize(ParallelConfig(tensor_parallel_size=3))
+        ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=3))
     except LayoutError as err:
         return str(err)
     return "no error"
@@ -66,13 +71,13 @@ def _bad_size_error() -> str:
 
 def test_sizes_not_dividing_world_are_named(run_distributed):
     for message in run_distributed(_bad_size_error):
-        assert "world_size=2" in message and "tensor_parallel_size" in message
+        assert "world_size=2" in message and "tensor_model_parallel_size" in message
 
 
 def _rebuild_in_same_world() -> list[int]:
     sizes = []
     for tp in (2, 1, 2):
-        with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=tp)) as ctx:
+        with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp)) as ctx:
             sizes.append(dist.get_world_size(ctx.tp_group))
     return sizes
 
@@ -87,11 +92,11 @@ def _threads_after_rebuilds() -> tuple[int, int]:
     def count() -> int:
         return psutil.Process().num_threads()
 
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)):
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)):
         pass
     baseline = count()
     for _ in range(5):
-        with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)):
+        with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)):
             pass
     return baseline, count()
 

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.rollout.base import SamplingParams
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.failure import FailureGuard, FailureReport, PeerFailureError, rejoin_world
 from tests.models import tiny_arch
 from tests.parallel.test_hybrid_parity import PROMPTS
@@ -32,8 +34,10 @@ def _one_rl_step(where: str) -> float:
     """to_rollout -> generate -> to_train -> train_step with a real error at ``where`` on FAIL_RANK; returns
     the time the failure point was reached (every rank starts it at about the same time)."""
     arch = tiny_arch("qwen2", num_hidden_layers=2)  # tied embeddings under PP2
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)) as ctx:
-        engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-3))
+    with ParallelContext.initialize(
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    ) as ctx:
+        engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
         hybrid, _ = build_local_hybrid(engine, tp_g=2)
         if _fail_here(where, "reshard"):  # a training shard of the wrong shape: the executor refuses it
             good = hybrid.local_params

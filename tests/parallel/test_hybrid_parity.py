@@ -22,14 +22,16 @@ import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.rollout.layout import RolloutLayoutError, check_rollout_tp
-from mcore_rl.engine.train_engine import MicroBatch, OptimizerConfig, TrainEngine
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.ops import vocab_parallel_logprob_entropy
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import HybridConfig, ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.layout import LayoutError
 from mcore_rl.parallel.reshard import arch_param_specs, rollout_coordinates
-from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
+from mcore_rl.parallel.reshard.hybrid import Phase
 from mcore_rl.parallel.sharding import ShardKind
 
 WORLD = 4
@@ -85,9 +87,9 @@ def train_layouts() -> dict[str, dict[str, Any]]:
     out = {}
     for tp, pp, vpp, sp in itertools.product((1, 2, 4), (1, 2, 4), (None, 2), (False, True)):
         config = ParallelConfig(
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            virtual_pipeline_parallel_size=vpp,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
             sequence_parallel=sp,
         )
         try:
@@ -96,9 +98,9 @@ def train_layouts() -> dict[str, dict[str, Any]]:
             continue
         name = f"tp{tp}-pp{pp}-dp{layout.dp}" + (f"-vpp{vpp}" if vpp else "") + ("-sp" if sp else "")
         out[name] = {
-            "tensor_parallel_size": tp,
-            "pipeline_parallel_size": pp,
-            "virtual_pipeline_parallel_size": vpp,
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": vpp,
             "sequence_parallel": sp,
         }
     return out
@@ -217,7 +219,7 @@ def _train_batches(ctx: ParallelContext) -> list[MicroBatch]:
 
 def _case(ctx: ParallelContext, arch: ModelArch, tp_g: int, seed: int) -> dict[str, Any]:
     """Two switches to rollout with a training step between them; per switch the max log-prob gap."""
-    engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
+    engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
     engine.load_full_state(_full_state(arch, seed))
     hybrid, rollout = build_local_hybrid(engine, tp_g, HybridConfig(bucket_bytes=16 << 10))
     diffs, received = [], []
@@ -287,8 +289,8 @@ def test_matrix_is_generated_and_covers_every_axis():
         assert any(kind in n for n in names), kind
     assert {tp_g for _, group in DEFAULT for _, tp_g in group} == set(ROLLOUT_TP)
     parallel = train_layouts()
-    with_pp = [(n, g) for n, g in DEFAULT if parallel[n]["pipeline_parallel_size"] > 1]
-    assert any(tp_g > parallel[n]["tensor_parallel_size"] > 1 for n, g in with_pp for _, tp_g in g)
+    with_pp = [(n, g) for n, g in DEFAULT if parallel[n]["pipeline_model_parallel_size"] > 1]
+    assert any(tp_g > parallel[n]["tensor_model_parallel_size"] > 1 for n, g in with_pp for _, tp_g in g)
     assert arch_variants()["all"]["tie_word_embeddings"] and with_pp
     assert {v for _, v, _ in ALL_CASES} == set(arch_variants())
 

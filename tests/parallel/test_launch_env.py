@@ -131,8 +131,9 @@ def test_joining_a_world_leaves_no_rendezvous_variables_behind(monkeypatch):
     same process read them as a launch and failed on the stale, still-held port."""
     import os
 
-    from mcore_rl.controller.worker import Worker
-    from mcore_rl.parallel.context import ParallelConfig, free_local_port
+    from mcore_rl.engine.workers.base import Worker
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.launch_env import free_local_port
 
     keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
     for key in keys:

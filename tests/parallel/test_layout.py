@@ -66,8 +66,8 @@ def test_interleaved_stage_layers_follow_megatron():
         ({"world_size": 8, "tp": 3}, "world_size=8 is not divisible by tp*pp=3*1"),
         ({"world_size": 8, "tp": 2, "pp": 3}, "tp*pp=2*3"),
         ({"world_size": 4, "tp": 0}, "tp must be a positive integer"),
-        ({"world_size": 4, "vpp": 2}, "needs pipeline_parallel_size >= 2"),
-        ({"world_size": 4, "sp": True}, "sequence_parallel=True needs tensor_parallel_size >= 2"),
+        ({"world_size": 4, "vpp": 2}, "needs pipeline_model_parallel_size >= 2"),
+        ({"world_size": 4, "sp": True}, "sequence_parallel=True needs tensor_model_parallel_size >= 2"),
     ],
 )
 def test_bad_sizes_name_the_field(kwargs, message):
@@ -110,7 +110,9 @@ def test_model_that_splits_passes_and_vpp_counts_chunks():
     ParallelLayout(8, tp=2, pp=2).check_model(
         num_attention_heads=8, num_query_groups=2, num_layers=4, vocab_size=99
     )
-    with pytest.raises(LayoutError, match="pipeline_parallel_size\\*virtual_pipeline_parallel_size=4"):
+    with pytest.raises(
+        LayoutError, match="pipeline_model_parallel_size\\*virtual_pipeline_model_parallel_size=4"
+    ):
         ParallelLayout(4, pp=2, vpp=2).check_model(num_attention_heads=4, num_query_groups=4, num_layers=6)
 
 

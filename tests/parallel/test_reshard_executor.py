@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.ops import _native, pack_copy, unpack_copy
+from mcore_rl.parallel.config import HybridConfig
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.parallel.reshard import build_plan, execution_schedule, model_param_specs, padded_rows
 from mcore_rl.parallel.reshard.executor import execute_plan
-from mcore_rl.parallel.reshard.hybrid import HybridConfig
 from mcore_rl.parallel.reshard.planner import owner_stages
 from mcore_rl.parallel.sharding import tp_shard
 from tests.parallel.test_reshard_plan import ARCH
@@ -210,7 +210,7 @@ def test_schedules_of_all_ranks_fit_together(world, tp, pp, tp_g):
 
 
 def test_sizes_must_be_positive():
-    with pytest.raises(ValueError, match="max_inflight_bytes must be positive"):
+    with pytest.raises(ValueError, match=r"rollout\.hybrid\.max_inflight_bytes=0 must be > 0 or null"):
         HybridConfig(max_inflight_bytes=0)
     plan, _, _ = _setup(2, 0, 1, 2, 2)
     with pytest.raises(ValueError, match="max_inflight_bytes must be positive"):

@@ -192,7 +192,7 @@ def test_sizes_that_do_not_split_name_the_parameter():
     )
     with pytest.raises(
         LayoutError,
-        match=r"linear_qkv\.weight: 2 query groups cannot be split over rollout tensor_parallel_size=4",
+        match=r"linear_qkv\.weight: 2 query groups cannot be split over rollout tensor_model_parallel_size=4",
     ):
         build_plan(specs, ParallelLayout(4, tp=2), 4, num_layers=4, tied_embeddings=False)
 

@@ -44,7 +44,7 @@ def test_flags_form_too_big_proposes_a_layout(llama8b_config, capsys):
 def test_bad_layout_is_one_line_naming_the_field(llama8b_config, capsys):
     assert main(["plan", "--model-config", llama8b_config, "--tp", "3", "--gpus-per-node", "6"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: num_attention_heads=32 is not divisible by tensor_parallel_size=3"
+    assert err == "error: num_attention_heads=32 is not divisible by tensor_model_parallel_size=3"
 
 
 @pytest.fixture

@@ -165,23 +165,26 @@ def test_every_known_gpu_is_sized():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"tp": 3, "world_size": 6}, r"num_attention_heads=32 is not divisible by tensor_parallel_size=3"),
+        (
+            {"tp": 3, "world_size": 6},
+            r"num_attention_heads=32 is not divisible by tensor_model_parallel_size=3",
+        ),
         (
             {"tp": 1, "sp": False, "pp": 3, "world_size": 3},
-            r"num_layers=32 is not divisible by pipeline_parallel_size=3",
+            r"num_layers=32 is not divisible by pipeline_model_parallel_size=3",
         ),
         (
             {"tp": 1, "sp": False, "pp": 2, "vpp": 3},
-            r"num_layers=32 is not divisible by .*virtual_pipeline_parallel_size=6",
+            r"num_layers=32 is not divisible by .*virtual_pipeline_model_parallel_size=6",
         ),
-        ({"tp": 4, "gpus_per_node": 6}, r"tensor_parallel_size=4 must divide gpus_per_node=6"),
+        ({"tp": 4, "gpus_per_node": 6}, r"tensor_model_parallel_size=4 must divide gpus_per_node=6"),
         ({"world_size": 7}, r"world_size=7 is not divisible by tp\*pp=2\*1"),
         ({"global_batch_size": 250}, r"global_batch_size=250 is not divisible by micro_batch_size\*dp=1\*4"),
         (
             {"pp": 2, "vpp": 2, "global_batch_size": 6},
-            r"micro-batches per step=3 .* multiple of pipeline_par",
+            r"micro-batches per step=3 .* multiple of pipeline_model_par",
         ),
-        ({"seq_length": 4095}, r"sequence length 4095 is not divisible by tensor_parallel_size=2"),
+        ({"seq_length": 4095}, r"sequence length 4095 is not divisible by tensor_model_parallel_size=2"),
         ({"rollout_tp": 8, "gpus_per_node": 4}, r"rollout_tp=8 must divide gpus_per_node=4"),
         ({"gpu": "V100"}, r"gpu='V100' is not known"),
         ({"recompute": "some"}, r"recompute='some' must be one of"),

@@ -100,7 +100,7 @@ def built_worker(ctx: Any, spec: Any, initial: dict[str, Any] | None) -> tuple[A
     from the first one's weights."""
     import torch
 
-    from mcore_rl.trainer.worker import HybridWorker
+    from mcore_rl.engine.workers.actor import HybridWorker
 
     worker = HybridWorker(ctx.rank, ctx.layout.world_size, num_threads=1)
     worker._ctx = ctx

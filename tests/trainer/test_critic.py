@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config.model import OptimConfig
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.weights import gather_full_state
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.trainer.critic import Critic, CriticSpec, ValueBatch
+from mcore_rl.engine.workers.critic import Critic, CriticSpec, ValueBatch
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from tests.models import tiny_arch
 
 ROWS, SEQ = 8, 12
@@ -67,7 +68,10 @@ def test_critic_tp2_pp2_equals_tp1(run_distributed) -> None:
     full = run_distributed(_initial_state, world_size=4)[0]
     tp1 = run_distributed(_critic_in_layout, {}, full, world_size=4)[0]
     tp2pp2 = run_distributed(
-        _critic_in_layout, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, full, world_size=4
+        _critic_in_layout,
+        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+        full,
+        world_size=4,
     )
     owners = [r for r in tp2pp2 if r["before"] is not None]
     assert len(owners) == 1  # the last stage's TP rank 0

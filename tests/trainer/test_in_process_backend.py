@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.controller.dispatch import RankInfo
-from mcore_rl.trainer.actor_group import InProcessBackend
+from mcore_rl.controller.backend import InProcessBackend
+from mcore_rl.types import RankInfo
 
 
 class _Recorder:

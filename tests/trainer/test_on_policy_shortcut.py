@@ -21,10 +21,10 @@ from mcore_rl.config import AlgorithmConfig, RunConfig
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.actor_group import UpdatePlan
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
-from mcore_rl.trainer.grpo import RLStep, recompute_old_log_probs
+from mcore_rl.trainer.groups.actor import UpdatePlan
 from mcore_rl.trainer.ppo import PPOStep
+from mcore_rl.trainer.step import RLStep, recompute_old_log_probs
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
 SAME = (

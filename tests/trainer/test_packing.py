@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from mcore_rl.trainer.token_batching import PackedRows, packing_of
+from mcore_rl.engine.packing.token_batching import PackedRows, packing_of
 from mcore_rl.types import RolloutBatch, TrainBatch
 
 
@@ -49,12 +49,13 @@ def _rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
 
 def _padded_and_packed(spec, settings) -> dict:
     from mcore_rl.data.sft import SFTBatch
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
     from tests.trainer.common import built_worker
 
     rollout, train = _rows(torch.Generator().manual_seed(3))
     out: dict = {}
-    config = ParallelConfig(tensor_parallel_size=2, sequence_parallel=True)
+    config = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     with ParallelContext.initialize(config) as ctx:
         initial = None
         for name in ("padded", "packed"):
@@ -73,8 +74,8 @@ def _padded_and_packed(spec, settings) -> dict:
 def test_packed_passes_equal_the_padded_ones_at_tp2_with_sequence_parallelism(
     run_distributed, tmp_path
 ) -> None:
+    from mcore_rl.engine.workers.losses import PolicyLossSettings
     from mcore_rl.trainer.build import worker_spec
-    from mcore_rl.trainer.losses import PolicyLossSettings
     from tests.trainer.common import tiny_run_config
 
     cfg = tiny_run_config(str(tmp_path), ["optim.lr=1e-3"])

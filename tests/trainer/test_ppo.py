@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from mcore_rl.algo import AdaptiveKLController, apply_kl_penalty, compute_gae_advantages
+from mcore_rl.algo.advantages import outcome_rewards
 from mcore_rl.config import ConfigError
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.batch import outcome_rewards
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
 from mcore_rl.trainer.ppo import PPOStep
 from tests.trainer.common import MIXED_REWARD, tiny_run_config

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mcore_rl.parallel.context import free_local_port
+from mcore_rl.parallel.launch_env import free_local_port
 from tests.trainer.common import demo_recipe_overrides, tiny_run_config
 
 pytestmark = pytest.mark.slow

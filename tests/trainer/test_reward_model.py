@@ -9,8 +9,14 @@ import json
 import pytest
 import torch
 
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
-from mcore_rl.trainer.reward_model import RewardModel, RewardModelSpec, last_token_values, reward_model_arch
+from mcore_rl.engine.workers.reward_model import (
+    RewardModel,
+    RewardModelSpec,
+    last_token_values,
+    reward_model_arch,
+)
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import RolloutBatch
 from tests.models import tiny_hf_config
 
@@ -48,7 +54,7 @@ def _rollout() -> RolloutBatch:
 
 
 def _scores_at_tp2(folder: str) -> torch.Tensor | None:
-    with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=2)) as ctx:
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
         return RewardModel(ctx, RewardModelSpec(folder)).scores(_rollout(), micro_batch_size=3)
 
 
@@ -92,8 +98,8 @@ def test_the_driver_combines_rule_and_model_rewards_with_their_weights(tmp_path)
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
     from mcore_rl.trainer.build import build_actor_group, worker_spec
-    from mcore_rl.trainer.grpo import RLStep
-    from mcore_rl.trainer.reward_model import RewardModelGroup
+    from mcore_rl.trainer.groups.reward_model import RewardModelGroup
+    from mcore_rl.trainer.step import RLStep
     from mcore_rl.types import RolloutRequest
     from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
@@ -135,8 +141,8 @@ def test_the_trainer_converts_an_hf_reward_model_once_and_the_ranks_load_the_che
     the ranks load that checkpoint, and a step runs with the model reward."""
     import os
 
-    from mcore_rl.convert.score_head import has_score_head
     from mcore_rl.engine.checkpoint import ModelCheckpointInfo
+    from mcore_rl.engine.hf.score_head import has_score_head
     from mcore_rl.trainer.trainer import Trainer
     from tests.trainer.common import MIXED_REWARD, tiny_run_config
 

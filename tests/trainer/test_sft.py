@@ -93,16 +93,13 @@ def test_sft_without_examples_is_refused_naming_the_key() -> None:
 
 
 def test_the_sft_loss_is_the_mean_nll_of_response_tokens_only(data) -> None:
-    from mcore_rl.config.run import SFTConfig
     from mcore_rl.data.sft import SFTDataset
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.trainer.build import build_actor_group, worker_spec
     from mcore_rl.types import RolloutBatch
 
     cfg = tiny_run_config(data)
-    dataset = SFTDataset.from_files(
-        [f"{data}/sft.jsonl"], load_tokenizer(cfg.model.tokenizer_path), cfg.data, SFTConfig()
-    )
+    dataset = SFTDataset.from_files([f"{data}/sft.jsonl"], load_tokenizer(cfg.model.tokenizer_path), cfg.data)
     batch = dataset.batch(range(8))
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=1), use_ray=False)
     try:

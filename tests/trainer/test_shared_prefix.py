@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from mcore_rl.trainer.shared_prefix import shared_prefix_packing
+from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
 from mcore_rl.types import RolloutBatch, TrainBatch
 
 
@@ -65,12 +65,13 @@ def _grpo_rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
 
 def _padded_and_shared(spec, settings, tp: int) -> dict:
     from mcore_rl.data.sft import SFTBatch
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
     from tests.trainer.common import built_worker
 
     rollout, train = _grpo_rows(torch.Generator().manual_seed(3))
     out: dict = {}
-    config = ParallelConfig(tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    config = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
     with ParallelContext.initialize(config) as ctx:
         initial = None
         for name in ("padded", "shared"):
@@ -89,8 +90,8 @@ def _padded_and_shared(spec, settings, tp: int) -> dict:
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-sp"])
 def test_shared_prompts_give_the_padded_log_probs_and_gradients(run_distributed, tmp_path, tp) -> None:
+    from mcore_rl.engine.workers.losses import PolicyLossSettings
     from mcore_rl.trainer.build import worker_spec
-    from mcore_rl.trainer.losses import PolicyLossSettings
     from tests.trainer.common import tiny_run_config
 
     overrides = [

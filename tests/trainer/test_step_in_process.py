@@ -11,11 +11,11 @@ import torch
 
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.engine.workers.actor import NonFiniteLossError
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.actor_group import UpdatePlan
 from mcore_rl.trainer.build import build_actor_group, worker_spec
-from mcore_rl.trainer.grpo import RLStep, loss_settings
-from mcore_rl.trainer.worker import NonFiniteLossError
+from mcore_rl.trainer.groups.actor import UpdatePlan
+from mcore_rl.trainer.step import RLStep, loss_settings
 from mcore_rl.types import RolloutRequest, TrainBatch
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 

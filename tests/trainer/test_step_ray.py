@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore_rl.algo.advantages import compute_advantages
+from mcore_rl.algo.agreement import prob_agreement
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.batch import compute_advantages, prob_agreement
 from mcore_rl.trainer.build import build_actor_group, worker_spec
-from mcore_rl.trainer.grpo import RLStep, loss_settings, update_plan
+from mcore_rl.trainer.step import RLStep, loss_settings, update_plan
 from mcore_rl.types import RolloutRequest, TrainBatch
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mcore_rl.controller.dispatch import split_record
-from mcore_rl.trainer.token_batching import (
+from mcore_rl.engine.packing.token_batching import (
     balanced_order,
     balanced_partitions,
     budget_micro_batches,
@@ -85,7 +85,8 @@ def _train_batch() -> TrainBatch:
 def _update_both_ways(spec, settings) -> dict:
     import torch.distributed as dist
 
-    from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
     from tests.trainer.common import built_worker
 
     batch, rank = _train_batch(), dist.get_rank()
@@ -112,8 +113,8 @@ def _update_both_ways(spec, settings) -> dict:
 
 
 def test_token_budget_update_equals_the_padded_update_at_dp2(run_distributed, tmp_path) -> None:
+    from mcore_rl.engine.workers.losses import PolicyLossSettings
     from mcore_rl.trainer.build import worker_spec
-    from mcore_rl.trainer.losses import PolicyLossSettings
     from tests.trainer.common import tiny_run_config
 
     # Without ZeRO every rank's main_grad holds the whole all-reduced gradient after the step.
@@ -150,7 +151,7 @@ def test_token_budget_update_equals_the_padded_update_at_dp2(run_distributed, tm
 
 def test_packed_seq_params_mark_where_each_row_starts() -> None:
     """The TE path's packing metadata (built here; the packed forward itself needs TE on a GPU)."""
-    from mcore_rl.trainer.token_batching import packed_seq_params
+    from mcore_rl.engine.packing.token_batching import packed_seq_params
 
     params = packed_seq_params([3, 5, 2])
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 8, 10]

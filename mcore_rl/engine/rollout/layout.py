@@ -43,7 +43,7 @@ def check_rollout_tp(arch: ModelArch, tp: int) -> None:
     ):
         if value % tp:
             raise RolloutLayoutError(
-                f"{name}={value} is not divisible by the rollout tensor_parallel_size={tp}"
+                f"{name}={value} is not divisible by the rollout tensor_model_parallel_size={tp}"
             )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mcore_rl.compat import megatron_cpu
+from mcore_rl.parallel.config import HybridConfig
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.executor import ReshardStats, execute_plan
 from mcore_rl.parallel.reshard.plan import ReshardPlan
@@ -38,33 +39,6 @@ logger = logging.getLogger(__name__)
 class Phase(Enum):
     TRAIN = "train"
     ROLLOUT = "rollout"
-
-
-@dataclass(frozen=True)
-class HybridConfig:
-    """Memory handling of the train/rollout switch."""
-
-    offload_optimizer: bool = True
-    """Move optimizer state to host memory during rollout (GPU only; a no-op on CPU)."""
-    offload_grad_buffers: bool = True
-    """Free the DDP gradient buffers during rollout; they are re-allocated (zeroed) for training."""
-    sleep_level: int = 1
-    """Rollout sleep between phases: 1 frees the KV cache, 2 also drops the rollout weights."""
-    bucket_bytes: int = 256 << 20
-    """Largest p2p message during resharding (a single larger unit, e.g. one huge row, still goes whole)."""
-    max_inflight_bytes: int | None = None
-    """Most bytes a rank sends plus receives per reshard round, i.e. its peak extra memory during the
-    reshard (None: ``2 * bucket_bytes``). A single message larger than this goes alone in its round."""
-    rollout_dtype: torch.dtype | None = None
-    """Cast weights to this dtype during the reshard (None keeps the training dtype)."""
-
-    def __post_init__(self) -> None:
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
-        if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
-            raise ValueError(f"max_inflight_bytes must be positive or None, got {self.max_inflight_bytes}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +97,7 @@ class HybridEngine:
             shards, stats = execute_plan(
                 self.plan,
                 self.local_params(),
-                dtype=self.config.rollout_dtype,
+                dtype=getattr(torch, self.config.rollout_dtype) if self.config.rollout_dtype else None,
                 bucket_bytes=self.config.bucket_bytes,
                 max_inflight_bytes=self.config.max_inflight_bytes,
             )

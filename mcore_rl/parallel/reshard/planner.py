@@ -5,12 +5,12 @@ Split from ``plan.py`` so the data types read on their own; everything here is p
 What the plan cannot serve, each refused by :func:`build_plan` with a :class:`LayoutError` before any rank
 moves a byte (every other train layout, tied or not, with PP/VPP/SP/DP, is served; see the hybrid matrix):
 
-- a rollout TP that does not divide the world: "rollout tensor_parallel_size=3 must divide world_size=4";
-- rollout and training TP that do not nest (neither divides the other): "rollout tensor_parallel_size=2 and
-  training tensor_parallel_size=3 must nest";
+- a rollout TP that does not divide the world: "rollout tensor_model_parallel_size=3 must divide world_size=4";
+- rollout and training TP that do not nest (neither divides the other): "rollout tensor_model_parallel_size=2 and
+  training tensor_model_parallel_size=3 must nest";
 - a split dimension that does not divide, e.g. fewer KV heads than rollout TP (KV heads are split, never
   replicated): "decoder.layers.0.self_attention.linear_qkv.weight: 2 query groups cannot be split over
-  rollout tensor_parallel_size=4".
+  rollout tensor_model_parallel_size=4".
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ def rollout_coordinates(
     plan stays exact and minimal for that assignment but moves more bytes.
     """
     if tp_g < 1 or train.world_size % tp_g:
-        raise LayoutError(f"rollout tensor_parallel_size={tp_g} must divide world_size={train.world_size}")
+        raise LayoutError(
+            f"rollout tensor_model_parallel_size={tp_g} must divide world_size={train.world_size}"
+        )
     tp = train.tp
     if tp_g % tp and tp % tp_g:
         raise LayoutError(
-            f"rollout tensor_parallel_size={tp_g} and training tensor_parallel_size={tp} must nest"
+            f"rollout tensor_model_parallel_size={tp_g} and training tensor_model_parallel_size={tp} must nest"
         )
     if consecutive:
         return {r: (r % tp_g, r // tp_g) for r in range(train.world_size)}
@@ -140,7 +142,9 @@ def build_plan(
     """
     rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
     coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)  # first: the layout-level errors
-    _check_divisible(specs, {"training tensor_parallel_size": train.tp, "rollout tensor_parallel_size": tp_g})
+    _check_divisible(
+        specs, {"training tensor_model_parallel_size": train.tp, "rollout tensor_model_parallel_size": tp_g}
+    )
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     local: dict[int, list[tuple[str, Interval]]] = defaultdict(list)

@@ -16,9 +16,10 @@ import torch.distributed as dist
 from mcore_rl.engine.model import build_model_chunks
 from mcore_rl.engine.rollout import KVCache, SamplingParams
 from mcore_rl.engine.weights import gather_full_state, load_full_state
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
+from tests.engine.rollout.common import make_engine, random_full_state
 from tests.models import tiny_arch
-from tests.rollout.common import make_engine, random_full_state
 
 SEQ = 20  # longer than Mistral's window of 8
 PROMPT_LENGTHS = [20, 7, 13]

@@ -28,23 +28,19 @@ from typing import Any, TypeVar
 
 import torch
 
+from mcore_rl.algo.advantages import compute_advantages
+from mcore_rl.algo.agreement import ProbAgreement, prob_agreement, truncated_importance_weights
 from mcore_rl.config import AlgorithmConfig, RunConfig
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.prompts import PromptBatch
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.engine.workers.actor import NonFiniteLossError
+from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
-from mcore_rl.trainer.actor_group import ActorGroup, UpdatePlan
-from mcore_rl.trainer.batch import (
-    ProbAgreement,
-    compute_advantages,
-    prob_agreement,
-    truncated_importance_weights,
-)
-from mcore_rl.trainer.losses import PolicyLossSettings
-from mcore_rl.trainer.reward_model import RewardModelGroup
-from mcore_rl.trainer.rollout_pool import RolloutGroup
-from mcore_rl.trainer.worker import NonFiniteLossError
+from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
+from mcore_rl.trainer.groups.reward_model import RewardModelGroup
+from mcore_rl.trainer.groups.rollout import RolloutGroup
 from mcore_rl.types import RolloutBatch, RolloutRequest, TrainBatch, UpdateStats
 
 log = logging.getLogger(__name__)

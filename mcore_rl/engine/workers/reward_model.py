@@ -14,20 +14,17 @@ reward_model.weight * model``. The model lives on the actor's ranks (forward onl
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from mcore_rl.controller.dispatch import data_owners, num_dp_shards, split_record
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import load_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.train_engine import TrainEngine
 from mcore_rl.engine.weights import load_full_state
+from mcore_rl.engine.workers.critic import forward_values_loss
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.trainer.critic import forward_values_loss
 from mcore_rl.types import RolloutBatch
 
 
@@ -38,9 +35,9 @@ def is_model_checkpoint(path: str) -> bool:
 
 def reward_model_arch(path: str) -> ModelArch:
     """The body architecture of a one-label classifier: an HF folder or its converted checkpoint."""
-    from mcore_rl.convert.score_head import arch_of_file, has_score_head, is_classifier
     from mcore_rl.engine.arch import ConfigError
     from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, read_json_object
+    from mcore_rl.engine.hf.score_head import arch_of_file, has_score_head, is_classifier
 
     if is_model_checkpoint(path):
         info = ModelCheckpointInfo.read(path)
@@ -68,8 +65,8 @@ def reward_model_checkpoint(path: str, run_dir: str) -> str:
 
 def reward_model_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The megatron full (TP=1) state of an HF folder: the body's maps, ``score`` as the value head."""
-    from mcore_rl.convert.mapping import tensor_maps, to_full
-    from mcore_rl.convert.safetensors_io import SafetensorsReader
+    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
+    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
 
     reader = SafetensorsReader(path)
     return {
@@ -121,7 +118,7 @@ class RewardModel:
 
     def scores(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
         """[N] scores of this rank's rows; the owner (last stage, TP rank 0) returns them."""
-        from mcore_rl.trainer.micro_batches import pad_width, plain_micro_batch, row_chunks
+        from mcore_rl.engine.packing.micro_batches import pad_width, plain_micro_batch, row_chunks
 
         multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
@@ -146,20 +143,3 @@ class RewardModelHost:
         if self.reward_model is None:
             raise RuntimeError("the reward model is not built: call build_reward_model first")
         return self.reward_model.scores(batch, micro_batch_size)
-
-
-class RewardModelGroup:
-    """The driver's handle on the reward model ranks (colocated with the actor)."""
-
-    def __init__(self, backend: Any, spec: RewardModelSpec) -> None:
-        self.backend = backend
-        self.num_dp_shards = num_dp_shards(backend.infos)
-        self._data_owners = data_owners(backend.infos)
-        backend.submit("build_reward_model", None, "", spec)()
-
-    def submit_scores(self, batch: RolloutBatch, micro_batch_size: int) -> Callable[[], torch.Tensor]:
-        """Start scoring (the driver runs the rules meanwhile); call the result to wait for [N] scores."""
-        shards = list(split_record(batch, self.num_dp_shards))
-        micro = min(micro_batch_size, shards[0].num_sequences)
-        wait = self.backend.submit("reward_model_scores", shards, "dp", micro)
-        return lambda: torch.cat([wait()[i] for i in self._data_owners])

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.convert.score_head import has_score_head
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.hf.score_head import has_score_head
 from mcore_rl.io.errors import InputError
 
 

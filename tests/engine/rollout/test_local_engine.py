@@ -17,8 +17,8 @@ from mcore_rl.engine.rollout import (
     rollout_shards_from_full,
 )
 from mcore_rl.ops import decode as fused_decode
+from tests.engine.rollout.common import make_engine, random_full_state, recomputed_log_probs
 from tests.models import tiny_arch
-from tests.rollout.common import make_engine, random_full_state, recomputed_log_probs
 
 # Ragged prompts: lengths 1..11, the longest past Mistral's window of 8.
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61, 7, 23, 11, 2], [5], [200, 13, 77, 40], [9, 9, 9, 9, 9, 9, 9]]

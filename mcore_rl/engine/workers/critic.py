@@ -8,34 +8,30 @@
 ``t + 1``, i.e. the same column as that token's mask, log-prob and advantage (``mcore_rl/types.py``).
 
 :class:`Critic` is what one rank holds; :class:`CriticHost` gives a worker the collective methods the driver
-calls (a :class:`~mcore_rl.trainer.worker.HybridWorker` holds the critic beside the actor: the colocated
+calls (a :class:`~mcore_rl.engine.workers.actor.HybridWorker` holds the critic beside the actor: the colocated
 placement), and :class:`CriticGroup` is the driver's handle, splitting batches over data-parallel ranks
-like :class:`~mcore_rl.trainer.actor_group.ActorGroup`.
+like :class:`~mcore_rl.trainer.groups.actor.ActorGroup`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.algo import LossAggregation, value_loss
-from mcore_rl.config.model import OptimConfig
-from mcore_rl.controller.dispatch import RankInfo, data_owners, num_dp_shards, split_record
-from mcore_rl.controller.worker import Worker
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions
+from mcore_rl.engine.optim import OptimConfig, lr_scheduler
+from mcore_rl.engine.packing.micro_batches import mini_batch_slices
 from mcore_rl.engine.train_engine import LossFn, MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
+from mcore_rl.engine.workers.base import Worker
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.trainer.batch import mini_batch_slices
-from mcore_rl.types import RolloutBatch
+from mcore_rl.types import RankInfo, RolloutBatch
 
 CRITIC_DIR = "critic"
 """The critic's training checkpoint, inside the run checkpoint folder."""
@@ -139,11 +135,11 @@ class Critic:
     """The critic on one rank (see the module docstring); every method is collective over the layout."""
 
     def __init__(self, ctx: ParallelContext, spec: CriticSpec, init_from: TrainEngine | None = None) -> None:
-        from mcore_rl.trainer.worker import _hf_full_state
+        from mcore_rl.engine.workers.actor import _hf_full_state
 
         self.ctx, self.spec = ctx, spec
         options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
-        self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
+        self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if spec.hf_path is not None:
             self.load_body(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
         elif init_from is not None:
@@ -164,7 +160,7 @@ class Critic:
     ) -> torch.Tensor | None:
         """[N, S] values of this rank's rows; the owner (last stage, TP rank 0) returns them. With packing
         (``spec.remove_padding`` and a ``response_mask``) they are 0 after each row's response."""
-        from mcore_rl.trainer.micro_batches import pad_width, plain_micro_batch, row_chunks
+        from mcore_rl.engine.packing.micro_batches import pad_width, plain_micro_batch, row_chunks
 
         padded = pad_width(tokens, self._sp_multiple, self.spec.pad_token_id)
         micro = [plain_micro_batch(t) for t in row_chunks(padded, micro_batch_size)]
@@ -193,8 +189,8 @@ class Critic:
         return CriticStats(vf_loss, clip_frac, vpred, grad_norm, lr)
 
     def _optimizer_step(self, mini: ValueBatch, micro_batch_size: int) -> torch.Tensor:
-        from mcore_rl.trainer.micro_batches import positions, row_chunks
-        from mcore_rl.trainer.worker import NonFiniteLossError
+        from mcore_rl.engine.packing.micro_batches import positions, row_chunks
+        from mcore_rl.engine.workers.actor import NonFiniteLossError
 
         count = mini.response_mask.sum().reshape(1)
         dist.all_reduce(count, group=self.ctx.dp_group)  # the mini-batch's global response tokens
@@ -223,7 +219,7 @@ class Critic:
     def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:
         """``micro`` with its rows packed end to end for the model when ``spec.remove_padding``."""
         if self.spec.remove_padding:
-            from mcore_rl.trainer.token_batching import packing_of
+            from mcore_rl.engine.packing.token_batching import packing_of
 
             micro.packed = packing_of(mask, self._sp_multiple).model_input(
                 micro.tokens, self.spec.pad_token_id
@@ -251,7 +247,7 @@ class Critic:
         return self.ctx.tp_size if self.ctx.layout.sp else 1
 
     def _pad(self, batch: ValueBatch) -> ValueBatch:
-        from mcore_rl.trainer.micro_batches import pad_width
+        from mcore_rl.engine.packing.micro_batches import pad_width
 
         if self._sp_multiple == 1:
             return batch
@@ -323,79 +319,9 @@ class CriticWorker(CriticHost, Worker):
         return self.rank_info()
 
 
-class CriticGroup:
-    """The driver's handle on the critic ranks (a backend over workers that are :class:`CriticHost`).
-
-    ``actors`` is the actor group's backend when the critic lives on its own pool (its body then comes from
-    the actor through the driver); None when colocated (the copy stays inside each process)."""
-
-    def __init__(self, backend: Any, actors: Any = None) -> None:
-        self.backend = backend
-        self.actors = actors
-        self.num_dp_shards = num_dp_shards(backend.infos)
-        self._data_owners = data_owners(backend.infos)
-
-    def build(self, spec: CriticSpec) -> None:
-        self.backend.submit("build_critic", None, "", spec)()
-
-    def init_from_actor(self) -> None:
-        """The actor's current weights into the critic body; the head is kept."""
-        if self.actors is None:
-            self.backend.submit("critic_init_from_actor", None, "")()
-            return
-        full = next(s for s in self.actors.submit("full_state", None, "")() if s is not None)
-        self.actors.submit("sync_weights", None, "")()  # the actor back to ROLLOUT for the next step
-        self.backend.submit("critic_load_body", None, "", full)()
-
-    def save(self, run_checkpoint: str, step: int) -> None:
-        """The critic's own checkpoint into ``<run_checkpoint>/critic`` (after the actor's is in place)."""
-        self.backend.submit("critic_save", None, "", run_checkpoint, step)()
-
-    def load(self, run_checkpoint: str) -> None:
-        self.backend.submit("critic_load", None, "", run_checkpoint)()
-
-    def shutdown(self) -> None:
-        """Stop the critic's own pool (a colocated critic goes with the actor group)."""
-        if self.actors is not None:
-            self.backend.shutdown()
-
-    def submit_values(self, batch: RolloutBatch, micro_batch_size: int) -> Callable[[], torch.Tensor]:
-        """Start the value pass (the driver scores meanwhile); call the result to wait for [N, S] values."""
-        shards = list(split_record(batch, self.num_dp_shards))
-        wait = self.backend.submit(
-            "critic_values", shards, "dp", min(micro_batch_size, shards[0].num_sequences)
-        )
-
-        def collect() -> torch.Tensor:
-            results = wait()
-            return torch.cat([results[i] for i in self._data_owners])
-
-        return collect
-
-    def update(
-        self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
-    ) -> CriticStats:
-        return self.submit_update(batch, num_mini_batches, ppo_epochs, micro_batch_size)()
-
-    def submit_update(
-        self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
-    ) -> Callable[[], CriticStats]:
-        """Start the critic's update (on its own pool it runs beside the actor's); call the result to wait."""
-        shards = list(split_record(batch, self.num_dp_shards))
-        micro = min(micro_batch_size, max(shards[0].tokens.shape[0] // num_mini_batches, 1))
-        wait = self.backend.submit("critic_update", shards, "dp", num_mini_batches, ppo_epochs, micro)
-
-        def collect() -> CriticStats:
-            stats: CriticStats = wait()[self._data_owners[0]]
-            return stats
-
-        return collect
-
-
 __all__ = [
     "CRITIC_DIR",
     "Critic",
-    "CriticGroup",
     "CriticHost",
     "CriticSpec",
     "CriticStats",

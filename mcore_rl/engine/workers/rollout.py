@@ -20,7 +20,6 @@ weights, seed and prompts. It never sleeps: nothing else on its ranks needs the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,21 +27,18 @@ import torch
 
 from mcore_rl.controller.dispatch import (
     RankInfo,
-    num_rollout_shards,
 )
-from mcore_rl.controller.worker import Worker
-from mcore_rl.controller.worker_group import Pending
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.rollout.layout import rollout_shards_from_full
 from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
-from mcore_rl.trainer.actor_group import ActorGroup, RayBackend, submit_rollout
-from mcore_rl.trainer.memory import max_over_ranks, measured, phase_memory
-from mcore_rl.trainer.worker import replica_rollout
+from mcore_rl.engine.workers.actor import replica_rollout
+from mcore_rl.engine.workers.base import Worker
+from mcore_rl.engine.workers.memory import measured, phase_memory
 from mcore_rl.types import RolloutBatch, RolloutRequest
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
+    pass
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class RolloutWorker(Worker):
         """Collective: the engine (on this rank's device, zero weights until :meth:`load_full_state`)."""
         ctx = self.ctx
         if ctx.pp_size != 1:
-            raise ValueError(f"a rollout pool runs pp=1, got pipeline_parallel_size={ctx.pp_size}")
+            raise ValueError(f"a rollout pool runs pp=1, got pipeline_model_parallel_size={ctx.pp_size}")
         self.spec = spec
         self.engine = LocalRolloutEngine(
             spec.arch,
@@ -121,67 +117,4 @@ class RolloutWorker(Worker):
         return phase_memory(self).take()
 
 
-class RolloutGroup:
-    """The driver's handle on a rollout pool: whole requests in, whole batches out (see the module docstring
-    for the ordering the ``submit_*`` methods rely on)."""
-
-    def __init__(self, backend: RayBackend) -> None:
-        self.backend = backend
-        self.num_rollout_shards = num_rollout_shards(backend.infos)
-
-    def submit_generate(self, request: RolloutRequest, params: SamplingParams) -> Callable[[], RolloutBatch]:
-        """Start sampling (prompts split over replicas); call the result for the samples in prompt order."""
-        return submit_rollout(self.backend, request, params)
-
-    def generate(self, request: RolloutRequest, params: SamplingParams) -> RolloutBatch:
-        return self.submit_generate(request, params)()
-
-    def submit_load_weights(self, full: dict[str, torch.Tensor] | ObjectRef) -> Callable[[], None]:
-        """Start loading a full (TP=1) state, or a Ray object ref to one, into every rank; it enters the
-        object store once, not once per rank. Runs after every call submitted before it."""
-        import ray
-
-        ref = full if isinstance(full, ray.ObjectRef) else ray.put(full)
-        wait = self.backend.submit("load_full_state", None, "", ref)
-
-        def loaded() -> None:
-            wait()
-
-        return loaded
-
-    def load_weights(self, full: dict[str, torch.Tensor] | ObjectRef) -> None:
-        self.submit_load_weights(full)()
-
-    def submit_load_weights_from(self, actors: ActorGroup) -> Callable[[], None]:
-        """Start taking the actor's current weights (``HybridWorker.full_state``, which leaves the actor in
-        its TRAIN phase): actor rank 0's result goes to the pool as an object ref, never through the driver.
-        The actor's calls submitted later run after the gather; the wait also surfaces the actor's errors."""
-        import ray
-
-        if not isinstance(actors.backend, RayBackend):
-            raise TypeError("a rollout pool takes its weights from a Ray actor group (use_ray)")
-        group = actors.backend.group
-        gather = group.call("full_state")
-        load = self.submit_load_weights(gather.refs[0])
-        # The other actor ranks return None; rank 0's result stays off the driver (a placeholder keeps
-        # WorkerGroup.get's rank numbering while it waits for their errors, if any).
-        others = Pending(gather.method, [ray.put(None), *gather.refs[1:]])
-
-        def wait() -> None:
-            load()
-            group.get(others)
-
-        return wait
-
-    def load_weights_from(self, actors: ActorGroup) -> None:
-        self.submit_load_weights_from(actors)()
-
-    def phase_memory(self) -> dict[str, float]:
-        """Peak memory per phase (generate, sync) since the last call, the maximum over the pool's ranks."""
-        return max_over_ranks(self.backend.submit("take_phase_memory", None, "")())
-
-    def shutdown(self) -> None:
-        self.backend.shutdown()
-
-
-__all__ = ["RolloutGroup", "RolloutSpec", "RolloutWorker"]
+__all__ = ["RolloutSpec", "RolloutWorker"]

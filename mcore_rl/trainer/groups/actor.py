@@ -9,16 +9,14 @@ Ray overhead is measured against, and fast tests).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from mcore_rl.config.model import OptimConfig
+from mcore_rl.controller.backend import Backend
 from mcore_rl.controller.dispatch import (
-    RankInfo,
     concat_records,
     data_owners,
     num_dp_shards,
@@ -26,14 +24,13 @@ from mcore_rl.controller.dispatch import (
     rollout_owners,
     split_record,
 )
-from mcore_rl.controller.worker_group import WorkerGroup
 from mcore_rl.data.sft import SFTBatch
+from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.packing.token_batching import balanced_order, row_lengths, select_rows
 from mcore_rl.engine.rollout.base import SamplingParams
-from mcore_rl.trainer.batch import common_width
-from mcore_rl.trainer.losses import PolicyLossSettings
-from mcore_rl.trainer.memory import max_over_ranks
-from mcore_rl.trainer.token_batching import balanced_order, row_lengths, select_rows
-from mcore_rl.trainer.worker import HybridWorker
+from mcore_rl.engine.rollout.batch import common_width
+from mcore_rl.engine.workers.losses import PolicyLossSettings
+from mcore_rl.engine.workers.memory import max_over_ranks
 from mcore_rl.types import (
     LogProbBatch,
     OnPolicyUpdate,
@@ -42,95 +39,6 @@ from mcore_rl.types import (
     TrainBatch,
     UpdateStats,
 )
-
-
-class Backend(Protocol):
-    """Runs one HybridWorker method on every rank and returns every rank's result."""
-
-    infos: list[RankInfo]
-
-    def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
-        """Start ``method(shard, *args)`` (or ``method(*args)`` when ``shards`` is None) on every rank;
-        the returned callable waits for the per-rank results."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-class RayBackend:
-    """A :class:`WorkerGroup` of :class:`HybridWorker` actors."""
-
-    def __init__(self, group: WorkerGroup, owns_ray: bool = False) -> None:
-        self.group = group
-        self.infos = group.infos
-        self.owns_ray = owns_ray
-        """The driver started this local Ray for the run: shutting the group down stops Ray too, so a notebook
-        or a test that builds several trainers never inherits a stale session."""
-
-    def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
-        pending = (
-            self.group.call(method, *args)
-            if shards is None
-            else self.group.call_sharded(method, shards, by, *args)
-        )
-        return lambda: self.group.get(pending)
-
-    def shutdown(self) -> None:
-        self.group.shutdown(graceful=True)
-        if self.owns_ray:
-            import ray
-
-            ray.shutdown()
-
-
-class InProcessBackend:
-    """One rank (world size 1) in the driver's own process: no Ray, no copies.
-
-    Calls run as a Ray actor runs them: one at a time, in the order they were submitted. A call runs when
-    its result, or that of a later call, is awaited, so that the driver's timers around a wait measure the
-    same work on both backends; an error stays with its own call, as with Ray."""
-
-    def __init__(self, worker: HybridWorker) -> None:
-        self.worker = worker
-        self.infos = [worker.rank_info()]
-        self._queue: deque[_QueuedCall] = deque()
-
-    def submit(self, method: str, shards: list[Any] | None, by: str, *args: Any) -> Callable[[], list[Any]]:
-        fn = getattr(self.worker, method)
-        call = _QueuedCall(lambda: fn(*args) if shards is None else fn(shards[0], *args))
-        self._queue.append(call)
-
-        def wait() -> list[Any]:
-            while not call.done:
-                self._queue.popleft().run()
-            return call.result()
-
-        return wait
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
-
-
-class _QueuedCall:
-    """One pending in-process call: its result, or its error raised where it is awaited."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self.done = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except Exception as err:  # kept for the caller that awaits this call
-            self.error = err
-        self.done = True
-
-    def result(self) -> list[Any]:
-        if self.error is not None:
-            raise self.error
-        return [self.value]
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from mcore_rl.algo import AdaptiveKLController, FixedKLController, apply_kl_penalty
-from mcore_rl.config.model import KLControl
+from mcore_rl.algo.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from mcore_rl.algo.settings import KLControl, KLControlType
 
 
 class KLRewardController:
@@ -23,12 +23,10 @@ class KLRewardController:
     def __init__(self, ctrl: KLControl) -> None:
         self.type = ctrl.type
         self.impl: FixedKLController | AdaptiveKLController
-        if ctrl.type == "adaptive":
+        if KLControlType(ctrl.type) is KLControlType.ADAPTIVE:
             self.impl = AdaptiveKLController(ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
-        elif ctrl.type == "fixed":
-            self.impl = FixedKLController(ctrl.kl_coef)
         else:
-            raise ValueError(f"algorithm.kl_ctrl.type: unknown {ctrl.type!r}; valid: fixed, adaptive")
+            self.impl = FixedKLController(ctrl.kl_coef)
 
     @property
     def value(self) -> float:

@@ -20,21 +20,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config.model import OptimConfig
-from mcore_rl.controller.dispatch import RankInfo
-from mcore_rl.controller.worker import Worker
 from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
-from mcore_rl.engine.lr_schedule import lr_scheduler
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.optim import OptimConfig, lr_scheduler
+from mcore_rl.engine.packing.micro_batches import (
+    at_rows,
+    joined,
+    micro_parts,
+    mini_batch_slices,
+    pad_record,
+    pad_width,
+    positions,
+    row_chunks,
+    slice_rows,
+)
+from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
+from mcore_rl.engine.packing.token_batching import packing_of
 from mcore_rl.engine.rollout.base import GenerationOutput, SamplingParams
+from mcore_rl.engine.rollout.batch import rollout_batch
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
-from mcore_rl.parallel.reshard.hybrid import HybridConfig, Phase
-from mcore_rl.trainer.batch import mini_batch_slices, rollout_batch
-from mcore_rl.trainer.critic import CriticHost
-from mcore_rl.trainer.losses import (
+from mcore_rl.engine.workers.base import Worker
+from mcore_rl.engine.workers.critic import CriticHost
+from mcore_rl.engine.workers.losses import (
     LogProbMicroBatch,
     PolicyLossSettings,
     PolicyMicroBatch,
@@ -43,25 +53,14 @@ from mcore_rl.trainer.losses import (
     policy_loss,
     sft_loss,
 )
-from mcore_rl.trainer.memory import measured, phase_memory
-from mcore_rl.trainer.micro_batches import (
-    at_rows,
-    joined,
-    micro_parts,
-    pad_record,
-    pad_width,
-    positions,
-    row_chunks,
-    slice_rows,
-)
-from mcore_rl.trainer.reward_model import RewardModelHost
-from mcore_rl.trainer.shared_prefix import shared_prefix_packing
-from mcore_rl.trainer.token_batching import (
-    packing_of,
-)
+from mcore_rl.engine.workers.memory import measured, phase_memory
+from mcore_rl.engine.workers.reward_model import RewardModelHost
+from mcore_rl.parallel.config import HybridConfig
+from mcore_rl.parallel.reshard.hybrid import Phase
 from mcore_rl.types import (
     LogProbBatch,
     OnPolicyUpdate,
+    RankInfo,
     RolloutBatch,
     RolloutRequest,
     TrainBatch,
@@ -114,7 +113,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         ctx = self.ctx
         self.spec = spec
         options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
-        self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim.to_optimizer_config())
+        self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if spec.load_dir is not None:
             self.engine.load_model(spec.load_dir)
         elif spec.hf_path is not None:
@@ -429,8 +428,8 @@ def replica_rollout(
 
 def _hf_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The megatron full (TP=1) state of an HF safetensors folder (fused QKV and gate/up)."""
-    from mcore_rl.convert.mapping import tensor_maps, to_full
-    from mcore_rl.convert.safetensors_io import SafetensorsReader
+    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
+    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
 
     reader = SafetensorsReader(path)
     return {

@@ -1,9 +1,9 @@
-"""The base of every Ray worker: one process, one torch.distributed rank, one ParallelContext.
+"""The base of every per-rank host: one process, one torch.distributed rank, one ParallelContext.
 
-A worker group (``worker_group.py``) creates one actor per rank, asks rank 0 for a rendezvous address
-(its node's IP and a free port there), and hands it to every rank, which then joins the world through
-:meth:`ParallelContext.initialize` (gloo on CPU, nccl on GPU). Nothing here talks to the driver except
-through return values.
+The controller starts one per rank (a Ray actor: ``controller/worker_group.py``, which adds what Ray needs),
+asks rank 0 for a rendezvous address and hands it to every rank, which then joins the world through
+:meth:`ParallelContext.initialize` (gloo on CPU, nccl on GPU); or the driver builds one in its own process.
+Nothing here knows Ray or talks to the driver except through return values.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from mcore_rl.controller.dispatch import RankInfo
-from mcore_rl.controller.tensor_transport import register_tensor_transport
-from mcore_rl.parallel.context import ParallelConfig, ParallelContext
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.launch_env import rendezvous_for_init
+from mcore_rl.types import RankInfo
 
 
 class Worker:
@@ -28,7 +28,6 @@ class Worker:
         self.world_size = world_size
         self.num_threads = num_threads
         self._ctx: ParallelContext | None = None
-        register_tensor_transport()  # this actor's own Ray serialization context (no-op in-process)
 
     @property
     def ctx(self) -> ParallelContext:
@@ -36,19 +35,10 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: init_parallel() has not run")
         return self._ctx
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 only: this node's IP and a port free on it, for every rank's MASTER_ADDR/PORT."""
-        import socket
-
-        import ray
-
-        address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((address, 0))
-            return address, int(s.getsockname()[1])
-
-    def init_parallel(self, master_addr: str, master_port: int, parallel: ParallelConfig) -> RankInfo:
-        """Collective: join the world and build the ParallelContext for ``parallel``."""
+    def init_parallel(
+        self, master_addr: str, master_port: int, parallel: ParallelConfig, seed: int = 1234
+    ) -> RankInfo:
+        """Collective: join the world and build the ParallelContext for ``parallel`` (RNG streams from ``seed``)."""
         import warnings
 
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -61,7 +51,7 @@ class Worker:
             # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so its device is always index 0.
             LOCAL_RANK="0",
         ):
-            self._ctx = ParallelContext.initialize(parallel)
+            self._ctx = ParallelContext.initialize(parallel, seed)
         return self.rank_info()
 
     def rank_info(self) -> RankInfo:

@@ -7,8 +7,8 @@ import torch
 
 from mcore_rl.engine.rollout import RolloutLayoutError, rollout_param_shapes, rollout_shards_from_full
 from mcore_rl.parallel.layout import padded_vocab_size
+from tests.engine.rollout.common import random_full_state
 from tests.models import tiny_arch
-from tests.rollout.common import random_full_state
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

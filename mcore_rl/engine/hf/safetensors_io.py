@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import torch
 
-from mcore_rl.convert.mapping import ConvertError
+from mcore_rl.engine.hf.mapping import ConvertError
 from mcore_rl.io.inputs import input_file
 
 SINGLE_FILE = "model.safetensors"

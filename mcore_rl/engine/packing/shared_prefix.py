@@ -26,65 +26,24 @@ elsewhere.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mcore_rl.compat.shared_prefix_attention import attach_token_positions, seq_params_class
+from mcore_rl.engine.packing.token_batching import row_lengths
 from mcore_rl.engine.train_engine import PackedInput
-from mcore_rl.ops.row_attention import row_attention as ops_row_attention
-from mcore_rl.trainer.token_batching import row_lengths
-
-
-@functools.cache
-def _seq_params_class() -> type:
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    @dataclass
-    class SharedPrefixSeqParams(PackedSeqParams):
-        """``thd`` packing whose segments may hold a shared prompt and several responses (module
-        docstring): ``positions`` [T] each token's position in its rows, ``row_source`` [b * s] the packed
-        token at each row position (0 past a row's end), ``token_home`` [T] the row position each token's
-        output is read from (0 for filler), ``rows`` (b, s)."""
-
-        positions: torch.Tensor | None = None
-        row_source: torch.Tensor | None = None
-        token_home: torch.Tensor | None = None
-        rows: tuple[int, int] = (0, 0)
-
-    return SharedPrefixSeqParams
-
-
-def row_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: Any, scale: float
-) -> torch.Tensor:
-    """Causal attention of packed ``query`` [T, heads, d], ``key`` / ``value`` [T, groups, d] in row layout
-    (module docstring) -> [T, heads * d], by :func:`mcore_rl.ops.row_attention.row_attention`.
-
-    Row positions past a row's end read token 0 (``row_source``), and filler tokens (in no row) have
-    position 0 as their home (``token_home``): causality keeps every real query of a row from seeing the
-    former, and no token reads the outputs of the latter."""
-    return ops_row_attention(
-        query,
-        key,
-        value,
-        packed.row_source,
-        packed.token_home,
-        packed.cu_seqlens_q,
-        packed.rows,
-        scale,
-    )
 
 
 def shared_prefix_seq_params(rows: SharedPrefixRows) -> Any:
-    """megatron's ``PackedSeqParams`` for ``rows``. The positions ride on ``cu_seqlens_q`` too
-    (``token_positions``): megatron hands only that tensor to the rotary embedding."""
+    """megatron's ``PackedSeqParams`` for ``rows``; the positions also ride on ``cu_seqlens_q``, the one
+    tensor megatron hands the rotary embedding (``compat/shared_prefix_attention.py``)."""
     cu = torch.zeros(len(rows.segments) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.as_tensor(rows.segments, dtype=torch.int32), dim=0)
-    cu.token_positions = rows.positions  # type: ignore[attr-defined]
+    attach_token_positions(cu, rows.positions)
     longest = int(rows.positions.max()) + 1 if rows.positions.numel() else 0
-    return _seq_params_class()(
+    return seq_params_class()(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,

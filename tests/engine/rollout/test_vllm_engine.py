@@ -19,8 +19,8 @@ from mcore_rl.engine.rollout.base import SamplingParamsError
 from mcore_rl.engine.rollout.decoder import RolloutDecoder
 from mcore_rl.engine.rollout.vllm_engine import _to_generation_output, vllm_param_name
 from mcore_rl.engine.rollout.vllm_layout import VLLMWeightError
+from tests.engine.rollout.common import random_full_state
 from tests.models import tiny_arch
-from tests.rollout.common import random_full_state
 
 
 def _completion(tokens: list[int], logprobs: list[float], reason: str) -> SimpleNamespace:

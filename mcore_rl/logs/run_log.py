@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-from mcore_rl.config import LoggingConfig
+from mcore_rl.logs.config import LoggingConfig
 
 log = logging.getLogger(__name__)
 

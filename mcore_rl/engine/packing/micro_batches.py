@@ -7,9 +7,14 @@ import dataclasses
 
 import torch
 
+from mcore_rl.engine.packing.token_batching import (
+    budget_micro_batches,
+    row_lengths,
+    select_rows,
+    trim_columns,
+)
 from mcore_rl.engine.train_engine import MicroBatch
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.trainer.token_batching import budget_micro_batches, row_lengths, select_rows, trim_columns
 from mcore_rl.types import TrainBatch
 
 
@@ -89,3 +94,15 @@ def pad_record(batch: TrainBatch, multiple: int, pad_id: int) -> TrainBatch:
     padded = {f.name: pad_width(getattr(batch, f.name), multiple, 0.0) for f in dataclasses.fields(batch)}
     padded["tokens"] = pad_width(batch.tokens, multiple, pad_id)
     return TrainBatch(**padded)
+
+
+def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:
+    """Contiguous row slices of one data-parallel shard, one per mini-batch (the k-th mini-batch of the
+    step is the k-th slice of every shard)."""
+    if num_mini_batches < 1 or num_rows % num_mini_batches:
+        raise ValueError(
+            f"algorithm.ppo_mini_batch_size: {num_rows} rows per data-parallel rank do not split into "
+            f"{num_mini_batches} mini-batches"
+        )
+    size = num_rows // num_mini_batches
+    return [slice(i * size, (i + 1) * size) for i in range(num_mini_batches)]

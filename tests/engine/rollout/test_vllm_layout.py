@@ -27,8 +27,8 @@ from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.parallel.reshard import arch_param_specs, build_plan, padded_rows
 from mcore_rl.parallel.reshard.executor import execute_plan, shard_shape
 from mcore_rl.parallel.sharding import tp_shard
+from tests.engine.rollout.common import random_full_state
 from tests.models import tiny_arch
-from tests.rollout.common import random_full_state
 
 
 @pytest.mark.parametrize(("vocab", "tp", "rows"), [(151936, 2, 75968), (128256, 4, 32064), (250, 4, 64)])

@@ -1,0 +1,93 @@
+"""The optimizer settings of a :class:`~mcore_rl.engine.train_engine.TrainEngine` (the ``optim``,
+``sft.optim`` and ``critic.optim`` sections) and megatron's LR (and weight-decay) schedule over its optimizers.
+
+:class:`OptimConfig` imports neither torch nor megatron, so the run config loads without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from mcore_rl.io.fields import NON_NEGATIVE, OPTIONAL_POSITIVE, POSITIVE, UNIT_INTERVAL, check_section, choice
+
+if TYPE_CHECKING:
+    from mcore_rl.engine.train_engine import TrainEngine
+
+
+class LRDecayStyle(str, Enum):
+    """megatron's ``OptimizerParamScheduler`` decay styles, after the warmup."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+    INVERSE_SQUARE_ROOT = "inverse-square-root"
+
+
+@dataclass
+class OptimConfig:
+    """Adam(W) as megatron runs it (fp32 main params and states, optionally sharded over DP) and the
+    learning-rate schedule (megatron's ``OptimizerParamScheduler`` names)."""
+
+    SECTION: ClassVar[str] = "optim"
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_warmup_steps: int = 0
+    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
+    lr_decay_style: str = LRDecayStyle.CONSTANT.value
+    """constant, linear, cosine or inverse-square-root, after the warmup."""
+    lr_decay_steps: int | None = None
+    """Steps from the start to the end of the decay; None: the run's total optimizer steps."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "lr": NON_NEGATIVE,
+                "min_lr": NON_NEGATIVE,
+                "lr_warmup_steps": NON_NEGATIVE,
+                "lr_decay_style": choice(LRDecayStyle),
+                "lr_decay_steps": OPTIONAL_POSITIVE,
+                "weight_decay": NON_NEGATIVE,
+                "adam_beta1": UNIT_INTERVAL,
+                "adam_beta2": UNIT_INTERVAL,
+                "adam_eps": POSITIVE,
+                "clip_grad": NON_NEGATIVE,
+            },
+        )
+
+
+def lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> Any:
+    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = max(optim.lr_decay_steps or total_steps, optim.lr_warmup_steps + 1)
+    for optimizer in engine.optimizers:  # megatron's groups carry their own bounds
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = optim.lr, optim.min_lr
+    return OptimizerParamScheduler(
+        engine.optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )

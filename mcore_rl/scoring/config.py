@@ -1,0 +1,62 @@
+"""The ``reward`` section: rule rewards by ``data_source``, user scorers, and how scoring failures are handled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar
+
+from mcore_rl.io.fields import NON_NEGATIVE, POSITIVE, check_section, choice
+
+
+class OnScorerError(str, Enum):
+    """``reward.on_error``: what a scorer that raises, times out or returns a non-number makes of the row."""
+
+    ZERO = "zero"
+    """Score it 0, count it in the step's metrics."""
+    RAISE = "raise"
+    """Stop the run naming the row."""
+
+
+class GSM8KMethod(str, Enum):
+    """``reward.gsm8k_method``: verl's two ways of reading a GSM8K answer."""
+
+    STRICT = "strict"
+    FLEXIBLE = "flexible"
+
+
+@dataclass
+class RewardConfig:
+    """Rule rewards (verl's ``default_compute_score`` dispatch by ``data_source``) and user scorers."""
+
+    SECTION: ClassVar[str] = "reward"
+
+    custom_function: str | None = None
+    """A user scorer for every row, ``module:function`` or ``path/to/file.py:function``, called as
+    ``fn(data_source, solution_str, ground_truth, extra_info)`` and returning a float or a dict with
+    ``score`` plus extra metrics. None: the built-in dispatch."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Extra ``data_source -> scorer`` entries: a built-in name (gsm8k, math, exact_match) or a
+    ``module:function`` / ``file.py:function`` spec. They take precedence over the built-in table."""
+    on_error: str = OnScorerError.ZERO.value
+    """A scorer that raises or returns NaN: zero (score 0, counted, one warning per kind) or raise (stop,
+    naming the row)."""
+    num_workers: int = 0
+    """Scorer worker processes; 0 scores in the calling process (no timeout protection)."""
+    timeout_s: float = 10.0
+    """Per-answer limit in a worker; past it the worker is killed and replaced, and the answer scores 0."""
+    gsm8k_method: str = GSM8KMethod.STRICT.value
+    """GSM8K answer extraction: strict (the last ``#### number``) or flexible (the last number)."""
+    format_score: float = 0.0
+    """Score of a well-formed but wrong answer (GSM8K and the format checks)."""
+
+    def __post_init__(self) -> None:
+        check_section(
+            self,
+            {
+                "on_error": choice(OnScorerError),
+                "num_workers": NON_NEGATIVE,
+                "timeout_s": POSITIVE,
+                "gsm8k_method": choice(GSM8KMethod),
+            },
+        )
