@@ -37,10 +37,13 @@ test: lint
 test-sweep: $(STAMP)
 	$(PY) -m pytest tests -m sweep
 
+# lint-imports holds the package's layers (pyproject.toml [tool.importlinter]): one way down, no cycles at any
+# depth, Ray only in mcore_rl/controller/ (README "Layers").
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mcore_rl tests bench
 	$(VENV)/bin/ruff format --check mcore_rl tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 # Opt-in (not in `make test`, not in CI): our vLLM engine's contract against the real vLLM 0.33.0 on CPU.
 # vLLM brings a CUDA build of torch 2.14.0 (~9.4 GB), so it lives in its own venv, built once; mcore_rl is

@@ -83,7 +83,7 @@ setup(
         # GPU-only: never installed on CPU machines or in CI. NVIDIA apex is source-only and optional.
         # vLLM: the version tests_vllm/ checks (make test-vllm); TE: the range megatron-core 0.16.1 is tested with.
         "gpu": ["vllm==0.33.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
-        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib", "import-linter==2.17"],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
     ext_modules=ext_modules,

@@ -1,7 +1,7 @@
 """Ray overhead of the RL step: the same GRPO step through the driver and a Ray worker group vs in-process,
 and (``--baseline trl``) against TRL's step in the same rounds.
 
-Both paths run the identical step (``RLStep.run``: generate -> score || actor/reference log-probs ->
+Both paths run the identical step (``GRPOStep.run``: generate -> score || actor/reference log-probs ->
 advantages -> PPO update -> weight sync) with the same worker code, seeds and weights; only where the
 worker lives differs: inside the driver process (in-process backend) or in a Ray actor (world size 1),
 reached through ``ray.put`` shards and object refs. Each path's driver has what a real run's has: the
@@ -163,7 +163,7 @@ def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None,
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
     from mcore_rl.trainer.build import build_actor_group, worker_spec
-    from mcore_rl.trainer.step import RLStep
+    from mcore_rl.trainer.grpo import GRPOStep
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
@@ -178,7 +178,7 @@ def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None,
     try:
         with RewardScorer(cfg.reward) as scorer:
             sides = {
-                name: _rl_side(RLStep(cfg, actors, tokenizer, scorer), rewards[name], driver_threads[name])
+                name: _rl_side(GRPOStep(cfg, actors, tokenizer, scorer), rewards[name], driver_threads[name])
                 for name, actors in paths.items()
             }
             if trl_python is not None:
@@ -205,7 +205,7 @@ def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None,
 def _rl_side(rl_step, rewards: list[float], threads: int):
     def run(prompts, step: int) -> dict[str, float]:
         torch.set_num_threads(threads)
-        metrics = rl_step.run(prompts, step)
+        metrics = rl_step.run(prompts, step).metrics()
         rewards.append(metrics["reward"])
         return {k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")}
 

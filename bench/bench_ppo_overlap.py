@@ -53,7 +53,7 @@ def main() -> None:
         for index in range(2 * (args.warmup + args.steps)):
             overlap = index % 2 == 1
             step.cfg.trainer.overlap_stages = overlap  # read by every step: toggles between steps
-            metrics = step.run(loader.next_batch(), index + 1)
+            metrics = step.run(loader.next_batch(), index + 1).metrics()
             if index // 2 >= args.warmup:
                 seconds[overlap].append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/")})
     print(f"PPO step, critic on its own pool; median of {args.steps} steps per mode (seconds)")

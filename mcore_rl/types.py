@@ -9,9 +9,56 @@ column ``p - 1``. Shapes: ``N`` sequences, ``S`` padded prompt + response width,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import Tensor
+
+
+@dataclass
+class PromptBatch:
+    """B prompts of one step (or one validation call)."""
+
+    prompt_ids: list[list[int]]
+    """[B][len_b] ragged token ids, as the rollout engine takes them."""
+    indices: Tensor
+    """[B] int64: position of each prompt in its dataset."""
+    data_sources: list[str] = field(default_factory=list)
+    """[B]"""
+    ground_truths: list[Any] = field(default_factory=list)
+    """[B]"""
+    extra_infos: list[dict[str, Any]] = field(default_factory=list)
+    """[B]"""
+    origins: list[str] = field(default_factory=list)
+    """[B] ``file row N`` of each prompt, for messages (e.g. ``ScoreRequest.where``)."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def padded(self, pad_token_id: int) -> tuple[Tensor, Tensor]:
+        """Right-padded ``(tokens [B, S] int64, lengths [B] int64)`` with ``S`` the longest prompt."""
+        lengths = torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long)
+        width = int(lengths.max()) if len(self) else 0
+        tokens = torch.full((len(self), width), pad_token_id, dtype=torch.long)
+        for i, ids in enumerate(self.prompt_ids):
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return tokens, lengths
+
+    def shard(self, rank: int, num_ranks: int) -> PromptBatch:
+        """The contiguous ``rank``-th of ``num_ranks`` equal parts (a data-parallel replica's prompts)."""
+        if len(self) % num_ranks:
+            raise ValueError(f"{len(self)} prompts do not split into {num_ranks} equal parts")
+        size = len(self) // num_ranks
+        part = slice(rank * size, (rank + 1) * size)
+        return PromptBatch(
+            self.prompt_ids[part],
+            self.indices[part],
+            self.data_sources[part],
+            self.ground_truths[part],
+            self.extra_infos[part],
+            self.origins[part],
+        )
 
 
 @dataclass
@@ -49,6 +96,18 @@ class RolloutBatch:
         """Each response's token ids, unpadded."""
         lengths = self.response_lengths.tolist()
         return [row[:n] for row, n in zip(self.response_ids.tolist(), lengths, strict=True)]
+
+
+@dataclass
+class SFTBatch:
+    """Right-padded next-token training rows of supervised fine-tuning."""
+
+    tokens: Tensor
+    """[B, S] int64: prompt + response + EOS, then padding."""
+    labels: Tensor
+    """[B, S] int64: ``tokens`` shifted left by one (the token each position predicts)."""
+    loss_mask: Tensor
+    """[B, S] float32: 1 on positions predicting a response token or EOS."""
 
 
 @dataclass
@@ -132,3 +191,144 @@ class RankInfo:
     """Which rollout engine (group of tp_g ranks) this rank belongs to: its prompt shard."""
     rollout_tp_rank: int = 0
     """Rank within its rollout engine's TP group; rank 0 owns the generated samples."""
+
+
+@dataclass
+class ValueBatch:
+    """What one critic update consumes, position-aligned like :class:`~mcore_rl.types.TrainBatch`."""
+
+    tokens: Tensor
+    """[N, S] int64."""
+    response_mask: Tensor
+    """[N, S] float32."""
+    old_values: Tensor
+    """[N, S] float32: the critic's values at rollout time (the centre of the value clip)."""
+    returns: Tensor
+    """[N, S] float32: GAE returns (advantages + values), 0 off the mask."""
+
+
+@dataclass(frozen=True)
+class CriticStats:
+    """One critic update (all mini-batches and epochs of a step), reduced over data-parallel ranks."""
+
+    vf_loss: float
+    """Clipped value loss, mean over the optimizer steps."""
+    vf_clip_frac: float
+    """Fraction of response tokens where the clipped error was the larger (token-weighted)."""
+    vpred_mean: float
+    """Token-mean predicted value on the response."""
+    grad_norm: float
+    """Critic gradient norm before clipping, mean over optimizer steps."""
+    lr: float
+    """Critic learning rate of the last optimizer step."""
+
+
+@dataclass
+class ScoredBatch:
+    """A rollout's rewards, in its row order, with what the scorers reported beside them."""
+
+    scores: Tensor
+    """[N] float32: the step's reward of each response (the rules', or ``reward_model.rule_weight * rules +
+    reward_model.weight * model`` with a reward model)."""
+    rule_scores: Tensor
+    """[N] float32: the rule (or user) scorers' part, 0 where a scorer failed or timed out."""
+    model_scores: Tensor | None = None
+    """[N] float32: the reward model's part; None without one."""
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """Scorer-named extra metrics of dict-returning scorers, name -> [N] float32, NaN where absent."""
+    num_errors: int = 0
+    """Answers whose scorer raised (scored 0 under ``reward.on_error=zero``)."""
+    num_nonfinite: int = 0
+    """Answers scored NaN or infinite (scored 0)."""
+    num_timeouts: int = 0
+    """Answers past ``reward.timeout_s`` (scored 0)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The scorer's counts and the mean of each extra over the rows that have it."""
+        out = {
+            "reward/scorer_errors": float(self.num_errors),
+            "reward/scorer_nonfinite": float(self.num_nonfinite),
+            "reward/scorer_timeouts": float(self.num_timeouts),
+        }
+        if self.model_scores is not None:
+            out["reward/rules"] = float(self.rule_scores.mean())
+            out["reward/model"] = float(self.model_scores.mean())
+        for name, values in self.extras.items():
+            present = values[~torch.isnan(values)]
+            if present.numel():
+                out[f"reward_extra/{name}"] = float(present.mean())
+        return out
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one RL step reports: one ``rl`` record of ``metrics.jsonl`` once flattened by :meth:`metrics`.
+
+    Stage timings and memory peaks are keyed by stage and phase (their names are the step's, not a schema's);
+    everything else is a field."""
+
+    reward: float
+    """Mean of the step's reward over the responses."""
+    mixed_groups: float
+    """Fraction of prompts whose ``rollout.n`` responses did not all score the same (the ones with signal)."""
+    response_len: float
+    """Mean response tokens."""
+    token_mult_prob_error: float
+    """Rollout engine vs trainer log-probs on the response tokens (``algo/agreement.py``)."""
+    update: UpdateStats
+    """The actor's update."""
+    seconds: dict[str, float]
+    """Wall seconds per stage (generate, score_and_log_probs, update, sync, ...)."""
+    tokens_per_s: float
+    """Response tokens generated per second of generation."""
+    scorer: dict[str, float]
+    """:meth:`ScoredBatch.metrics`: the scorer's error and timeout counts, its extra metrics."""
+    sync: dict[str, float]
+    """The weight sync's timings (``time/sync_*_s``) and, colocated, the rollout phase's memory."""
+    memory: dict[str, float]
+    """Peak memory per phase since the last step, the maximum over ranks (``memory/*``)."""
+    old_log_probs_recomputed: bool | None = None
+    """Whether the actor's old-log-prob pass ran (critic-free steps; PPO always runs it)."""
+    policy_lag: int | None = None
+    """Steps between the weights that sampled the rollout and the actor trained (``trainer.one_step_off``)."""
+    importance: dict[str, float] = field(default_factory=dict)
+    """``rollout_is/*`` of a lagged rollout's truncated importance weights."""
+    critic: dict[str, float] = field(default_factory=dict)
+    """PPO: ``critic/*`` (its update stats, values and returns means)."""
+    kl_in_reward: dict[str, float] = field(default_factory=dict)
+    """``kl_in_reward/{coef, mean_kl}`` with ``algorithm.use_kl_in_reward``."""
+    actor_frozen: bool | None = None
+    """PPO: the actor did not train this step (``critic.warmup_steps``)."""
+
+    @property
+    def step_s(self) -> float:
+        """The step's wall seconds: its stages, less those nested inside another (score within
+        score_and_log_probs, ...)."""
+        nested = ("score", "log_probs", "values")
+        return sum(v for k, v in self.seconds.items() if k not in nested)
+
+    def metrics(self) -> dict[str, float]:
+        """The flat record the run log writes."""
+        out: dict[str, float] = {
+            "reward": self.reward,
+            "mixed_groups": self.mixed_groups,
+            "response_len": self.response_len,
+            "token_mult_prob_error": self.token_mult_prob_error,
+            **vars(self.update),
+            **{f"time/{k}_s": v for k, v in self.seconds.items()},
+            "time/step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            **self.scorer,
+            **self.critic,
+            **self.kl_in_reward,
+            **self.importance,
+        }
+        if self.old_log_probs_recomputed is not None:
+            out["old_log_probs_recomputed"] = float(self.old_log_probs_recomputed)
+        if self.actor_frozen is not None:
+            out["actor_frozen"] = float(self.actor_frozen)
+        out.update(self.sync)
+        out.update(self.memory)
+        if self.policy_lag is not None:
+            out["policy_lag"] = float(self.policy_lag)
+        return out

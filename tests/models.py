@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.train_engine import MicroBatch
 
 _FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -37,3 +41,14 @@ def tiny_hf_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
 
 def tiny_arch(family: str = "llama", **overrides: Any) -> ModelArch:
     return ModelArch.from_hf_config(tiny_hf_config(family, **overrides))
+
+
+@dataclass
+class LabeledMicroBatch(MicroBatch):
+    """A test micro-batch with what the tests' own losses read: next-token labels, the real vocabulary,
+    per-token weights or the rows' indices in the whole batch."""
+
+    labels: torch.Tensor | None = None
+    vocab_size: int = 0
+    weights: torch.Tensor | None = None
+    index: torch.Tensor | None = None

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from mcore_rl.controller.resources import shutdown_ray
 from mcore_rl.controller.worker_group import Pending, WorkerGroup
 from mcore_rl.types import RankInfo
 
@@ -84,9 +85,7 @@ class RayBackend:
     def shutdown(self) -> None:
         self.group.shutdown(graceful=True)
         if self.owns_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_ray()
 
 
 class InProcessBackend:

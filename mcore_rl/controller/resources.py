@@ -7,7 +7,9 @@ which honours cgroup/taskset limits that ``os.cpu_count()`` ignores.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +76,33 @@ def init_ray(config: RayConfig | None = None) -> bool:
         )
     register_tensor_transport()
     return started
+
+
+def cluster_cpus() -> float:
+    """CPUs of the Ray cluster this process is connected to."""
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 1.0))
+
+
+@contextlib.contextmanager
+def ray_shut_down_on_failure(started: bool) -> Iterator[None]:
+    """Around a run's start-up: a failure stops the local Ray this process started for it (``started``), so
+    nothing of a failed run outlives it; Ray joined at an address is left running."""
+    try:
+        yield
+    except BaseException:
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()
 
 
 class ResourcePool:

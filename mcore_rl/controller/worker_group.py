@@ -32,11 +32,14 @@ ROOT_CAUSE_WAIT_S = 3.0
 class WorkerError(RuntimeError):
     """A worker raised or died; the message names the rank, the method and carries its traceback."""
 
-    def __init__(self, rank: int, method: str, detail: str) -> None:
+    def __init__(self, rank: int, method: str, detail: str, cause: BaseException | None = None) -> None:
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names for terminals
         super().__init__(f"rank {rank} failed in {method}: {detail}")
         self.rank = rank
         self.method = method
+        self.cause = cause
+        """The exception the rank raised, as itself (None when it died), so that the driver can tell a typed
+        failure (e.g. a NaN loss) from the rest without reading the message."""
 
 
 _PORT_ATTEMPTS = 3
@@ -214,7 +217,8 @@ class WorkerGroup:
                 except (RayTaskError, RayActorError, GetTimeoutError) as err:
                     rank, cause = _root_cause(rank_of[ref], err, waiting, rank_of)
                     self.shutdown()
-                    raise WorkerError(rank, method, str(cause)) from None
+                    raised = cause.cause if isinstance(cause, RayTaskError) else None
+                    raise WorkerError(rank, method, str(cause), raised) from None
         return results
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from mcore_rl.data.config import DataConfig
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.types import PromptBatch
 
 log = logging.getLogger(__name__)
 
@@ -39,51 +40,6 @@ class PromptRecord:
     file: str
     row: int
     """Where the prompt came from (0-based row), for error messages and debugging."""
-
-
-@dataclass
-class PromptBatch:
-    """B prompts of one step (or one validation call)."""
-
-    prompt_ids: list[list[int]]
-    """[B][len_b] ragged token ids, as the rollout engine takes them."""
-    indices: torch.Tensor
-    """[B] int64: position of each prompt in its dataset."""
-    data_sources: list[str] = field(default_factory=list)
-    """[B]"""
-    ground_truths: list[Any] = field(default_factory=list)
-    """[B]"""
-    extra_infos: list[dict[str, Any]] = field(default_factory=list)
-    """[B]"""
-    origins: list[str] = field(default_factory=list)
-    """[B] ``file row N`` of each prompt, for messages (e.g. ``ScoreRequest.where``)."""
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids)
-
-    def padded(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ``(tokens [B, S] int64, lengths [B] int64)`` with ``S`` the longest prompt."""
-        lengths = torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long)
-        width = int(lengths.max()) if len(self) else 0
-        tokens = torch.full((len(self), width), pad_token_id, dtype=torch.long)
-        for i, ids in enumerate(self.prompt_ids):
-            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return tokens, lengths
-
-    def shard(self, rank: int, num_ranks: int) -> PromptBatch:
-        """The contiguous ``rank``-th of ``num_ranks`` equal parts (a data-parallel replica's prompts)."""
-        if len(self) % num_ranks:
-            raise ValueError(f"{len(self)} prompts do not split into {num_ranks} equal parts")
-        size = len(self) // num_ranks
-        part = slice(rank * size, (rank + 1) * size)
-        return PromptBatch(
-            self.prompt_ids[part],
-            self.indices[part],
-            self.data_sources[part],
-            self.ground_truths[part],
-            self.extra_infos[part],
-            self.origins[part],
-        )
 
 
 class PromptDataset:

@@ -18,6 +18,7 @@ from mcore_rl.data.prompts import encode_prompt
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.types import SFTBatch
 
 log = logging.getLogger(__name__)
 
@@ -29,29 +30,18 @@ class SFTRecord:
     """Target tokens, EOS included."""
 
 
-@dataclass
-class SFTBatch:
-    """Right-padded next-token training rows."""
-
-    tokens: torch.Tensor
-    """[B, S] int64: prompt + response + EOS, then padding."""
-    labels: torch.Tensor
-    """[B, S] int64: ``tokens`` shifted left by one (the token each position predicts)."""
-    loss_mask: torch.Tensor
-    """[B, S] float32: 1 on positions predicting a response token or EOS."""
-
-    @classmethod
-    def from_records(cls, records: Sequence[SFTRecord], pad_token_id: int) -> SFTBatch:
-        width = max(len(r.prompt_ids) + len(r.response_ids) for r in records)
-        tokens = torch.full((len(records), width), pad_token_id, dtype=torch.long)
-        labels = torch.full_like(tokens, pad_token_id)
-        mask = torch.zeros(len(records), width)
-        for i, r in enumerate(records):
-            seq = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
-            tokens[i, : len(seq)] = seq
-            labels[i, : len(seq) - 1] = seq[1:]
-            mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1.0
-        return cls(tokens, labels, mask)
+def sft_batch(records: Sequence[SFTRecord], pad_token_id: int) -> SFTBatch:
+    """The records as right-padded next-token training rows."""
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in records)
+    tokens = torch.full((len(records), width), pad_token_id, dtype=torch.long)
+    labels = torch.full_like(tokens, pad_token_id)
+    mask = torch.zeros(len(records), width)
+    for i, r in enumerate(records):
+        seq = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+        tokens[i, : len(seq)] = seq
+        labels[i, : len(seq) - 1] = seq[1:]
+        mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1.0
+    return SFTBatch(tokens, labels, mask)
 
 
 class SFTDataset:
@@ -90,7 +80,7 @@ class SFTDataset:
         return len(self.records)
 
     def batch(self, indices: Sequence[int]) -> SFTBatch:
-        return SFTBatch.from_records([self.records[i] for i in indices], self.pad_token_id)
+        return sft_batch([self.records[i] for i in indices], self.pad_token_id)
 
     def sampler(self, batch_size: int, seed: int) -> EpochSampler:
         """Shuffled batches of ``batch_size`` examples (state saved like the prompt loader's)."""

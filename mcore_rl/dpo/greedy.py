@@ -12,9 +12,9 @@ from typing import Any
 import torch.distributed as dist
 
 from mcore_rl.config import RunConfig
-from mcore_rl.data.prompts import PromptBatch
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.train_engine import TrainEngine
+from mcore_rl.types import PromptBatch
 
 
 class GreedyScorer:

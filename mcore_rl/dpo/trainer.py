@@ -35,7 +35,7 @@ from mcore_rl.algo import DPOSettings
 from mcore_rl.config import ConfigError, RunConfig, claim_run_folders, load_config, save_config
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
 from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
-from mcore_rl.data.prompts import PromptBatch, PromptDataset
+from mcore_rl.data.prompts import PromptDataset
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.dpo.greedy import GreedyScorer
@@ -43,6 +43,7 @@ from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
 from mcore_rl.dpo.run_log import EVAL, TRAIN, DPORunLog
 from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.types import PromptBatch
 
 
 @dataclass

@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
@@ -37,18 +38,21 @@ from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 
 
+class NonFiniteLossError(RuntimeError):
+    """A loss went NaN/inf on some rank; no optimizer step was taken, so no NaN reached the weights. It crosses
+    the Ray boundary as itself (``WorkerError.cause``), so the driver recognises it by type."""
+
+
 @dataclass
 class MicroBatch:
     """One micro-batch for the model: right-padded token ids and whatever the loss needs."""
 
     tokens: torch.Tensor  # [b, s] int64
     position_ids: torch.Tensor  # [b, s] int64
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Loss inputs (labels, masks, advantages, ...); tensors among them follow the batch to the engine's
-    device."""
     packed: PackedInput | None = None
     """The model's input with the rows packed end to end (no padding computed); None: ``tokens`` as they are.
-    Losses read ``tokens`` and the extras either way."""
+    Losses read ``tokens`` either way; a role's micro-batch subclass adds what its loss reads (its rows of the
+    batch, masks), whose tensors follow the batch to the engine's device."""
 
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch (subclass and all) with every tensor in it on ``device``, nested records and
@@ -92,8 +96,12 @@ def _on_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-# loss_fn(model_output [b, s, V/tp] or [b, s, 1], micro_batch) -> (loss scalar, metrics of detached tensors)
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+M = TypeVar("M")
+"""What a loss returns beside the loss for each micro-batch: a typed record of detached tensors (its metrics,
+or the outputs of a forward-only pass); :meth:`TrainEngine.forward_backward` returns them in order."""
+
+# loss_fn(model_output [b, s, V/tp] or [b, s, 1], micro_batch) -> (loss scalar, record)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, M]]
 
 
 @dataclass(frozen=True)
@@ -129,11 +137,11 @@ class LMHeadInput:
 
 
 @dataclass(frozen=True)
-class HeadLoss:
+class HeadLoss(Generic[M]):
     """A loss over the final hidden states and the output weight (see the module docstring)."""
 
-    fn: Callable[[LMHeadInput, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    """(head input, micro-batch) -> (loss scalar, metrics of detached tensors), as :data:`LossFn`."""
+    fn: Callable[[LMHeadInput, MicroBatch], tuple[torch.Tensor, M]]
+    """(head input, micro-batch) -> (loss scalar, record), as :data:`LossFn`."""
 
 
 @dataclass(frozen=True)
@@ -156,13 +164,41 @@ class TrainEngine:
     """Model chunks + optimizer for one role (actor, critic, ...). Build with :meth:`build`."""
 
     def __init__(
-        self, ctx: ParallelContext, arch: ModelArch, chunks: list[Any], optimizer: Any, config: Any
+        self,
+        ctx: ParallelContext,
+        arch: ModelArch,
+        chunks: list[Any],
+        optimizer: Any,
+        config: Any,
+        options: ModelOptions | None = None,
     ) -> None:
         self.ctx = ctx
         self.arch = arch
         self.chunks = chunks
         self.optimizer = optimizer
         self.config = config
+        self.options = options or ModelOptions()
+        """How the chunks were built (dtype, value head, ...): a copy is built alike."""
+
+    @classmethod
+    def forward_only(cls, arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> TrainEngine:
+        """Randomly initialised chunks without gradients, DDP or optimizer (a reference or reward model)."""
+        chunks = build_model_chunks(arch, ctx, options)
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+        config = chunks[0].config
+        config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
+        return cls(ctx, arch, chunks, None, config, options)
+
+    def frozen_copy(self) -> TrainEngine:
+        """A forward-only engine over a copy of this engine's current weights (a reference policy)."""
+        copy = TrainEngine.forward_only(self.arch, self.ctx, self.options)
+        for mine, theirs in zip(copy.models, self.models, strict=True):
+            for (name, p), (other, q) in zip(mine.named_parameters(), theirs.named_parameters(), strict=True):
+                if name != other:
+                    raise RuntimeError(f"copied parameter {name!r} does not match the source's {other!r}")
+                p.data.copy_(q.data)
+        return copy
 
     @classmethod
     def build(
@@ -218,7 +254,7 @@ class TrainEngine:
             # initialized")
             use_gloo_process_groups=ctx.device.type == "cpu",
         )
-        engine = cls(ctx, arch, chunks, optimizer, config)
+        engine = cls(ctx, arch, chunks, optimizer, config, model_options)
         for megatron_optimizer in engine.optimizers:
             _use_fused_torch_adam(megatron_optimizer.optimizer)
         return engine
@@ -253,9 +289,10 @@ class TrainEngine:
         self.optimizer.reload_model_params()
 
     def forward_backward(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn | HeadLoss, forward_only: bool = False
-    ) -> list[dict[str, torch.Tensor]]:
-        """Run the schedule over ``micro_batches``; returns the loss metrics (last pipeline stage only).
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn[M] | HeadLoss[M], forward_only: bool = False
+    ) -> list[M]:
+        """Run the schedule over ``micro_batches``; returns each micro-batch's record (last pipeline stage
+        only; empty elsewhere).
         ``forward_only`` runs without autograd state."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -296,6 +333,22 @@ class TrainEngine:
                 forward_only=forward_only,
             )
 
+    def finite_or_skip(self, local_metrics: torch.Tensor, on_nonfinite: str, what: str) -> bool:
+        """Collective, before the optimizer step: True when every rank's ``local_metrics`` (its loss terms) are
+        finite. Otherwise the gradients are dropped and, as ``on_nonfinite`` says, the step is skipped (False:
+        the caller counts it) or :class:`NonFiniteLossError` names the rank and ``what``. Every rank takes the
+        same branch (a MAX all-reduce), so no collective of the optimizer step is left waiting."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(local_metrics).all()) else 1.0])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if not bad.item():
+            return True
+        self.zero_grad()
+        if on_nonfinite == "skip":
+            return False
+        raise NonFiniteLossError(
+            f"rank {self.ctx.rank}: NaN/inf {what} {local_metrics.tolist()}; the update was not applied"
+        )
+
     def zero_grad(self) -> None:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -307,8 +360,8 @@ class TrainEngine:
         return StepResult(bool(update_successful), float(grad_norm if grad_norm is not None else 0.0))
 
     def train_step(
-        self, micro_batches: list[MicroBatch], loss_fn: LossFn | HeadLoss
-    ) -> tuple[StepResult, list[dict[str, torch.Tensor]]]:
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn[M] | HeadLoss[M]
+    ) -> tuple[StepResult, list[M]]:
         """zero grads -> forward/backward over all micro-batches -> optimizer step."""
         self.zero_grad()
         metrics = self.forward_backward(micro_batches, loss_fn)
@@ -334,7 +387,7 @@ def _use_fused_torch_adam(optimizer: Any) -> None:
 
 
 def _forward_step(
-    ctx: ParallelContext, loss_fn: LossFn | HeadLoss, data_iterator: Any, model: Any
+    ctx: ParallelContext, loss_fn: LossFn[Any] | HeadLoss[Any], data_iterator: Any, model: Any
 ) -> tuple[torch.Tensor, Callable[..., Any]]:
     micro_batch: MicroBatch = next(data_iterator)
     tokens, positions, seq_params = _model_input(micro_batch)
@@ -429,14 +482,14 @@ def _no_loss(output: torch.Tensor) -> tuple:
     raise AssertionError("megatron asked a stage without the output layer for a loss")
 
 
-def _loss_for_schedule(loss_fn: LossFn, micro_batch: MicroBatch, output: torch.Tensor) -> tuple:
+def _loss_for_schedule(loss_fn: LossFn[Any], micro_batch: MicroBatch, output: torch.Tensor) -> tuple:
     loss, metrics = loss_fn(_unpacked(output, micro_batch), micro_batch)
     # The count only feeds megatron's logging; our finalize ignores it (see module docstring).
     return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
 
 def _head_loss_for_schedule(
-    loss_fn: HeadLoss, micro_batch: MicroBatch, head: LMHeadInput, output: torch.Tensor
+    loss_fn: HeadLoss[Any], micro_batch: MicroBatch, head: LMHeadInput, output: torch.Tensor
 ) -> tuple:
     loss, metrics = loss_fn.fn(head, micro_batch)
     return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics

@@ -7,16 +7,26 @@ import dataclasses
 
 import torch
 
+from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
+from mcore_rl.controller.resources import cluster_cpus, ray_shut_down_on_failure
+from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
 from mcore_rl.engine.workers.critic import CriticSpec, CriticWorker
+from mcore_rl.engine.workers.reward_model import RewardModelSpec
 from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
 from mcore_rl.parallel.launch_env import free_local_port
+from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.critic import CriticGroup
+from mcore_rl.trainer.groups.reward_model import RewardModelGroup, reward_model_checkpoint
 from mcore_rl.trainer.groups.rollout import RolloutGroup
+from mcore_rl.trainer.grpo import GRPOStep
+from mcore_rl.trainer.ppo import PPOStep
+from mcore_rl.trainer.rollout_source import ColocatedRollout, PoolRollout, RolloutSource
+from mcore_rl.trainer.step import StepBase, update_plan
 
 
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
@@ -116,13 +126,11 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
 def _cpus_per_rank(cfg: RunConfig) -> float:
     """The cluster's CPUs shared evenly by every rank of the run: the actor's, a separate critic's and a
     separate rollout pool's (each rank's torch threads are its share, at least one)."""
-    import ray
-
     ranks = cfg.world_size + (
         0 if cfg.critic.colocate or cfg.algorithm.adv_estimator != "gae" else cfg.critic.num_ranks
     )
     ranks += 0 if cfg.rollout.colocate else cfg.rollout.num_ranks
-    return float(ray.cluster_resources().get("CPU", 1.0)) / ranks
+    return cluster_cpus() / ranks
 
 
 def _use_gpus(cfg: RunConfig) -> bool:
@@ -137,26 +145,16 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     backend: Backend
     if use_ray:
         started_ray = init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
-        pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-        try:
+        with ray_shut_down_on_failure(started_ray):
+            pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
             group = WorkerGroup.spawn(
                 HybridWorker, cfg.world_size, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed
             )
-        except BaseException:
-            if started_ray:  # nothing of this run may outlive its failure
-                import ray
-
-                ray.shutdown()
-            raise
-        try:
-            group.infos = group.run("build", spec)  # now with the rollout coordinates
-        except BaseException:
-            group.shutdown()
-            if started_ray:
-                import ray
-
-                ray.shutdown()
-            raise
+            try:
+                group.infos = group.run("build", spec)  # now with the rollout coordinates
+            except BaseException:
+                group.shutdown()
+                raise
         backend = RayBackend(group, owns_ray=started_ray)
         # The driver now only schedules, scores and computes advantages. An OpenMP pool of its own would
         # spin after each of those small ops on the cores the ranks compute on (about 10 ms of CPU a step
@@ -174,6 +172,29 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     actors = ActorGroup(backend)
     actors.sync_weights()
     return actors
+
+
+def build_step(
+    cfg: RunConfig, actors: ActorGroup, tokenizer: Tokenizer, scorer: RewardScorer, total_steps: int
+) -> StepBase:
+    """The algorithm's step over ``actors``, with what the config adds beside them: PPO's critic (on the
+    actor's ranks or its own pool), a reward model (forward-only on the actor's ranks), a rollout pool of its
+    own (``rollout.colocate=false``, sent the weights after each update)."""
+    critic = None
+    if cfg.algorithm.adv_estimator == AdvEstimator.GAE:
+        plan = update_plan(cfg)
+        critic = build_critic_group(cfg, actors, total_steps * plan.num_mini_batches * plan.ppo_epochs)
+    reward_model = None
+    if cfg.reward_model.path is not None:
+        path = reward_model_checkpoint(cfg.reward_model.path, cfg.trainer.default_local_dir)
+        spec = RewardModelSpec(path, cfg.model.dtype, tokenizer.pad_token_id)
+        reward_model = RewardModelGroup(actors.backend, spec)
+    rollout: RolloutSource = ColocatedRollout(actors)
+    if not cfg.rollout.colocate:
+        rollout = PoolRollout(build_rollout_group(cfg, actors), actors)
+    if critic is not None:
+        return PPOStep(cfg, actors, critic, tokenizer, scorer, rollout=rollout, reward_model=reward_model)
+    return GRPOStep(cfg, actors, tokenizer, scorer, rollout=rollout, reward_model=reward_model)
 
 
 def getattr_path(obj: object, dotted: str) -> object:

@@ -4,13 +4,13 @@
                                                ├─► actors.log_probs (actor, reference) ┼─► token rewards
                                                └─► critic.values ──────────────────────┘   (- beta * KL)
                                                                                                │ GAE (pure)
-    next step ◄── actors.sync_weights ◄── actors.update (after the critic warm-up) ◄── critic.update ◄─┘
+    next step ◄── rollout.sync ◄── actors.update (after the critic warm-up) ◄── critic.update ◄─┘
 
 Scoring, log-probs and values depend only on the rollout: they are started together and the driver scores
 while the workers compute; likewise the critic's and the actor's updates, which read the same batch. With
 ``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by the KL of the rollout policy to the
-reference (``kl_reward.py``; its controller is checkpointed driver state). During the first ``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in
-verl's ``critic_warmup``.
+reference (``algo/kl_reward.py``; its controller is checkpointed driver state). During the first
+``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in verl's ``critic_warmup``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,28 @@ from typing import Any
 
 import torch
 
-from mcore_rl.algo import compute_gae_advantages
-from mcore_rl.algo.advantages import outcome_rewards
+from mcore_rl.algo.advantages import compute_gae_advantages, outcome_rewards
 from mcore_rl.algo.agreement import ProbAgreement, prob_agreement
 from mcore_rl.algo.kl_reward import KLRewardController, penalise
 from mcore_rl.config import RunConfig
-from mcore_rl.data.prompts import PromptBatch
 from mcore_rl.data.tokenizer import Tokenizer
-from mcore_rl.engine.workers.critic import CriticStats, ValueBatch
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.critic import CriticGroup
-from mcore_rl.trainer.step import RLStep, StageTimer, step_metrics
-from mcore_rl.types import LogProbBatch, RolloutBatch, TrainBatch, UpdateStats
+from mcore_rl.trainer.groups.reward_model import RewardModelGroup
+from mcore_rl.trainer.rollout_source import RolloutSource
+from mcore_rl.trainer.step import StageTimer, StepBase
+from mcore_rl.types import (
+    CriticStats,
+    LogProbBatch,
+    PromptBatch,
+    RolloutBatch,
+    ScoredBatch,
+    StepStats,
+    TrainBatch,
+    UpdateStats,
+    ValueBatch,
+)
 
 
 @dataclass
@@ -40,8 +49,8 @@ class PPOBatch:
     """Everything a PPO step computes from one rollout before the updates, position-aligned."""
 
     rollout: RolloutBatch
-    scores: torch.Tensor
-    """[N] float32: the scorer's outcome rewards."""
+    scored: ScoredBatch
+    """The scorer's outcome rewards."""
     log_probs: LogProbBatch
     agreement: ProbAgreement
     """Rollout engine vs trainer log-probs."""
@@ -53,11 +62,13 @@ class PPOBatch:
     """[N, S] float32: GAE advantages, whitened over the response tokens."""
     returns: torch.Tensor
     """[N, S] float32: GAE returns (raw advantages + values), the critic's targets."""
-    extra_metrics: dict[str, float]
-    """kl_in_reward/{coef, mean_kl} with ``use_kl_in_reward``; rollout_is/* on a lagged rollout."""
+    kl_in_reward: dict[str, float]
+    """kl_in_reward/{coef, mean_kl} with ``use_kl_in_reward``."""
+    importance: dict[str, float]
+    """rollout_is/* on a lagged rollout."""
 
 
-class PPOStep(RLStep):
+class PPOStep(StepBase):
     """The PPO step over an :class:`ActorGroup` and a :class:`CriticGroup` (see the module docstring)."""
 
     def __init__(
@@ -67,15 +78,16 @@ class PPOStep(RLStep):
         critic: CriticGroup,
         tokenizer: Tokenizer,
         scorer: RewardScorer,
+        *,
+        rollout: RolloutSource | None = None,
+        reward_model: RewardModelGroup | None = None,
     ) -> None:
-        super().__init__(cfg, actors, tokenizer, scorer)
+        super().__init__(cfg, actors, tokenizer, scorer, rollout=rollout, reward_model=reward_model)
         self.critic = critic
         ctrl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLRewardController(ctrl) if cfg.algorithm.use_kl_in_reward else None
 
-    def run(
-        self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None
-    ) -> dict[str, float]:
+    def run(self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None) -> StepStats:
         timer = StageTimer()
         batch = self.prepare(prompts, step, timer, next_prompts)
         # The two updates read the same batch and write different models: with trainer.overlap_stages the
@@ -95,19 +107,19 @@ class PPOStep(RLStep):
         with timer("critic_update"):
             critic_stats = wait_critic() if critic_stats is None else critic_stats
         with timer("sync"):
-            sync, memory = self.submit_sync_and_memory()()
-        metrics = step_metrics(
-            batch.rollout, batch.scores, batch.agreement, stats, timer.seconds, self.cfg.rollout.n
+            synced = self.submit_sync_and_memory()()
+        return self.stats(
+            batch.rollout,
+            batch.scored,
+            batch.agreement,
+            stats,
+            timer,
+            synced,
+            importance=batch.importance,
+            critic=_critic_metrics(critic_stats, batch),
+            kl_in_reward=batch.kl_in_reward,
+            actor_frozen=frozen,
         )
-        return {
-            **metrics,
-            **_critic_metrics(critic_stats, batch),
-            **batch.extra_metrics,
-            "actor_frozen": float(frozen),
-            **sync,
-            **memory,  # peaks per phase, max over ranks
-            **self.lag_metrics(self.policy_lag),
-        }
 
     def prepare(
         self,
@@ -121,13 +133,13 @@ class PPOStep(RLStep):
         cfg, timer = self.cfg, timer or StageTimer()
         rollout, lag = self.rollout_for(prompts, step, next_prompts, timer)
         with timer("score_values_and_log_probs"):
-            scores, log_probs, values = self.score_values_and_log_probs(rollout, prompts, timer)
+            scored, log_probs, values = self.score_values_and_log_probs(rollout, prompts, timer)
         agreement = prob_agreement(
             rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
         )
         self.check_agreement(agreement, rollout, step)
         mask = rollout.response_mask
-        rewards, kl_metrics = outcome_rewards(scores, mask), {}
+        rewards, kl_metrics = outcome_rewards(scored.scores, mask), {}
         if self.kl_ctrl is not None:
             kl = penalise(
                 rewards,
@@ -141,24 +153,25 @@ class PPOStep(RLStep):
             kl_metrics = {"kl_in_reward/coef": kl.kl_coef, "kl_in_reward/mean_kl": kl.mean_kl}
         gae = compute_gae_advantages(rewards, values, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
         # the critic's targets stay unweighted; only the actor's policy gradient is corrected for the lag
-        advantages, is_metrics = self.lag_correction(
+        advantages, importance = self.lag_correction(
             gae.advantages.float(), log_probs.actor_log_probs, rollout, lag
         )
         return PPOBatch(
             rollout,
-            scores,
+            scored,
             log_probs,
             agreement,
             values,
             rewards,
             advantages,
             gae.returns.float(),
-            {**kl_metrics, **is_metrics},
+            kl_metrics,
+            importance,
         )
 
     def score_values_and_log_probs(
         self, rollout: RolloutBatch, prompts: PromptBatch, timer: StageTimer
-    ) -> tuple[torch.Tensor, LogProbBatch, torch.Tensor]:
+    ) -> tuple[ScoredBatch, LogProbBatch, torch.Tensor]:
         """The three stages that read only the rollout: started together (``trainer.overlap_stages``), or
         each awaited before the next starts; ``timer`` gets ``score`` and, run one by one, the others."""
         cfg, overlap = self.cfg, self.cfg.trainer.overlap_stages
@@ -172,9 +185,9 @@ class PPOStep(RLStep):
             wait_values = self.critic.submit_values(rollout, cfg.critic.ppo_micro_batch_size_per_gpu)
             values = None if overlap else wait_values()
         with timer("score"):
-            scores = self.training_scores(rollout, prompts)
+            scored = self.training_scores(rollout, prompts)
         log_probs = wait_log_probs() if log_probs is None else log_probs
-        return scores, log_probs, wait_values() if values is None else values
+        return scored, log_probs, wait_values() if values is None else values
 
     def train_batch(self, batch: PPOBatch) -> TrainBatch:
         r = batch.rollout

@@ -27,19 +27,16 @@ from safetensors.torch import load_file, save_file
 from mcore_rl.config import RunConfig, claim_run_folders, load_config, save_config
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
 from mcore_rl.data.demo_task import prepare_data
-from mcore_rl.data.prompts import PromptBatch, PromptDataset, PromptLoader
+from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
-from mcore_rl.engine.workers.reward_model import RewardModelSpec, reward_model_checkpoint
 from mcore_rl.io.inputs import input_file
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.build import build_actor_group, build_critic_group, build_rollout_group, worker_spec
+from mcore_rl.trainer.build import build_actor_group, build_step, worker_spec
 from mcore_rl.trainer.groups.actor import ActorGroup
-from mcore_rl.trainer.groups.reward_model import RewardModelGroup
-from mcore_rl.trainer.ppo import PPOStep
-from mcore_rl.trainer.step import RLStep, update_plan
-from mcore_rl.types import RolloutBatch
+from mcore_rl.trainer.step import StepBase, update_plan
+from mcore_rl.types import PromptBatch, RolloutBatch
 
 PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
 
@@ -81,7 +78,7 @@ class Trainer:
     """Drives one run; build with :meth:`from_config`, run with :meth:`fit`, read ``records`` after."""
 
     def __init__(
-        self, cfg: RunConfig, actors: ActorGroup, step: RLStep, data: RunData, total_steps: int
+        self, cfg: RunConfig, actors: ActorGroup, step: StepBase, data: RunData, total_steps: int
     ) -> None:
         self.cfg = cfg
         self.actors = actors
@@ -107,18 +104,7 @@ class Trainer:
         data = load_run_data(cfg)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
         actors = build_actor_group(cfg, worker_spec(cfg, actor_optimizer_steps(cfg, total)), use_ray)
-        scorer = RewardScorer(cfg.reward)
-        step = RLStep(cfg, actors, data.tokenizer, scorer)
-        if cfg.algorithm.adv_estimator == "gae":  # PPO: the critic on the actor's ranks or its own pool
-            plan = update_plan(cfg)
-            critic = build_critic_group(cfg, actors, total * plan.num_mini_batches * plan.ppo_epochs)
-            step = PPOStep(cfg, actors, critic, data.tokenizer, scorer)
-        if cfg.reward_model.path is not None:  # forward-only on the actor's ranks
-            path = reward_model_checkpoint(cfg.reward_model.path, cfg.trainer.default_local_dir)
-            spec = RewardModelSpec(path, cfg.model.dtype, data.tokenizer.pad_token_id)
-            step.reward_model = RewardModelGroup(actors.backend, spec)
-        if not cfg.rollout.colocate:  # rollouts on a pool of their own, sent the weights after each update
-            step.rollout_pool = build_rollout_group(cfg, actors)
+        step = build_step(cfg, actors, data.tokenizer, RewardScorer(cfg.reward), total)
         return cls(cfg, actors, step, data, total)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
@@ -139,7 +125,7 @@ class Trainer:
                 prompts = self._prefetched if self._prefetched is not None else self.data.loader.next_batch()
                 one_step_off = cfg.trainer.one_step_off and self.global_step < self.total_steps
                 self._prefetched = self.data.loader.next_batch() if one_step_off else None
-                metrics = self.step.run(prompts, self.global_step, next_prompts=self._prefetched)
+                metrics = self.step.run(prompts, self.global_step, next_prompts=self._prefetched).metrics()
                 last = self.global_step == self.total_steps
                 if self.data.val is not None and _every(cfg.trainer.test_freq, self.global_step, last):
                     metrics["val_accuracy"] = self.step.evaluate(self.data.val)
@@ -180,7 +166,7 @@ class Trainer:
                 break
         # The SFT weights into the rollout engines (colocated or a pool): RL's first step generates from them
         # even when no validation or test set has synced them (found by a run with neither).
-        self.step.sync_rollout()
+        self.step.rollout.sync()
         return step
 
     # --- run checkpoints ------------------------------------------------------------------------------------
@@ -232,8 +218,7 @@ class Trainer:
         self._restore_pending(path, saved.get("pending_prompts"))
         self.global_step = step
         self.actors.sync_weights()
-        if self.step.rollout_pool is not None:  # the checkpoint's weights to the pool too
-            self.step.sync_rollout()
+        self.step.rollout.sync()  # the checkpoint's weights to a pool too (the colocated engines have them)
         return True
 
     def _restore_pending(self, path: str, indices: list[int] | None) -> None:

@@ -139,7 +139,7 @@ def _distopt_state_load_keeps_step() -> dict:
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         engine = TrainEngine.build(tiny_arch(), ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
         tokens = torch.randint(0, 200, (1, 8))
-        batch = MicroBatch(tokens, torch.arange(8)[None], {})
+        batch = MicroBatch(tokens, torch.arange(8)[None])
         engine.train_step([batch], lambda out, mb: (out.float().pow(2).mean(), {}))
         distopt = engine.optimizer.chained_optimizers[0]
         model_param = next(iter(distopt.model_param_group_index_map))

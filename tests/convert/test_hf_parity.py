@@ -23,6 +23,7 @@ from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import VARIANTS, hf_logits, listing, save_hf_model
+from tests.models import LabeledMicroBatch
 
 ATOL = 1e-4
 SEQ = 16  # > mistral's sliding window of 8
@@ -50,17 +51,15 @@ def _masked(output: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def _collect_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    full = gather_from_tensor_model_parallel_region(output.float())[..., : mb.extras["vocab_size"]]
+    full = gather_from_tensor_model_parallel_region(output.float())[..., : mb.vocab_size]
     return output.sum() * 0.0, {"logits": full.detach()}
 
 
 def _ce_loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = _masked(output, mb.extras["vocab_size"])
-    per_token = vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), mb.extras["labels"].t().contiguous()
-    )
+    logits = _masked(output, mb.vocab_size)
+    per_token = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), mb.labels.t().contiguous())
     loss = per_token.mean()
     return loss, {"loss": loss.detach().clone()}
 
@@ -68,7 +67,7 @@ def _ce_loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
 def _micro_batch(tokens: torch.Tensor, vocab_size: int) -> MicroBatch:
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     labels = torch.roll(tokens, -1, dims=1)
-    return MicroBatch(tokens, positions, {"vocab_size": vocab_size, "labels": labels})
+    return LabeledMicroBatch(tokens, positions, labels=labels, vocab_size=vocab_size)
 
 
 def _engine(ckpt: str, ctx: ParallelContext, lr: float = 0.0) -> TrainEngine:

@@ -199,7 +199,7 @@ def test_resume_against_other_data_is_refused(tmp_path: Path, hf_tok: Tokenizer)
 
 
 def test_padded_batch_is_right_padded() -> None:
-    from mcore_rl.data.prompts import PromptBatch
+    from mcore_rl.types import PromptBatch
 
     batch = PromptBatch([[5, 6, 7], [8]], torch.tensor([0, 1]), ["s", "s"], ["1", "2"], [{}, {}])
     tokens, lengths = batch.padded(0)

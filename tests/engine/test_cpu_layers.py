@@ -16,7 +16,7 @@ from mcore_rl.engine.train_engine import MicroBatch, TrainEngine, _use_fused_tor
 from mcore_rl.engine.weights import unwrap
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
-from tests.models import tiny_arch
+from tests.models import LabeledMicroBatch, tiny_arch
 
 ROWS, SEQ = 3, 12
 
@@ -40,7 +40,7 @@ def _stock_blocks() -> Iterator[None]:
 
 def _loss(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A per-token mean of weighted log-probs (a policy-gradient-like loss with gradients of order 1)."""
-    weights = mb.extras["weights"]
+    weights = mb.weights
     loss = (torch.log_softmax(logits.float(), -1) * weights).sum() / (ROWS * SEQ)
     return loss, {"logits": logits.detach()}
 
@@ -62,7 +62,7 @@ def _fused_vs_stock(family: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, arch.vocab_size, (ROWS, SEQ), generator=gen)
     weights = torch.randn(ROWS, SEQ, 256, generator=gen)  # padded vocab 256
-    batch = MicroBatch(tokens, torch.arange(SEQ).expand(ROWS, SEQ), {"weights": weights})
+    batch = LabeledMicroBatch(tokens, torch.arange(SEQ).expand(ROWS, SEQ), weights=weights)
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         fused = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
         with _stock_blocks():

@@ -16,7 +16,7 @@ from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state, load_full_state
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
-from tests.models import tiny_arch
+from tests.models import LabeledMicroBatch, tiny_arch
 
 GLOBAL_BATCH, SEQ, LR = 4, 16, 1e-3
 OPTIM = OptimConfig(lr=LR, clip_grad=1.0, weight_decay=0.0)
@@ -47,17 +47,15 @@ def _without_vocab_padding(output: torch.Tensor, vocab_size: int) -> torch.Tenso
 def _ce_loss(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = _without_vocab_padding(output, mb.extras["vocab_size"])
+    logits = _without_vocab_padding(output, mb.vocab_size)
     # megatron's vocab-parallel CE wants [s, b, V/tp] logits and [s, b] labels.
-    per_token = vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), mb.extras["labels"].t().contiguous()
-    )
+    per_token = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), mb.labels.t().contiguous())
     loss = per_token.sum() / (GLOBAL_BATCH * SEQ)  # this micro-batch's share of the global token mean
     return loss, {"loss": loss.detach().clone()}
 
 
 def _collect_logits(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return output.sum() * 0.0, {"logits": _full_logits(output).detach(), "index": mb.extras["index"]}
+    return output.sum() * 0.0, {"logits": _full_logits(output).detach(), "index": mb.index}
 
 
 def _reference(arch, ctx, full, tokens, labels) -> dict:
@@ -86,10 +84,12 @@ def _dp_slice_batches(ctx, tokens, labels, vocab_size) -> list[MicroBatch]:
     per_rank = GLOBAL_BATCH // ctx.dp_size
     positions = torch.arange(SEQ).expand(1, SEQ)
     return [
-        MicroBatch(
+        LabeledMicroBatch(
             tokens[i : i + 1],
             positions,
-            {"labels": labels[i : i + 1], "index": torch.tensor(i), "vocab_size": vocab_size},
+            labels=labels[i : i + 1],
+            index=torch.tensor(i),
+            vocab_size=vocab_size,
         )
         for i in range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
     ]

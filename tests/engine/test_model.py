@@ -12,7 +12,7 @@ from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state, load_full_state, unwrap
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
-from tests.models import tiny_arch
+from tests.models import LabeledMicroBatch, tiny_arch
 
 SEQ = 8
 
@@ -93,13 +93,13 @@ def _bf16_training() -> dict:
         engine = TrainEngine.build(
             arch, ctx, ModelOptions(dtype=torch.bfloat16), OptimConfig(weight_decay=0.0, lr=3e-3)
         )
-        batch = MicroBatch(tokens, positions, {"labels": torch.roll(tokens, -1, 1)})
+        batch = LabeledMicroBatch(tokens, positions, labels=torch.roll(tokens, -1, 1))
 
         def loss_fn(output, mb):
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
             loss = vocab_parallel_cross_entropy(
-                output.float().transpose(0, 1).contiguous(), mb.extras["labels"].t().contiguous()
+                output.float().transpose(0, 1).contiguous(), mb.labels.t().contiguous()
             ).mean()
             return loss, {"loss": loss.detach().clone()}
 

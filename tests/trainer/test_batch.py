@@ -9,8 +9,8 @@ import torch
 
 from mcore_rl.algo import compute_grpo_advantages, compute_rloo_advantages, ppo_policy_loss
 from mcore_rl.algo.advantages import compute_advantages, outcome_rewards
-from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.algo.agreement import prob_agreement, truncated_importance_weights
+from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.engine.packing.micro_batches import mini_batch_slices
 from mcore_rl.engine.rollout import GenerationOutput
 from mcore_rl.engine.rollout.batch import common_width, rollout_batch

@@ -23,8 +23,9 @@ from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
 from mcore_rl.trainer.groups.actor import UpdatePlan
+from mcore_rl.trainer.grpo import GRPOStep
 from mcore_rl.trainer.ppo import PPOStep
-from mcore_rl.trainer.step import RLStep, recompute_old_log_probs
+from mcore_rl.trainer.step import recompute_old_log_probs
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
 SAME = (
@@ -56,8 +57,8 @@ def _run(folder: str, extra: list[str], steps: int = 2, use_ray: bool = False) -
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=4), use_ray=use_ray)
     try:
         with RewardScorer(cfg.reward) as scorer:
-            step = RLStep(cfg, actors, tokenizer, scorer)
-            metrics = [step.run(loader.next_batch(), s) for s in range(1, steps + 1)]
+            step = GRPOStep(cfg, actors, tokenizer, scorer)
+            metrics = [step.run(loader.next_batch(), s).metrics() for s in range(1, steps + 1)]
         weights = actors.backend.submit("full_state", None, "")()[0]
     finally:
         actors.shutdown()
@@ -180,9 +181,9 @@ def test_auto_keeps_the_pass_for_one_step_off(tmp_path) -> None:
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=4), use_ray=False)
     try:
         with RewardScorer(cfg.reward) as scorer:
-            step = RLStep(cfg, actors, tokenizer, scorer)
+            step = GRPOStep(cfg, actors, tokenizer, scorer)
             first, second = loader.next_batch(), loader.next_batch()
-            metrics = [step.run(first, 1, next_prompts=second), step.run(second, 2)]
+            metrics = [step.run(first, 1, next_prompts=second).metrics(), step.run(second, 2).metrics()]
     finally:
         actors.shutdown()
     assert [m["policy_lag"] for m in metrics] == [0.0, 1.0]

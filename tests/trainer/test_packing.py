@@ -48,9 +48,9 @@ def _rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
 
 
 def _padded_and_packed(spec, settings) -> dict:
-    from mcore_rl.data.sft import SFTBatch
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.context import ParallelContext
+    from mcore_rl.types import SFTBatch
     from tests.trainer.common import built_worker
 
     rollout, train = _rows(torch.Generator().manual_seed(3))

@@ -56,7 +56,7 @@ def test_gae_and_kl_in_reward_through_the_driver_equal_the_algorithms(ppo) -> No
     assert batch.values.shape == mask.shape and batch.values.abs().sum() > 0
     assert torch.equal(critic.submit_values(rollout, 4)(), batch.values)  # the critic's own values
     kl = apply_kl_penalty(
-        outcome_rewards(batch.scores, mask),
+        outcome_rewards(batch.scored.scores, mask),
         batch.log_probs.actor_log_probs,
         batch.log_probs.ref_log_probs,
         mask,
@@ -68,7 +68,7 @@ def test_gae_and_kl_in_reward_through_the_driver_equal_the_algorithms(ppo) -> No
     assert torch.equal(batch.advantages, gae.advantages) and torch.equal(batch.returns, gae.returns)
     expected = AdaptiveKLController(coef, 0.01, 64)
     expected.update(kl.mean_kl, n_steps=mask.shape[0])
-    assert step.kl_ctrl.value == expected.value and batch.extra_metrics["kl_in_reward/coef"] == coef
+    assert step.kl_ctrl.value == expected.value and batch.kl_in_reward["kl_in_reward/coef"] == coef
     step.actors.sync_weights()  # back to ROLLOUT for the next test
 
 
@@ -78,13 +78,13 @@ def test_warm_up_trains_the_critic_alone_then_the_actor(ppo) -> None:
     values_before = critic.submit_values(probe, 4)()
     log_probs_before = actors.submit_log_probs(probe, 1.0, 8)().actor_log_probs
     actors.sync_weights()
-    warm = step.run(loader.next_batch(), 1)  # step 1 <= critic.warmup_steps
+    warm = step.run(loader.next_batch(), 1).metrics()  # step 1 <= critic.warmup_steps
     assert warm["actor_frozen"] == 1.0 and warm["num_optimizer_steps"] == 0
     assert warm["critic/grad_norm"] > 0 and warm["critic/lr"] == pytest.approx(1e-3)
     assert torch.equal(actors.submit_log_probs(probe, 1.0, 8)().actor_log_probs, log_probs_before)
     assert not torch.allclose(critic.submit_values(probe, 4)(), values_before)
     actors.sync_weights()
-    trained = step.run(loader.next_batch(), 2)
+    trained = step.run(loader.next_batch(), 2).metrics()
     assert trained["actor_frozen"] == 0.0 and trained["num_optimizer_steps"] == 1
     assert not torch.allclose(actors.submit_log_probs(probe, 1.0, 8)().actor_log_probs, log_probs_before)
     assert {"critic/vf_loss", "critic/vf_clip_frac", "kl_in_reward/mean_kl"} <= set(trained)

@@ -99,7 +99,7 @@ def test_the_driver_combines_rule_and_model_rewards_with_their_weights(tmp_path)
     from mcore_rl.scoring import RewardScorer
     from mcore_rl.trainer.build import build_actor_group, worker_spec
     from mcore_rl.trainer.groups.reward_model import RewardModelGroup
-    from mcore_rl.trainer.step import RLStep
+    from mcore_rl.trainer.grpo import GRPOStep
     from mcore_rl.types import RolloutRequest
     from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
@@ -119,13 +119,15 @@ def test_the_driver_combines_rule_and_model_rewards_with_their_weights(tmp_path)
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=1), use_ray=False)
     try:
         with RewardScorer(cfg.reward) as scorer:
-            step = RLStep(cfg, actors, tokenizer, scorer)
-            step.reward_model = RewardModelGroup(actors.backend, RewardModelSpec(folder, pad_token_id=0))
+            reward_model = RewardModelGroup(actors.backend, RewardModelSpec(folder, pad_token_id=0))
+            step = GRPOStep(cfg, actors, tokenizer, scorer, reward_model=reward_model)
             rollout = actors.generate(
                 RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts))), step.sampling(1)
             )
-            combined, rules = step.training_scores(rollout, prompts), step.score(rollout, prompts)
-            metrics = step.run(prompts, 2)  # a whole step runs with the model reward
+            scored = step.training_scores(rollout, prompts)
+            combined, rules = scored.scores, step.score(rollout, prompts).scores
+            assert torch.equal(scored.rule_scores, rules) and scored.model_scores is not None
+            metrics = step.run(prompts, 2).metrics()  # a whole step runs with the model reward
     finally:
         actors.shutdown()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).float().eval()

@@ -12,12 +12,11 @@ import torch
 
 from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
-from mcore_rl.data.sft import SFTBatch
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.trainer.build import build_actor_group, build_rollout_group, worker_spec
 from mcore_rl.trainer.groups.actor import ActorGroup
-from mcore_rl.types import RolloutBatch, RolloutRequest
+from mcore_rl.types import RolloutBatch, RolloutRequest, SFTBatch
 from tests.trainer.common import tiny_run_config
 
 POOL = ["rollout.colocate=false", "rollout.temperature=1.0"]

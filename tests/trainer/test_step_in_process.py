@@ -15,7 +15,8 @@ from mcore_rl.engine.workers.actor import NonFiniteLossError
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, worker_spec
 from mcore_rl.trainer.groups.actor import UpdatePlan
-from mcore_rl.trainer.step import RLStep, loss_settings
+from mcore_rl.trainer.grpo import GRPOStep
+from mcore_rl.trainer.step import loss_settings
 from mcore_rl.types import RolloutRequest, TrainBatch
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
@@ -30,13 +31,13 @@ def run(tmp_path_factory) -> Iterator[tuple]:
     loader = PromptLoader(PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data), cfg.data)
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=10), use_ray=False)
     with RewardScorer(cfg.reward) as scorer:
-        yield cfg, actors, RLStep(cfg, actors, tokenizer, scorer), loader
+        yield cfg, actors, GRPOStep(cfg, actors, tokenizer, scorer), loader
     actors.shutdown()
 
 
 def test_steps_warm_up_the_lr_keep_log_probs_in_agreement_and_grow_the_kl(run) -> None:
     _, _, step, loader = run
-    metrics = [step.run(loader.next_batch(), s) for s in (1, 2)]
+    metrics = [step.run(loader.next_batch(), s).metrics() for s in (1, 2)]
     assert [m["lr"] for m in metrics] == pytest.approx([0.5e-3, 1e-3])  # linear warmup over 2 steps
     for m in metrics:
         assert abs(m["token_mult_prob_error"] - 1.0) < 1e-6  # rollout engine == trainer

@@ -17,7 +17,8 @@ from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import load_tokenizer
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, worker_spec
-from mcore_rl.trainer.step import RLStep, loss_settings, update_plan
+from mcore_rl.trainer.grpo import GRPOStep
+from mcore_rl.trainer.step import loss_settings, update_plan
 from mcore_rl.types import RolloutRequest, TrainBatch
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
@@ -45,7 +46,7 @@ def test_rl_step_at_layout(layout: str, tmp_path) -> None:
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=4), use_ray=True)
     try:
         with RewardScorer(cfg.reward) as scorer:
-            step = RLStep(cfg, actors, tokenizer, scorer)
+            step = GRPOStep(cfg, actors, tokenizer, scorer)
             prompts = loader.next_batch()
             request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
             rollout = actors.generate(request, step.sampling(1))
@@ -55,7 +56,7 @@ def test_rl_step_at_layout(layout: str, tmp_path) -> None:
                 rollout.rollout_log_probs, log_probs.actor_log_probs, rollout.response_mask
             )
             assert abs(agreement.token_mult_prob_error - 1.0) < 1e-5
-            scores = step.score(rollout, prompts)
+            scores = step.score(rollout, prompts).scores
             mask = rollout.response_mask
             adv = compute_advantages("grpo", scores, mask, rollout.prompt_index)
             batch = TrainBatch(rollout.tokens, mask, log_probs.actor_log_probs, adv, log_probs.ref_log_probs)
@@ -63,7 +64,7 @@ def test_rl_step_at_layout(layout: str, tmp_path) -> None:
             assert stats.pg_loss == pytest.approx(float(-(adv * mask).sum() / mask.sum()), abs=1e-5)
             assert stats.clip_frac == 0.0 and stats.grad_norm > 0
             actors.sync_weights()
-            metrics = step.run(loader.next_batch(), 2)  # the whole step, on the updated weights
+            metrics = step.run(loader.next_batch(), 2).metrics()  # the whole step, on the updated weights
             assert abs(metrics["token_mult_prob_error"] - 1.0) < 1e-5 and metrics["num_optimizer_steps"] == 1
     finally:
         actors.shutdown()

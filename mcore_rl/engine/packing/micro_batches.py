@@ -57,19 +57,18 @@ def micro_parts(
     ]
 
 
-def at_rows(out: list[dict[str, torch.Tensor]], rows: list[list[int]], shape: torch.Size) -> torch.Tensor:
-    """[N, S]: each micro-batch's ``log_probs`` metric put back at its rows of the mini-batch (token-budget
+def at_rows(parts: list[torch.Tensor], rows: list[list[int]], shape: torch.Size) -> torch.Tensor:
+    """[N, S]: each micro-batch's [b, s] output put back at its rows of the mini-batch (token-budget
     micro-batches hold rows out of order, trimmed to fewer columns)."""
     full = torch.zeros(shape)
-    for metrics, index in zip(out, rows, strict=True):
-        part = metrics["log_probs"]
+    for part, index in zip(parts, rows, strict=True):
         full[index, : part.shape[1]] = part.float()
     return full
 
 
-def joined(out: list[dict[str, torch.Tensor]], key: str, width: int) -> torch.Tensor:
-    """The micro-batches' [b, s] ``key`` metrics stacked in row order and cut to ``width`` columns."""
-    return torch.cat([m[key] for m in out])[:, :width]
+def joined(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The micro-batches' [b, s] outputs stacked in row order and cut to ``width`` columns."""
+    return torch.cat(parts)[:, :width]
 
 
 def slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:

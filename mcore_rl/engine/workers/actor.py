@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.hf.state import load_hf_full_state
 from mcore_rl.engine.local_hybrid import build_local_hybrid
-from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.packing.micro_batches import (
     at_rows,
@@ -45,6 +45,7 @@ from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.engine.workers.base import Worker
 from mcore_rl.engine.workers.critic import CriticHost
 from mcore_rl.engine.workers.losses import (
+    POLICY_METRICS,
     LogProbMicroBatch,
     PolicyLossSettings,
     PolicyMicroBatch,
@@ -63,13 +64,10 @@ from mcore_rl.types import (
     RankInfo,
     RolloutBatch,
     RolloutRequest,
+    SFTBatch,
     TrainBatch,
     UpdateStats,
 )
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss went NaN/inf; the optimizer step was not taken, so no NaN reached the weights."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +115,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if spec.load_dir is not None:
             self.engine.load_model(spec.load_dir)
         elif spec.hf_path is not None:
-            self.engine.load_full_state(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
-        self.reference = _frozen_copy(self.engine, options) if spec.with_reference else None
+            self.engine.load_full_state(load_hf_full_state(spec.hf_path, spec.arch, options.dtype))
+        self.reference = self.engine.frozen_copy() if spec.with_reference else None
         self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
         self.hybrid, self.rollout = build_local_hybrid(self.engine, spec.rollout_tp, spec.hybrid)
         return self.rank_info()
@@ -171,11 +169,11 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if not self._owns_training_result():
             return None
         width = batch.tokens.shape[1]
-        log_probs = joined(actor, "log_probs", width)
+        log_probs = joined([m.log_probs for m in actor], width)
         return LogProbBatch(
             actor_log_probs=log_probs,
-            entropy=joined(actor, "entropy", width),
-            ref_log_probs=joined(ref, "log_probs", width) if ref else torch.zeros_like(log_probs),
+            entropy=joined([m.entropy for m in actor], width),
+            ref_log_probs=joined([m.log_probs for m in ref], width) if ref else torch.zeros_like(log_probs),
         )
 
     @measured("log_probs")  # the same forward-only phase, run for the reference alone
@@ -190,7 +188,11 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         micro = self._log_prob_micro_batches(batch, micro_batch_size)
         loss = log_prob_loss(self.spec.arch.vocab_size, temperature)
         ref = self.reference.forward_backward(micro, loss, forward_only=True)
-        return joined(ref, "log_probs", batch.tokens.shape[1]) if self._owns_training_result() else None
+        return (
+            joined([m.log_probs for m in ref], batch.tokens.shape[1])
+            if self._owns_training_result()
+            else None
+        )
 
     def _log_prob_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[MicroBatch]:
         multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
@@ -308,20 +310,13 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         self.engine.zero_grad()
         loss_fn = policy_loss(settings, counts[0].clamp(min=1), counts[1].clamp(min=1))
         out = self.engine.forward_backward(micro, loss_fn)
-        log_probs = (
-            at_rows(out, [rows for rows, _ in parts], mask.shape) if settings.on_policy and out else None
-        )
-        keys = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
-        local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(5)
-        bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must take (or skip) the step together
-        if bad.item():
-            self.engine.zero_grad()
-            if on_nonfinite == "skip":
-                return None, log_probs
-            raise NonFiniteLossError(
-                f"rank {ctx.rank}: NaN/inf loss {local.tolist()}; the update was not applied"
-            )
+        log_probs = None
+        if settings.on_policy and out:
+            forward = [m.log_probs for m in out if m.log_probs is not None]
+            log_probs = at_rows(forward, [rows for rows, _ in parts], mask.shape)
+        local = torch.stack([m.summable() for m in out]).sum(0) if out else torch.zeros(len(POLICY_METRICS))
+        if not self.engine.finite_or_skip(local, on_nonfinite, "loss"):
+            return None, log_probs
         self.scheduler.step(1)  # the k-th update runs at the schedule's k-th learning rate
         result = self.engine.step()
         if out:
@@ -353,7 +348,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         out = self.engine.forward_backward(micro, sft_loss(self.spec.arch.vocab_size, count.clamp(min=1)))
         self.scheduler.step(1)
         result = self.engine.step()
-        loss = torch.tensor([sum(float(m["loss"]) for m in out)])
+        loss = torch.tensor([sum(float(m.loss) for m in out)])
         if out:
             dist.all_reduce(loss, group=ctx.dp_group)
         if not self._owns_training_result():
@@ -424,28 +419,3 @@ def replica_rollout(
     if info.rollout_tp_rank != 0:
         return None
     return rollout_batch(request.prompt_ids, request.prompt_index, out, pad_token_id)
-
-
-def _hf_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The megatron full (TP=1) state of an HF safetensors folder (fused QKV and gate/up)."""
-    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
-    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
-
-    reader = SafetensorsReader(path)
-    return {
-        m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]).to(dtype)
-        for m in tensor_maps(arch)
-    }
-
-
-def _frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
-    """A forward-only engine over a copy of the actor's current weights (the reference policy)."""
-    chunks = build_model_chunks(engine.arch, engine.ctx, options)
-    for copy, source in zip(chunks, engine.models, strict=True):
-        for (name, p), (other, q) in zip(copy.named_parameters(), source.named_parameters(), strict=True):
-            assert name == other, (name, other)
-            p.data.copy_(q.data)
-            p.requires_grad_(False)
-    config = chunks[0].config
-    config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
-    return TrainEngine(engine.ctx, engine.arch, chunks, None, config)

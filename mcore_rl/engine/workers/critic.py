@@ -22,16 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_rl.algo import LossAggregation, value_loss
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.hf.state import load_hf_full_state
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.packing.micro_batches import mini_batch_slices
-from mcore_rl.engine.train_engine import LossFn, MicroBatch, TrainEngine
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.engine.workers.base import Worker
+from mcore_rl.engine.workers.losses import ValueMicroBatch, critic_loss, forward_values_loss
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.types import RankInfo, RolloutBatch
+from mcore_rl.types import CriticStats, RankInfo, RolloutBatch, ValueBatch
 
 CRITIC_DIR = "critic"
 """The critic's training checkpoint, inside the run checkpoint folder."""
@@ -58,90 +59,15 @@ class CriticSpec:
     only, so rows are cut after their last response position."""
 
 
-@dataclass
-class ValueBatch:
-    """What one critic update consumes, position-aligned like :class:`~mcore_rl.types.TrainBatch`."""
-
-    tokens: torch.Tensor
-    """[N, S] int64."""
-    response_mask: torch.Tensor
-    """[N, S] float32."""
-    old_values: torch.Tensor
-    """[N, S] float32: the critic's values at rollout time (the centre of the value clip)."""
-    returns: torch.Tensor
-    """[N, S] float32: GAE returns (advantages + values), 0 off the mask."""
-
-
-@dataclass(frozen=True)
-class CriticStats:
-    """One critic update (all mini-batches and epochs of a step), reduced over data-parallel ranks."""
-
-    vf_loss: float
-    """Clipped value loss, mean over the optimizer steps."""
-    vf_clip_frac: float
-    """Fraction of response tokens where the clipped error was the larger (token-weighted)."""
-    vpred_mean: float
-    """Token-mean predicted value on the response."""
-    grad_norm: float
-    """Critic gradient norm before clipping, mean over optimizer steps."""
-    lr: float
-    """Critic learning rate of the last optimizer step."""
-
-
-@dataclass
-class ValueMicroBatch(MicroBatch):
-    """A critic micro-batch: the model inputs plus its rows of the value batch."""
-
-    values: ValueBatch | None = None
-
-
-def forward_values_loss() -> LossFn:
-    """Forward-only: the per-position values [b, s] as a metric, a zero loss."""
-
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return output.sum() * 0, {"values": output[..., 0].detach().float()}
-
-    return loss_fn
-
-
-def critic_loss(cliprange_value: float, global_tokens: torch.Tensor) -> LossFn:
-    """The clipped value loss as this micro-batch's share of the mini-batch's token mean (the engine's
-    contract); the metrics are shares too, so their sum over micro-batches and DP ranks is the global mean."""
-    agg = LossAggregation("token-mean", global_num_tokens=global_tokens)
-
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        assert isinstance(mb, ValueMicroBatch) and mb.values is not None
-        batch, pred = mb.values, output[..., 0].float()
-        out = value_loss(
-            pred,
-            batch.old_values,
-            batch.returns,
-            batch.response_mask,
-            clip_range_value=cliprange_value,
-            agg=agg,
-        )
-        mask = batch.response_mask
-        share = mask.sum() / global_tokens
-        return out.loss, {
-            "vf_loss": out.loss.detach().clone(),
-            "vf_clip_frac": out.clip_frac * share,
-            "vpred_mean": agg.aggregate(pred.detach(), mask),
-        }
-
-    return loss_fn
-
-
 class Critic:
     """The critic on one rank (see the module docstring); every method is collective over the layout."""
 
     def __init__(self, ctx: ParallelContext, spec: CriticSpec, init_from: TrainEngine | None = None) -> None:
-        from mcore_rl.engine.workers.actor import _hf_full_state
-
         self.ctx, self.spec = ctx, spec
         options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if spec.hf_path is not None:
-            self.load_body(_hf_full_state(spec.hf_path, spec.arch, options.dtype))
+            self.load_body(load_hf_full_state(spec.hf_path, spec.arch, options.dtype))
         elif init_from is not None:
             self.init_from(init_from)
         self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
@@ -170,7 +96,7 @@ class Critic:
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not self._owns_result():
             return None
-        return torch.cat([m["values"] for m in out])[:, : tokens.shape[1]]
+        return torch.cat([m.values for m in out])[:, : tokens.shape[1]]
 
     def update(
         self, batch: ValueBatch, num_mini_batches: int, ppo_epochs: int, micro_batch_size: int
@@ -190,7 +116,6 @@ class Critic:
 
     def _optimizer_step(self, mini: ValueBatch, micro_batch_size: int) -> torch.Tensor:
         from mcore_rl.engine.packing.micro_batches import positions, row_chunks
-        from mcore_rl.engine.workers.actor import NonFiniteLossError
 
         count = mini.response_mask.sum().reshape(1)
         dist.all_reduce(count, group=self.ctx.dp_group)  # the mini-batch's global response tokens
@@ -203,13 +128,8 @@ class Critic:
         ]
         self.engine.zero_grad()
         out = self.engine.forward_backward(micro, critic_loss(self.spec.cliprange_value, count.clamp(min=1)))
-        keys = ("vf_loss", "vf_clip_frac", "vpred_mean")
-        local = torch.tensor([[float(m[k]) for k in keys] for m in out]).sum(0) if out else torch.zeros(3)
-        bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank must refuse the step together
-        if bad.item():
-            self.engine.zero_grad()
-            raise NonFiniteLossError(f"rank {self.ctx.rank}: NaN/inf critic loss {local.tolist()}")
+        local = torch.stack([m.summable() for m in out]).sum(0) if out else torch.zeros(3)
+        self.engine.finite_or_skip(local, "stop", "critic loss")
         self.scheduler.step(1)
         result = self.engine.step()
         if out:
@@ -324,7 +244,5 @@ __all__ = [
     "Critic",
     "CriticHost",
     "CriticSpec",
-    "CriticStats",
     "CriticWorker",
-    "ValueBatch",
 ]

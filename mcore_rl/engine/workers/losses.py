@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algo import LossAggregation, kl_loss, ppo_policy_loss
-from mcore_rl.engine.train_engine import HeadLoss, LMHeadInput, MicroBatch
+from mcore_rl.algo import LossAggregation, kl_loss, ppo_policy_loss, value_loss
+from mcore_rl.engine.train_engine import HeadLoss, LMHeadInput, LossFn, MicroBatch
 from mcore_rl.ops import vocab_parallel_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.types import TrainBatch
+from mcore_rl.types import TrainBatch, ValueBatch
 
 
 @dataclass
@@ -42,6 +42,73 @@ class SFTMicroBatch(MicroBatch):
     """A supervised micro-batch: the model inputs plus the mask of positions that predict target tokens."""
 
     loss_mask: torch.Tensor | None = None  # [b, s] float32
+
+
+@dataclass
+class ValueMicroBatch(MicroBatch):
+    """A critic micro-batch: the model inputs plus its rows of the value batch."""
+
+    values: ValueBatch | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """What the forward-only log-prob pass returns for one micro-batch."""
+
+    log_probs: torch.Tensor
+    """[b, s] float32: the log-prob of the next token where the mask reads, 0 elsewhere."""
+    entropy: torch.Tensor
+    """[b, s] float32: the entropy there, 0 elsewhere."""
+
+
+@dataclass(frozen=True)
+class PolicyLossMetrics:
+    """One micro-batch's share of its mini-batch's policy-loss metrics: summed over micro-batches and
+    data-parallel ranks they give the mini-batch's values (``pg_loss`` and ``kl_loss`` are shares of the
+    global loss; the others token-weighted shares of a token mean)."""
+
+    pg_loss: torch.Tensor
+    kl_loss: torch.Tensor
+    """0 without the KL loss."""
+    entropy: torch.Tensor
+    clip_frac: torch.Tensor
+    approx_kl: torch.Tensor
+    log_probs: torch.Tensor | None = None
+    """[b, s] this forward's log-probs (``PolicyLossSettings.on_policy`` only), detached."""
+
+    def summable(self) -> torch.Tensor:
+        """[5] the shares as one tensor, in :data:`POLICY_METRICS` order."""
+        return torch.stack([getattr(self, name).detach().float() for name in POLICY_METRICS])
+
+
+POLICY_METRICS = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
+"""The summed fields of :class:`PolicyLossMetrics`, in the order the update stats are built from."""
+
+
+@dataclass(frozen=True)
+class SFTLossMetrics:
+    loss: torch.Tensor
+    """This micro-batch's share of the step's token-mean negative log-likelihood."""
+
+
+@dataclass(frozen=True)
+class Values:
+    """What a forward-only value pass returns for one micro-batch."""
+
+    values: torch.Tensor
+    """[b, s] float32: the value head's output at every position."""
+
+
+@dataclass(frozen=True)
+class ValueLossMetrics:
+    """One micro-batch's share of its mini-batch's critic metrics (summed as :class:`PolicyLossMetrics`)."""
+
+    vf_loss: torch.Tensor
+    vf_clip_frac: torch.Tensor
+    vpred_mean: torch.Tensor
+
+    def summable(self) -> torch.Tensor:
+        return torch.stack([self.vf_loss.float(), self.vf_clip_frac.float(), self.vpred_mean.float()])
 
 
 @dataclass(frozen=True)
@@ -87,20 +154,20 @@ def token_log_probs(
     return log_probs.view(tokens.shape), entropy.view(tokens.shape)
 
 
-def log_prob_loss(vocab_size: int, temperature: float) -> HeadLoss:
-    """Forward-only: the log-probs and entropy at the micro-batch's mask as [b, s] metrics, a zero loss."""
+def log_prob_loss(vocab_size: int, temperature: float) -> HeadLoss[TokenLogProbs]:
+    """Forward-only: the log-probs and entropy at the micro-batch's mask, a zero loss."""
 
-    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, TokenLogProbs]:
         assert isinstance(mb, LogProbMicroBatch) and mb.mask is not None
         log_probs, entropy = head.token_log_probs(mb.tokens, mb.mask != 0, vocab_size, temperature)
-        return log_probs.sum() * 0, {"log_probs": log_probs, "entropy": entropy}
+        return log_probs.sum() * 0, TokenLogProbs(log_probs, entropy)
 
     return HeadLoss(loss_fn)
 
 
 def policy_loss(
     settings: PolicyLossSettings, global_tokens: torch.Tensor, global_seqs: torch.Tensor
-) -> HeadLoss:
+) -> HeadLoss[PolicyLossMetrics]:
     """PPO-clip (+ KL to the reference, - entropy bonus) over response tokens; ``global_*`` are the
     mini-batch's counts over every micro-batch and data-parallel rank."""
     agg = LossAggregation(
@@ -111,7 +178,7 @@ def policy_loss(
     )
     token_mean = LossAggregation("token-mean", global_num_tokens=global_tokens)
 
-    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, PolicyLossMetrics]:
         assert isinstance(mb, PolicyMicroBatch) and mb.train is not None
         batch = mb.train
         mask = batch.response_mask
@@ -129,35 +196,68 @@ def policy_loss(
             clip_ratio_c=settings.clip_ratio_c,
             agg=agg,
         )
-        loss = pg.loss
-        share = mask.sum() / global_tokens  # this micro-batch's fraction of the mini-batch's tokens
-        metrics = {
-            "pg_loss": pg.loss.detach().clone(),
-            "clip_frac": pg.clip_frac * share,
-            "approx_kl": pg.approx_kl * share,
-            "entropy": token_mean.aggregate(entropy.detach(), mask),
-            "kl_loss": torch.zeros(()),
-        }
-        if settings.on_policy:
-            metrics["log_probs"] = log_probs.detach()
+        loss, kl_term = pg.loss, torch.zeros(())
         if settings.use_kl_loss:
-            kl = kl_loss(log_probs, batch.ref_log_probs, mask, settings.kl_loss_type, agg)
-            loss = loss + settings.kl_loss_coef * kl
-            metrics["kl_loss"] = kl.detach().clone()
+            kl_term = kl_loss(log_probs, batch.ref_log_probs, mask, settings.kl_loss_type, agg)
+            loss = loss + settings.kl_loss_coef * kl_term
         if settings.entropy_coeff:
             loss = loss - settings.entropy_coeff * agg.aggregate(entropy, mask)
-        return loss, metrics
+        share = mask.sum() / global_tokens  # this micro-batch's fraction of the mini-batch's tokens
+        return loss, PolicyLossMetrics(
+            pg_loss=pg.loss.detach().clone(),
+            kl_loss=kl_term.detach().clone(),
+            entropy=token_mean.aggregate(entropy.detach(), mask),
+            clip_frac=pg.clip_frac * share,
+            approx_kl=pg.approx_kl * share,
+            log_probs=log_probs.detach() if settings.on_policy else None,
+        )
 
     return HeadLoss(loss_fn)
 
 
-def sft_loss(vocab_size: int, global_tokens: torch.Tensor) -> HeadLoss:
+def sft_loss(vocab_size: int, global_tokens: torch.Tensor) -> HeadLoss[SFTLossMetrics]:
     """Token-mean negative log-likelihood of the target tokens (prompt positions masked out)."""
 
-    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(head: LMHeadInput, mb: MicroBatch) -> tuple[torch.Tensor, SFTLossMetrics]:
         assert isinstance(mb, SFTMicroBatch) and mb.loss_mask is not None
         log_probs, _ = head.token_log_probs(mb.tokens, mb.loss_mask != 0, vocab_size, 1.0)
         loss = -(log_probs * mb.loss_mask).sum() / global_tokens
-        return loss, {"loss": loss.detach().clone()}
+        return loss, SFTLossMetrics(loss.detach().clone())
 
     return HeadLoss(loss_fn)
+
+
+def forward_values_loss() -> LossFn[Values]:
+    """Forward-only: the per-position values [b, s], a zero loss."""
+
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, Values]:
+        return output.sum() * 0, Values(output[..., 0].detach().float())
+
+    return loss_fn
+
+
+def critic_loss(cliprange_value: float, global_tokens: torch.Tensor) -> LossFn[ValueLossMetrics]:
+    """The clipped value loss as this micro-batch's share of the mini-batch's token mean (the engine's
+    contract); the metrics are shares too, so their sum over micro-batches and DP ranks is the global mean."""
+    agg = LossAggregation("token-mean", global_num_tokens=global_tokens)
+
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, ValueLossMetrics]:
+        assert isinstance(mb, ValueMicroBatch) and mb.values is not None
+        batch, pred = mb.values, output[..., 0].float()
+        out = value_loss(
+            pred,
+            batch.old_values,
+            batch.returns,
+            batch.response_mask,
+            clip_range_value=cliprange_value,
+            agg=agg,
+        )
+        mask = batch.response_mask
+        share = mask.sum() / global_tokens
+        return out.loss, ValueLossMetrics(
+            vf_loss=out.loss.detach().clone(),
+            vf_clip_frac=out.clip_frac * share,
+            vpred_mean=agg.aggregate(pred.detach(), mask),
+        )
+
+    return loss_fn

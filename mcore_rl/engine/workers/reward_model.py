@@ -20,10 +20,11 @@ import torch
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import load_model
-from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.hf.state import load_hf_full_state
+from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.train_engine import TrainEngine
 from mcore_rl.engine.weights import load_full_state
-from mcore_rl.engine.workers.critic import forward_values_loss
+from mcore_rl.engine.workers.losses import forward_values_loss
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import RolloutBatch
 
@@ -50,29 +51,6 @@ def reward_model_arch(path: str) -> ModelArch:
         names = read_json_object(config_path).get("architectures")
         raise ConfigError(f"{config_path}: architectures={names} has no *ForSequenceClassification")
     return arch_of_file(config_path)
-
-
-def reward_model_checkpoint(path: str, run_dir: str) -> str:
-    """``path`` when it is a converted checkpoint; else its conversion into ``run_dir/reward_model``, read
-    once by the driver, so that every rank then reads only its own shards (at any layout)."""
-    if is_model_checkpoint(path):
-        return path
-    from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_in_this_process
-
-    out = os.path.join(run_dir, "reward_model")
-    return convert_in_this_process(HfToMcoreOptions(path, out, overwrite=True))
-
-
-def reward_model_full_state(path: str, arch: ModelArch, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The megatron full (TP=1) state of an HF folder: the body's maps, ``score`` as the value head."""
-    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
-    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
-
-    reader = SafetensorsReader(path)
-    return {
-        m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]).to(dtype)
-        for m in tensor_maps(arch)
-    }
 
 
 def last_token_values(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -103,18 +81,12 @@ class RewardModel:
         self.ctx, self.spec = ctx, spec
         self.arch = reward_model_arch(spec.path)
         options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
-        chunks = build_model_chunks(self.arch, ctx, options)
-        for chunk in chunks:
-            chunk.requires_grad_(False)
-        config = chunks[0].config
-        config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
-        self.engine = TrainEngine(ctx, self.arch, chunks, None, config)
+        self.engine = TrainEngine.forward_only(self.arch, ctx, options)
         if is_model_checkpoint(spec.path):
-            load_model(chunks, ctx, spec.path)
+            load_model(self.engine.chunks, ctx, spec.path)
         else:
-            load_full_state(
-                chunks, reward_model_full_state(spec.path, self.arch, options.dtype), self.arch, ctx
-            )
+            full = load_hf_full_state(spec.path, self.arch, options.dtype)  # ``score`` is the value head
+            load_full_state(self.engine.chunks, full, self.arch, ctx)
 
     def scores(self, batch: RolloutBatch, micro_batch_size: int) -> torch.Tensor | None:
         """[N] scores of this rank's rows; the owner (last stage, TP rank 0) returns them."""
@@ -126,7 +98,7 @@ class RewardModel:
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0):
             return None
-        values = torch.cat([m["values"] for m in out])[:, : batch.tokens.shape[1]]
+        values = torch.cat([m.values for m in out])[:, : batch.tokens.shape[1]]
         return last_token_values(values, batch.response_mask)
 
 

@@ -25,9 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mcore_rl.controller.dispatch import (
-    RankInfo,
-)
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.rollout.layout import rollout_shards_from_full
@@ -35,7 +32,7 @@ from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
 from mcore_rl.engine.workers.actor import replica_rollout
 from mcore_rl.engine.workers.base import Worker
 from mcore_rl.engine.workers.memory import measured, phase_memory
-from mcore_rl.types import RolloutBatch, RolloutRequest
+from mcore_rl.types import RankInfo, RolloutBatch, RolloutRequest
 
 if TYPE_CHECKING:
     pass

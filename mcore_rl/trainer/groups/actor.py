@@ -24,7 +24,6 @@ from mcore_rl.controller.dispatch import (
     rollout_owners,
     split_record,
 )
-from mcore_rl.data.sft import SFTBatch
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.packing.token_batching import balanced_order, row_lengths, select_rows
 from mcore_rl.engine.rollout.base import SamplingParams
@@ -36,6 +35,7 @@ from mcore_rl.types import (
     OnPolicyUpdate,
     RolloutBatch,
     RolloutRequest,
+    SFTBatch,
     TrainBatch,
     UpdateStats,
 )

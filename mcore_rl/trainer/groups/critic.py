@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from mcore_rl.controller.dispatch import data_owners, num_dp_shards, split_record
-from mcore_rl.engine.workers.critic import CriticSpec, CriticStats, ValueBatch
-from mcore_rl.types import RolloutBatch
+from mcore_rl.engine.workers.critic import CriticSpec
+from mcore_rl.types import CriticStats, RolloutBatch, ValueBatch
 
 
 class CriticGroup:
