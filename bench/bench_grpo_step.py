@@ -184,7 +184,7 @@ class Ours:
         if recompute:
             micro_old: list[MicroBatch] = [self._packed(LogProbMicroBatch(tokens, positions, mask=mask))]
             old = self.engine.forward_backward(micro_old, log_prob_loss(VOCAB, 1.0), forward_only=True)
-            settings, old_log_probs = self.settings, old[0]["log_probs"]
+            settings, old_log_probs = self.settings, old[0].log_probs
         t.append(time.perf_counter())
         adv = _advantages(out.token_ids, args.n)[:, None] * mask
         unread = torch.full(mask.shape, math.nan)  # the shortcut's loss never reads the old log-probs

@@ -58,7 +58,6 @@ Python API::
 from mcore_rl.algo.settings import KLControl
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
-from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
 from mcore_rl.config.model import AlgorithmConfig, ModelConfig, RolloutConfig, ValSampling
 from mcore_rl.config.reward_model import RewardModelConfig
@@ -67,6 +66,7 @@ from mcore_rl.config.run_folder import claim_run_folders
 from mcore_rl.config.validate import validate
 from mcore_rl.data.config import DataConfig
 from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.io.errors import ConfigError
 from mcore_rl.logs.config import LoggingConfig
 from mcore_rl.parallel.config import HybridConfig, ParallelConfig
 from mcore_rl.scoring.config import RewardConfig

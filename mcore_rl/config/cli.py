@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.loader import config_to_yaml, load_config
+from mcore_rl.io.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

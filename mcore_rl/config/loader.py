@@ -22,9 +22,9 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.run import RunConfig
 from mcore_rl.config.validate import validate
+from mcore_rl.io.errors import ConfigError
 from mcore_rl.io.fields import FieldError
 
 CONFIG_FILE = "config.yaml"

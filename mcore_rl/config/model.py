@@ -99,7 +99,7 @@ class ModelConfig:
                 with open(file) as f:
                     merged = json.load(f)
             except FileNotFoundError:
-                from mcore_rl.config.errors import ConfigError
+                from mcore_rl.io.errors import ConfigError
 
                 raise ConfigError(f"model.path: {file} does not exist") from None
         merged.update(self.hf_config)

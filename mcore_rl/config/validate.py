@@ -12,8 +12,8 @@ from typing import Any
 
 from mcore_rl.algo.settings import AdvEstimator, DPOLossType
 from mcore_rl.config.dpo import DPOConfig
-from mcore_rl.config.errors import ConfigError
 from mcore_rl.config.run import RunConfig
+from mcore_rl.io.errors import ConfigError
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -35,7 +35,6 @@ def validate(cfg: RunConfig, check_paths: bool = False) -> None:
 
 def _layout_problems(cfg: RunConfig) -> list[str]:
     """The training and rollout layouts fit the world size and the model."""
-    from mcore_rl.engine.arch import ConfigError as ArchError
     from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 
     par, world = cfg.parallel, cfg.world_size
@@ -66,7 +65,7 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
         return problems  # a missing folder is a path problem (check_paths)
     try:
         arch = cfg.model.arch()
-    except (ArchError, ConfigError) as err:
+    except ConfigError as err:
         return [f"model: {err}"]
     try:
         layout = ParallelLayout(

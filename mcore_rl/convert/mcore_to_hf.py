@@ -37,7 +37,7 @@ from mcore_rl.engine.hf.mapping import (
 )
 from mcore_rl.engine.hf.safetensors_io import OutputTensor, StreamingShardWriter
 from mcore_rl.engine.hf.score_head import arch_of_config, hf_config_of
-from mcore_rl.io.inputs import check_input_tree, input_file
+from mcore_rl.io.inputs import check_input_tree, input_file, read_json_object
 from mcore_rl.parallel.launch_env import current_rank
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' historical default ("5GB")
@@ -78,13 +78,13 @@ def _open_checkpoint(options: McoreToHfOptions) -> _Source:
     marker = os.path.join(ckpt, "metadata.json")
     if not os.path.isfile(marker):
         raise ConvertError(f"{marker}: no such file; --ckpt {ckpt} is not a megatron distributed checkpoint")
-    backend = _read_json(marker).get("sharded_backend")
+    backend = read_json_object(marker, ConvertError).get("sharded_backend")
     if backend != "torch_dist":
         raise ConvertError(f"{marker}: sharded_backend={backend!r}, only 'torch_dist' is supported")
     if options.hf_config_from is not None:
         if not os.path.isdir(options.hf_config_from):
             raise ConvertError(f"--hf-config-from {options.hf_config_from!r} is not a folder")
-        hf_config = _read_json(str(input_file(options.hf_config_from, "config.json")))
+        hf_config = read_json_object(str(input_file(options.hf_config_from, "config.json")), ConvertError)
         side_files_from = options.hf_config_from
     else:
         info = ModelCheckpointInfo.read(ckpt)
@@ -96,20 +96,6 @@ def _open_checkpoint(options: McoreToHfOptions) -> _Source:
     arch = arch_of_config(hf_config, options.hf_config_from or os.path.join(ckpt, "mcore_rl_model.json"))
     check_convertible(arch)
     return _Source(arch, hf_config, DistCheckpointReader(ckpt), side_files_from)
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    """A JSON object (dict) from ``path``; anything else is one error naming the file."""
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except OSError as err:
-        raise ConvertError(f"{path}: cannot read ({err.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConvertError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ConvertError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
 
 
 def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader) -> Region:

@@ -35,6 +35,32 @@ the policy itself gives the chosen completion the higher log-prob. TRL's ``rewar
 against the reference, so it reads 0 (all ties) before the first step; this one starts where the model is."""
 
 
+@dataclass(frozen=True)
+class SequenceLogProbs:
+    """What the forward-only reference pass returns for one micro-batch."""
+
+    logps: torch.Tensor
+    """[2m] float32: each row's summed completion log-prob (chosen rows first)."""
+
+
+@dataclass(frozen=True)
+class DPOLossMetrics:
+    """One micro-batch's share of the step's mean over pairs of each of :data:`METRICS`, in that order."""
+
+    loss: torch.Tensor
+    rewards_chosen: torch.Tensor
+    rewards_rejected: torch.Tensor
+    rewards_accuracies: torch.Tensor
+    rewards_margins: torch.Tensor
+    logps_chosen: torch.Tensor
+    logps_rejected: torch.Tensor
+    logps_accuracies: torch.Tensor
+
+    def summable(self) -> torch.Tensor:
+        """[8] the shares as one tensor, in :data:`METRICS` order (field ``a_b`` is metric ``a/b``)."""
+        return torch.stack([getattr(self, name.replace("/", "_")).float() for name in METRICS])
+
+
 @dataclass
 class PairMicroBatch(MicroBatch):
     """``m`` pairs as ``2m`` rows (chosen rows first); see the module docstring."""
@@ -66,22 +92,24 @@ def _sequence_log_probs(output: torch.Tensor, mb: PairMicroBatch, ctx: ParallelC
     return sequence_log_probs(token, mb.loss_mask)  # [2m] sums, [2m] completion lengths
 
 
-def sequence_log_prob_loss(ctx: ParallelContext, vocab_size: int) -> LossFn:
-    """Forward-only: each row's summed completion log-prob [2m] as the metric ``logps``, a zero loss."""
+def sequence_log_prob_loss(ctx: ParallelContext, vocab_size: int) -> LossFn[SequenceLogProbs]:
+    """Forward-only: each row's summed completion log-prob [2m], a zero loss."""
 
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, SequenceLogProbs]:
         assert isinstance(mb, PairMicroBatch)
         with torch.no_grad():
             logps, _ = _sequence_log_probs(output.float(), mb, ctx, vocab_size)
-        return output.sum() * 0, {"logps": logps}
+        return output.sum() * 0, SequenceLogProbs(logps)
 
     return loss_fn
 
 
-def dpo_pair_loss(settings: DPOLossSettings, ctx: ParallelContext, global_pairs: torch.Tensor) -> LossFn:
+def dpo_pair_loss(
+    settings: DPOLossSettings, ctx: ParallelContext, global_pairs: torch.Tensor
+) -> LossFn[DPOLossMetrics]:
     """The DPO loss of a micro-batch as its share of the mean over ``global_pairs`` pairs, with TRL's metrics."""
 
-    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, DPOLossMetrics]:
         assert isinstance(mb, PairMicroBatch) and mb.ref_log_probs is not None and mb.pair_weights is not None
         m = mb.num_pairs
         logps, lengths = _sequence_log_probs(output, mb, ctx, settings.vocab_size)
@@ -93,17 +121,19 @@ def dpo_pair_loss(settings: DPOLossSettings, ctx: ParallelContext, global_pairs:
         weights = mb.pair_weights.to(logps.dtype)
         loss = (per_pair * weights).sum() / global_pairs
         chosen, rejected = logps[:m].detach(), logps[m:].detach()
-        values = {
-            "loss": per_pair.detach(),
-            "rewards/chosen": out.chosen_rewards,
-            "rewards/rejected": out.rejected_rewards,
-            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).to(logps.dtype),
-            "rewards/margins": out.chosen_rewards - out.rejected_rewards,
-            "logps/chosen": chosen,
-            "logps/rejected": rejected,
-            "logps/accuracies": (chosen > rejected).to(logps.dtype),
-        }
-        metrics = {k: (v * weights).sum() / global_pairs for k, v in values.items()}
-        return loss, metrics
+
+        def share(values: torch.Tensor) -> torch.Tensor:
+            return (values * weights).sum() / global_pairs
+
+        return loss, DPOLossMetrics(
+            loss=share(per_pair.detach()),
+            rewards_chosen=share(out.chosen_rewards),
+            rewards_rejected=share(out.rejected_rewards),
+            rewards_accuracies=share((out.chosen_rewards > out.rejected_rewards).to(logps.dtype)),
+            rewards_margins=share(out.chosen_rewards - out.rejected_rewards),
+            logps_chosen=share(chosen),
+            logps_rejected=share(rejected),
+            logps_accuracies=share((chosen > rejected).to(logps.dtype)),
+        )
 
     return loss_fn

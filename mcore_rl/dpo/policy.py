@@ -15,16 +15,19 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.data.preference import PreferenceBatch
-from mcore_rl.dpo.loss import METRICS, DPOLossSettings, PairMicroBatch, dpo_pair_loss, sequence_log_prob_loss
+from mcore_rl.dpo.loss import (
+    METRICS,
+    DPOLossMetrics,
+    DPOLossSettings,
+    PairMicroBatch,
+    dpo_pair_loss,
+    sequence_log_prob_loss,
+)
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.parallel.context import ParallelContext
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss went NaN/inf; the update was not applied, so no NaN reached the weights."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,12 @@ class DPOPolicy:
         engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if full_state is not None:
             engine.load_full_state(full_state)
-        return cls(ctx, spec, engine, frozen_copy(engine, options) if spec.with_reference else None)
+        return cls(ctx, spec, engine, engine.frozen_copy() if spec.with_reference else None)
 
     # --- batches --------------------------------------------------------------------------------------------
     @property
     def width_multiple(self) -> int:
-        return self.ctx.tp_size if self.ctx.layout.sp else 1  # SP splits positions over TP
+        return self.ctx.sequence_multiple
 
     def micro_batches(
         self, batch: PreferenceBatch, weights: torch.Tensor, ref: torch.Tensor | None
@@ -117,7 +120,7 @@ class DPOPolicy:
         loss = sequence_log_prob_loss(self.ctx, self.spec.arch.vocab_size)
         ref = self.reference.forward_backward(list[MicroBatch](micro), loss, forward_only=True)
         for i, mb in enumerate(micro):
-            mb.ref_log_probs = ref[i]["logps"] if ref else torch.zeros(mb.tokens.shape[0])
+            mb.ref_log_probs = ref[i].logps if ref else torch.zeros(mb.tokens.shape[0])
 
     # --- steps ----------------------------------------------------------------------------------------------
     def train_step(self, micro: list[PairMicroBatch], step: int) -> dict[str, float] | None:
@@ -129,15 +132,8 @@ class DPOPolicy:
             list[MicroBatch](micro), dpo_pair_loss(self.spec.loss, self.ctx, global_pairs)
         )
         local = _stack(out)
-        bad = torch.tensor([0.0 if bool(torch.isfinite(local).all()) else 1.0])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank takes (or skips) the step together
-        if bad.item():
-            self.engine.zero_grad()
-            if self.spec.on_nonfinite == "skip":
-                return None
-            raise NonFiniteLossError(
-                f"step {step}: NaN/inf DPO loss on rank {self.ctx.rank}; the update was not applied"
-            )
+        if not self.engine.finite_or_skip(local, self.spec.on_nonfinite, f"DPO loss at step {step}"):
+            return None
         self.scheduler.step(1)
         result = self.engine.step()
         metrics = self._share(local, bool(out))
@@ -161,7 +157,7 @@ class DPOPolicy:
         pairs = sum(mb.num_pairs for mb in micro)
         local = torch.zeros(pairs, 2)
         if out:
-            rows = [m["logps"].view(2, -1).t() for m in out]  # [2m] -> [m, 2]
+            rows = [m.logps.view(2, -1).t() for m in out]  # [2m] -> [m, 2]
             local = torch.cat(rows).float()
         if self.ctx.pp_size > 1:  # only the last stage computed them; zeros elsewhere make the sum a copy
             dist.all_reduce(local, group=self.ctx.pp_group)
@@ -205,24 +201,10 @@ class DPOPolicy:
         return step, extra
 
 
-def _stack(out: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+def _stack(out: list[DPOLossMetrics]) -> torch.Tensor:
     if not out:
         return torch.zeros(len(METRICS))
-    return torch.stack([torch.stack([m[k].float() for k in METRICS]) for m in out]).sum(0)
-
-
-def frozen_copy(engine: TrainEngine, options: ModelOptions) -> TrainEngine:
-    """A forward-only engine over a copy of ``engine``'s current weights (the reference policy)."""
-    chunks = build_model_chunks(engine.arch, engine.ctx, options)
-    for copy, source in zip(chunks, engine.models, strict=True):
-        for (name, p), (other, q) in zip(copy.named_parameters(), source.named_parameters(), strict=True):
-            if name != other:
-                raise RuntimeError(f"reference parameter {name!r} does not match the policy's {other!r}")
-            p.data.copy_(q.data)
-            p.requires_grad_(False)
-    config = chunks[0].config
-    config.calculate_per_token_loss = True  # the schedule must not rescale the (zero) forward-only loss
-    return TrainEngine(engine.ctx, engine.arch, chunks, None, config)
+    return torch.stack([m.summable() for m in out]).sum(0)
 
 
 def shard_indices(
@@ -237,15 +219,3 @@ def shard_indices(
     weights = torch.tensor([1.0] * len(indices) + [0.0] * (len(padded) - len(indices)))
     lo = ctx.dp_rank * per_rank
     return padded[lo : lo + per_rank], weights[lo : lo + per_rank]
-
-
-def hf_full_state(directory: str, arch: ModelArch) -> dict[str, torch.Tensor]:
-    """The full (TP=1) megatron state of a HF checkpoint folder, for :meth:`TrainEngine.load_full_state`.
-    Small models: it holds every tensor at once (convert large ones with ``mcore-rl convert hf-to-mcore``)."""
-    from mcore_rl.convert.hf_to_mcore import check_hf_weights
-    from mcore_rl.engine.hf.mapping import tensor_maps, to_full
-    from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
-
-    reader = SafetensorsReader(directory)
-    check_hf_weights(arch, reader, None)
-    return {m.full_name: to_full(arch, m, [reader.get(n) for n in m.hf_names]) for m in tensor_maps(arch)}

@@ -41,7 +41,8 @@ from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.dpo.greedy import GreedyScorer
 from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
-from mcore_rl.dpo.run_log import EVAL, TRAIN, DPORunLog
+from mcore_rl.logs.plots import dpo_plot
+from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import PromptBatch
 
@@ -69,6 +70,10 @@ def load_dpo_data(cfg: RunConfig) -> DPOData:
         test = prompts.batch(range(len(prompts)))
     val = pairs(cfg.dpo.val_files) if cfg.dpo.val_files else None
     return DPOData(tokenizer, pairs(cfg.dpo.train_files), val, test)
+
+
+TRAIN, EVAL = "train", "eval"
+"""Record stages: one optimizer step; one evaluation (held-out pairs and greedy answers)."""
 
 
 class DPOTrainer:
@@ -140,7 +145,15 @@ class DPOTrainer:
         if cfg.dpo.precompute_ref_log_probs and not cfg.dpo.reference_free:
             self.precompute_reference()  # with the initial policy, before a checkpoint can replace it
         resumed = self.resume()
-        log = DPORunLog(cfg.logging, self.total_steps, self.global_step, enabled=self.ctx.rank == 0)
+        log = RunLog(
+            cfg.logging,
+            self.total_steps,
+            progress_stage=TRAIN,
+            bar_metrics={"loss": "loss", "acc": "rewards/accuracies", "margin": "rewards/margins"},
+            plot=dpo_plot,
+            start_step=self.global_step,
+            enabled=self.ctx.rank == 0,  # rank 0 logs: every rank holds the same global metrics
+        )
         try:
             if not resumed:
                 summary["before"] = self.evaluate(log)
@@ -168,7 +181,7 @@ class DPOTrainer:
         )
         return self.policy.train_step(self._micro(self.data.train, "train", mine, weights), self.global_step)
 
-    def evaluate(self, log: DPORunLog) -> dict[str, float]:
+    def evaluate(self, log: RunLog) -> dict[str, float]:
         """Held-out pairs (``eval_*`` metrics) and greedy exact match on the held-out prompts."""
         metrics: dict[str, float] = {}
         if self.data.val is not None:
@@ -295,9 +308,9 @@ def initial_weights(cfg: RunConfig) -> dict[str, torch.Tensor] | None:
     """The HF weights of ``model.path`` as a full state (None: the seeded random initialisation)."""
     if cfg.model.path is None or not cfg.model.load_weights:
         return None
-    from mcore_rl.dpo.policy import hf_full_state
+    from mcore_rl.engine.hf.state import load_hf_full_state
 
-    return hf_full_state(cfg.model.path, cfg.model.arch())
+    return load_hf_full_state(cfg.model.path, cfg.model.arch())
 
 
 def _fingerprint(dataset: PreferenceDataset) -> str:

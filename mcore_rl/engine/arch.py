@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.io.errors import InputError
+from mcore_rl.io.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -23,10 +23,6 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ConfigError(InputError):
-    """A model config we cannot represent; the message names the field (and the file when known)."""
 
 
 @dataclass(frozen=True)

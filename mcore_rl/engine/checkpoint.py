@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from mcore_rl.engine.arch import ConfigError, ModelArch
+from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.weights import unwrap
 from mcore_rl.io.checkpoint_read import check_common_pt, read_dcp_metadata, safe_dcp_loading
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
-from mcore_rl.io.errors import InputError
-from mcore_rl.io.inputs import check_input_tree, input_file
+from mcore_rl.io.errors import ConfigError, InputError
+from mcore_rl.io.inputs import check_input_tree, input_file, read_json_object
 from mcore_rl.io.output import OutputFolder
 from mcore_rl.parallel.context import ParallelContext
 
@@ -102,20 +102,6 @@ class ModelCheckpointInfo:
         except ConfigError as err:
             raise ConfigError(f"{path}: hf_config: {str(err).removeprefix('config: ')}") from None
         return cls(**raw)
-
-
-def read_json_object(path: str) -> dict[str, Any]:
-    """A JSON object from ``path``; anything else is one :class:`ConfigError` naming the file."""
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
-    return raw
 
 
 def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:

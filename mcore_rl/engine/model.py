@@ -194,8 +194,3 @@ def _layer_spec(options: ModelOptions) -> Any:
         return get_gpt_layer_with_transformer_engine_spec()
     # The local spec with torch's fused attention: fewer elementwise passes (compat/cpu_layers.py)
     return local_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
-
-
-def causal_attention_mask(seq_length: int, device: torch.device | None = None) -> torch.Tensor:
-    """megatron's boolean mask [1, 1, s, s]: True where a query may NOT attend."""
-    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)

@@ -25,20 +25,18 @@ from typing import Any
 
 import torch
 
-from mcore_rl.engine.arch import ConfigError
 from mcore_rl.engine.checkpoint import (
     ModelCheckpointInfo,
     check_checkpoint_folder,
     load_model_state,
     quiet_staging_warning,
-    read_json_object,
     save_strategy,
     sharded_state_dict,
 )
 from mcore_rl.io.checkpoint_read import safe_dcp_loading
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
-from mcore_rl.io.errors import InputError
-from mcore_rl.io.inputs import input_file
+from mcore_rl.io.errors import ConfigError, InputError
+from mcore_rl.io.inputs import input_file, read_json_object
 from mcore_rl.io.output import OutputFolder
 
 TRAINER_STATE_FILE = "trainer_state.json"

@@ -12,6 +12,12 @@ class InputError(ValueError):
     """Bad user input (a file, folder, config field or environment variable); the message names it."""
 
 
+class ConfigError(InputError):
+    """A configuration that cannot be used (a run config, a model's ``config.json``); each line names one
+    full dotted key or field (and the file or override it came from, when known) and, for a choice, the
+    allowed values."""
+
+
 class UsageError(InputError):
     """A command-line flag with a bad value (exit code 2, like argparse's own errors)."""
 

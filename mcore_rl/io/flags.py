@@ -27,22 +27,6 @@ def _finite(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be greater than 0")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
-    return value
-
-
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = _finite(text)

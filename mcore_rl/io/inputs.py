@@ -11,11 +11,13 @@ One exception is made on purpose: a Hugging Face hub cache snapshot
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+from typing import Any
 
-from mcore_rl.io.errors import InputError, UnsafeInputError
+from mcore_rl.io.errors import ConfigError, InputError, UnsafeInputError
 
 _HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*/(?:models|datasets)--[^/]+)/snapshots/[^/]+$")
 
@@ -75,3 +77,18 @@ def copy_input_file(folder: str, name: str, destination: str) -> bool:
     os.makedirs(destination, exist_ok=True)
     shutil.copyfile(os.path.realpath(source), os.path.join(destination, name), follow_symlinks=False)
     return True
+
+
+def read_json_object(path: str, error: type[InputError] = ConfigError) -> dict[str, Any]:
+    """A JSON object from ``path``; anything else (missing, unreadable, not JSON, not an object) raises one
+    ``error`` naming the file."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except OSError as err:
+        raise error(f"{path}: cannot read ({err.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    return raw

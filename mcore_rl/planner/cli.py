@@ -21,8 +21,8 @@ import argparse
 import sys
 from typing import Any
 
-from mcore_rl.engine.arch import ConfigError as ArchError
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.io.errors import ConfigError
 from mcore_rl.planner.memory import plan_memory
 from mcore_rl.planner.report import format_plan
 from mcore_rl.planner.search import smallest_fitting_layout
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
             return run_self_check(plan)
         result = plan_memory(plan)
-    except (PlanError, ArchError, ValueError) as err:
+    except (PlanError, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     proposal = None if result.fits or args.no_propose else smallest_fitting_layout(plan)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from mcore_rl.config import ConfigError, RunConfig, load_config
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 from mcore_rl.convert.output import copy_side_files
+from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.trainer.trainer import Trainer
 
@@ -71,7 +72,7 @@ def sft_config(config: RunConfig | str | os.PathLike[str], overrides: Sequence[s
 def fit_sft(trainer: Trainer) -> SFTSummary:
     """Held-out test, SFT, held-out test, then the model (see the module docstring)."""
     cfg = trainer.cfg
-    log = RunLog(cfg.logging, cfg.sft.total_steps, progress_stage="sft")
+    log = RunLog(cfg.logging, cfg.sft.total_steps, progress_stage="sft", plot=reward_plot)
     try:
         before = trainer.test(log, "before")
         steps = trainer.sft(log)

@@ -31,6 +31,7 @@ from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.io.inputs import input_file
+from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, build_step, worker_spec
@@ -111,7 +112,7 @@ class Trainer:
         """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption)."""
         cfg, summary = self.cfg, dict[str, Any]()
         resumed = self.resume()
-        log = RunLog(cfg.logging, self.total_steps, resume=resumed)
+        log = RunLog(cfg.logging, self.total_steps, plot=reward_plot, start_step=self.global_step)
         try:
             if not resumed:
                 summary["test_before"] = self.test(log, "before")

@@ -22,7 +22,7 @@ from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import listing
 from tests.convert.test_hf_parity import _all_tensors
-from tests.trainer.test_reward_model import ROWS, _rollout, _save_classifier
+from tests.engine.workers.test_reward_model import ROWS, _rollout, _save_classifier
 
 LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
 

@@ -116,7 +116,8 @@ def _engine_grads(engine: Any, arch: ModelArch, ctx: Any) -> dict[str, torch.Ten
 def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int, sp: bool) -> dict[str, Any] | None:
     import torch.distributed as dist
 
-    from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, _stack, hf_full_state, shard_indices
+    from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, _stack, shard_indices
+    from mcore_rl.engine.hf.state import load_hf_full_state
     from mcore_rl.engine.weights import load_full_state
     from mcore_rl.parallel.config import ParallelConfig
     from mcore_rl.parallel.context import ParallelContext
@@ -131,9 +132,9 @@ def _layout_cases(policy_dir: str, reference_dir: str, tp: int, pp: int, sp: boo
         micro_pairs = NUM_PAIRS // ctx.dp_size // 2 or 1  # PP runs two micro-batches
         loss0 = DPOLossSettings(CASES[0][1], arch.vocab_size)
         spec = PolicySpec(arch, optim, 1, loss0, micro_pairs, with_reference=True)
-        policy = DPOPolicy.build(ctx, spec, hf_full_state(policy_dir, arch))
+        policy = DPOPolicy.build(ctx, spec, load_hf_full_state(policy_dir, arch))
         assert policy.reference is not None
-        load_full_state(policy.reference.models, hf_full_state(reference_dir, arch), arch, ctx)
+        load_full_state(policy.reference.models, load_hf_full_state(reference_dir, arch), arch, ctx)
         mine, weights = shard_indices(range(NUM_PAIRS), ctx, micro_pairs)
         for name, settings, sft in CASES:
             micro = policy.micro_batches(dataset.batch(mine, policy.width_multiple), weights, None)

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from mcore_rl.engine.arch import ConfigError, ModelArch, rope_inv_freq
+from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.io.errors import ConfigError
 from tests.models import tiny_hf_config
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mcore_rl.engine.arch import ConfigError
 from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.optim import OptimConfig
@@ -24,7 +23,7 @@ from mcore_rl.engine.trainer_checkpoint import (
     save_training_checkpoint,
 )
 from mcore_rl.engine.weights import gather_full_state, load_full_state
-from mcore_rl.io.errors import InputError, OutputError, UnsafeInputError
+from mcore_rl.io.errors import ConfigError, InputError, OutputError, UnsafeInputError
 from mcore_rl.io.output import MARKER_FILE
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext

@@ -47,7 +47,7 @@ def _trainer_log_probs(
     if packed:  # model.use_remove_padding: rows end to end, PackedSeqParams moved to the device with them
         micro.packed = packing_of(batch.response_mask).model_input(batch.tokens, 0)
     out = engine.forward_backward([micro], log_prob_loss(vocab, 1.0), forward_only=True)
-    return out[0]["log_probs"].float().cpu()
+    return out[0].log_probs.float().cpu()
 
 
 @pytest.mark.gpu
@@ -81,6 +81,6 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal() -> None:
             metrics = engine.forward_backward([PolicyMicroBatch(batch.tokens, positions, train=train)], loss)
             result = engine.step()
             assert result.update_successful and torch.isfinite(torch.tensor(result.grad_norm))
-            assert torch.isfinite(metrics[0]["pg_loss"].float().cpu())
+            assert torch.isfinite(metrics[0].pg_loss.float().cpu())
         moved = [n for n, p in engine.models[0].named_parameters() if not torch.equal(p.detach(), before[n])]
         assert moved, "the updates changed no weight"

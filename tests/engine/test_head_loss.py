@@ -104,12 +104,18 @@ def _run(family: str, parallel: dict) -> dict:
         )
         if ctx.is_last_stage:
             for key in ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl"):
-                out[key] = max(abs(float(a[key]) - float(b[key])) for a, b in zip(new, old, strict=True))
+                out[key] = max(
+                    abs(float(getattr(a, key)) - float(getattr(b, key)))
+                    for a, b in zip(new, old, strict=True)
+                )
             for key in ("log_probs", "entropy"):
-                a, b = torch.cat([m[key] for m in lp_new]), torch.cat([m[key] for m in lp_old])
+                a, b = (
+                    torch.cat([getattr(m, key) for m in lp_new]),
+                    torch.cat([getattr(m, key) for m in lp_old]),
+                )
                 out[f"forward_{key}"] = float((a - b).abs().max())
                 assert not a.requires_grad  # forward-only passes keep no autograd state
-            out["forward_log_probs_scale"] = float(torch.cat([m["log_probs"] for m in lp_old]).abs().max())
+            out["forward_log_probs_scale"] = float(torch.cat([m.log_probs for m in lp_old]).abs().max())
         return out
 
 

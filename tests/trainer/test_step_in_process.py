@@ -11,7 +11,7 @@ import torch
 
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import load_tokenizer
-from mcore_rl.engine.workers.actor import NonFiniteLossError
+from mcore_rl.engine.train_engine import NonFiniteLossError
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, worker_spec
 from mcore_rl.trainer.groups.actor import UpdatePlan

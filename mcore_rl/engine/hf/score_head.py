@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mcore_rl.engine.arch import ConfigError, ModelArch
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.io.errors import ConfigError
 
 SCORE_HEAD_KEY = "mcore_rl_score_head"
 """Key of a body config: the classifier's original ``architectures`` and ``tie_word_embeddings``."""

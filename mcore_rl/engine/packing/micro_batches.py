@@ -7,14 +7,16 @@ import dataclasses
 
 import torch
 
+from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
 from mcore_rl.engine.packing.token_batching import (
     budget_micro_batches,
+    packing_of,
     row_lengths,
     select_rows,
     trim_columns,
 )
 from mcore_rl.engine.train_engine import MicroBatch
-from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.types import TrainBatch
 
 
@@ -35,8 +37,27 @@ def row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(tensor.split(size))
 
 
+def packed(
+    micro: MicroBatch,
+    mask: torch.Tensor,
+    multiple: int,
+    pad_token_id: int,
+    *,
+    remove_padding: bool,
+    share_prompt_prefix: bool = False,
+) -> MicroBatch:
+    """``micro`` with its rows packed end to end for the model (``model.use_remove_padding``), each cut after
+    the last position ``mask`` reads, or with each shared prompt once (``model.share_prompt_prefix``); as it is
+    otherwise. ``multiple``: the sequence-parallel multiple packed lengths are padded to."""
+    if share_prompt_prefix:
+        micro.packed = shared_prefix_packing(micro.tokens, mask, multiple, pad_token_id).model_input()
+    elif remove_padding:
+        micro.packed = packing_of(mask, multiple).model_input(micro.tokens, pad_token_id)
+    return micro
+
+
 def micro_parts(
-    ctx: ParallelContext, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
+    layout: ParallelLayout, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
 ) -> list[tuple[list[int], TrainBatch]]:
     """Micro-batches of a mini-batch, each with its rows of the mini-batch: ``micro_batch_size`` rows each,
     or at most ``token_budget`` tokens each and trimmed to their longest row (``token_batching.py``;
@@ -47,10 +68,10 @@ def micro_parts(
             (list(range(i * size, i * size + part.tokens.shape[0])), part)
             for i, part in enumerate(record_chunks(mini, size))
         ]
-    if ctx.layout.pp > 1:
+    if layout.pp > 1:
         raise ValueError("algorithm.ppo_max_token_len_per_gpu needs pipeline_model_parallel_size=1")
     lengths = row_lengths(mini.response_mask).tolist()
-    multiple = ctx.tp_size if ctx.layout.sp else 1
+    multiple = layout.tp if layout.sp else 1
     return [
         (rows, select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple)))
         for rows in budget_micro_batches(lengths, token_budget)

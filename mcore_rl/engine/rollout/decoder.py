@@ -6,7 +6,7 @@ it, non-interleaved rotary with megatron's fp32 ``cos``/``sin`` of ``position * 
 ``(q @ k^T) * (1 / sqrt(head_dim))`` with an fp32 softmax (plain causal attention through torch's fused kernel,
 as the trainer's local spec runs it: ``compat/cpu_layers.py``), ``silu(gate) * up``. On CPU at TP1 the
 full-sequence logits come out bitwise equal to the trainer's; TP2 and KV-cached decoding differ by fp32
-rounding (~1e-6, see tests/rollout).
+rounding (~1e-6, see tests/engine/rollout).
 
 Performance on CPU: fused ``qkv``/``gate_up`` projections, each projection of a multi-token forward (prefill,
 recompute) one gemm (``addmm`` folds in the residual at TP1), keys cached transposed, and sequences left-padded

@@ -30,14 +30,13 @@ from mcore_rl.engine.packing.micro_batches import (
     joined,
     micro_parts,
     mini_batch_slices,
+    packed,
     pad_record,
     pad_width,
     positions,
     row_chunks,
     slice_rows,
 )
-from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
-from mcore_rl.engine.packing.token_batching import packing_of
 from mcore_rl.engine.rollout.base import GenerationOutput, SamplingParams
 from mcore_rl.engine.rollout.batch import rollout_batch
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
@@ -195,7 +194,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         )
 
     def _log_prob_micro_batches(self, batch: RolloutBatch, micro_batch_size: int) -> list[MicroBatch]:
-        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        multiple = self.ctx.sequence_multiple
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         masks = pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
         return [  # only the response positions are projected (0 elsewhere)
@@ -254,7 +253,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
                 f"{num_mini_batches} mini-batches x {ppo_epochs} epochs"
             )
         self._to_train()
-        width, pad = batch.tokens.shape[1], self.ctx.tp_size if self.ctx.layout.sp else 1
+        width, pad = batch.tokens.shape[1], self.ctx.sequence_multiple
         batch = pad_record(batch, pad, self.spec.pad_token_id)
         sums = torch.zeros(6)  # pg_loss, kl_loss, entropy, clip_frac, approx_kl, grad_norm
         steps = skipped = 0
@@ -300,7 +299,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         mask = mini.response_mask
         counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float()])
         dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
-        parts = micro_parts(ctx, mini, micro_batch_size, token_budget)
+        parts = micro_parts(ctx.layout, mini, micro_batch_size, token_budget)
         micro: list[MicroBatch] = [
             self._packed(
                 PolicyMicroBatch(part.tokens, positions(part.tokens), train=part), part.response_mask
@@ -335,7 +334,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
     def sft_update(self, batch: SFTBatch, micro_batch_size: int) -> dict[str, float] | None:
         """One supervised optimizer step on this rank's shard; the DP-global loss and grad norm on the owner."""
         self._to_train()
-        ctx, multiple = self.ctx, self.ctx.tp_size if self.ctx.layout.sp else 1
+        ctx, multiple = self.ctx, self.ctx.sequence_multiple
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         mask = pad_width(batch.loss_mask, multiple, 0.0)
         count = mask.sum().reshape(1)
@@ -356,16 +355,14 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         return {"loss": float(loss), "grad_norm": result.grad_norm}
 
     def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:
-        """``micro`` with its rows packed end to end for the model (``model.use_remove_padding``), each cut
-        after the last position ``mask`` reads, and with each shared prompt once (``model.share_prompt_prefix``);
-        as it is otherwise."""
-        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
-        if self.spec.share_prompt_prefix:
-            rows = shared_prefix_packing(micro.tokens, mask, multiple, self.spec.pad_token_id)
-            micro.packed = rows.model_input()
-        elif self.spec.remove_padding:
-            micro.packed = packing_of(mask, multiple).model_input(micro.tokens, self.spec.pad_token_id)
-        return micro
+        return packed(
+            micro,
+            mask,
+            self.ctx.sequence_multiple,
+            self.spec.pad_token_id,
+            remove_padding=self.spec.remove_padding,
+            share_prompt_prefix=self.spec.share_prompt_prefix,
+        )
 
     def take_phase_memory(self) -> dict[str, float]:
         """This rank's per-phase memory peaks since the last call (``trainer/memory.py``)."""

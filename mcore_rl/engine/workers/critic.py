@@ -88,10 +88,10 @@ class Critic:
         (``spec.remove_padding`` and a ``response_mask``) they are 0 after each row's response."""
         from mcore_rl.engine.packing.micro_batches import pad_width, plain_micro_batch, row_chunks
 
-        padded = pad_width(tokens, self._sp_multiple, self.spec.pad_token_id)
+        padded = pad_width(tokens, self.ctx.sequence_multiple, self.spec.pad_token_id)
         micro = [plain_micro_batch(t) for t in row_chunks(padded, micro_batch_size)]
         if response_mask is not None:
-            masks = pad_width(response_mask, self._sp_multiple, 0.0).split(micro_batch_size)
+            masks = pad_width(response_mask, self.ctx.sequence_multiple, 0.0).split(micro_batch_size)
             micro = [self._packed(m, mask) for m, mask in zip(micro, masks, strict=True)]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not self._owns_result():
@@ -137,14 +137,15 @@ class Critic:
         return torch.cat([local, torch.tensor([result.grad_norm])])
 
     def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:
-        """``micro`` with its rows packed end to end for the model when ``spec.remove_padding``."""
-        if self.spec.remove_padding:
-            from mcore_rl.engine.packing.token_batching import packing_of
+        from mcore_rl.engine.packing.micro_batches import packed
 
-            micro.packed = packing_of(mask, self._sp_multiple).model_input(
-                micro.tokens, self.spec.pad_token_id
-            )
-        return micro
+        return packed(
+            micro,
+            mask,
+            self.ctx.sequence_multiple,
+            self.spec.pad_token_id,
+            remove_padding=self.spec.remove_padding,
+        )
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save(self, run_checkpoint: str, step: int) -> None:
@@ -162,17 +163,13 @@ class Critic:
         _, extra = load_training_checkpoint(self.engine, path)
         self.scheduler.load_state_dict(extra["lr_scheduler"])
 
-    @property
-    def _sp_multiple(self) -> int:
-        return self.ctx.tp_size if self.ctx.layout.sp else 1
-
     def _pad(self, batch: ValueBatch) -> ValueBatch:
         from mcore_rl.engine.packing.micro_batches import pad_width
 
-        if self._sp_multiple == 1:
+        if self.ctx.sequence_multiple == 1:
             return batch
-        fields = {f.name: pad_width(getattr(batch, f.name), self._sp_multiple, 0.0) for f in _FIELDS}
-        fields["tokens"] = pad_width(batch.tokens, self._sp_multiple, self.spec.pad_token_id)
+        fields = {f.name: pad_width(getattr(batch, f.name), self.ctx.sequence_multiple, 0.0) for f in _FIELDS}
+        fields["tokens"] = pad_width(batch.tokens, self.ctx.sequence_multiple, self.spec.pad_token_id)
         return ValueBatch(**fields)
 
     def _owns_result(self) -> bool:

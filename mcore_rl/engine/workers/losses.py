@@ -78,7 +78,7 @@ class PolicyLossMetrics:
 
     def summable(self) -> torch.Tensor:
         """[5] the shares as one tensor, in :data:`POLICY_METRICS` order."""
-        return torch.stack([getattr(self, name).detach().float() for name in POLICY_METRICS])
+        return torch.stack([getattr(self, name).detach().float().reshape(()) for name in POLICY_METRICS])
 
 
 POLICY_METRICS = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
@@ -108,7 +108,8 @@ class ValueLossMetrics:
     vpred_mean: torch.Tensor
 
     def summable(self) -> torch.Tensor:
-        return torch.stack([self.vf_loss.float(), self.vf_clip_frac.float(), self.vpred_mean.float()])
+        parts = (self.vf_loss, self.vf_clip_frac, self.vpred_mean)
+        return torch.stack([t.detach().float().reshape(()) for t in parts])
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ def is_model_checkpoint(path: str) -> bool:
 
 def reward_model_arch(path: str) -> ModelArch:
     """The body architecture of a one-label classifier: an HF folder or its converted checkpoint."""
-    from mcore_rl.engine.arch import ConfigError
-    from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo, read_json_object
+    from mcore_rl.engine.checkpoint import MODEL_INFO_FILE, ModelCheckpointInfo
     from mcore_rl.engine.hf.score_head import arch_of_file, has_score_head, is_classifier
+    from mcore_rl.io.errors import ConfigError
+    from mcore_rl.io.inputs import read_json_object
 
     if is_model_checkpoint(path):
         info = ModelCheckpointInfo.read(path)
@@ -92,7 +93,7 @@ class RewardModel:
         """[N] scores of this rank's rows; the owner (last stage, TP rank 0) returns them."""
         from mcore_rl.engine.packing.micro_batches import pad_width, plain_micro_batch, row_chunks
 
-        multiple = self.ctx.tp_size if self.ctx.layout.sp else 1
+        multiple = self.ctx.sequence_multiple
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         micro = [plain_micro_batch(t) for t in row_chunks(tokens, micro_batch_size)]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)

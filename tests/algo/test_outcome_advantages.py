@@ -1,0 +1,33 @@
+"""Outcome rewards and the estimator dispatch of the critic-free steps (``algo/advantages.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.algo import compute_grpo_advantages, compute_rloo_advantages
+from mcore_rl.algo.advantages import compute_advantages, outcome_rewards
+from mcore_rl.algo.settings import AdvEstimator
+
+
+def test_outcome_rewards_sit_on_the_last_response_position() -> None:
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.float32)
+    rewards = outcome_rewards(torch.tensor([2.0, 5.0, -1.0]), mask)
+    assert rewards.tolist() == [[0, 0, 2, 0], [0, 0, 0, 0], [-1, 0, 0, 0]]
+
+
+def test_advantage_dispatch_matches_the_algorithms_and_rejects_unknown_names() -> None:
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    scores, groups = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    rewards = outcome_rewards(scores, mask)
+    grpo = compute_advantages("grpo", scores, mask, groups)
+    assert torch.equal(grpo, compute_grpo_advantages(rewards, mask, [0, 0, 1, 1]).advantages)
+    dr = compute_advantages("dr_grpo", scores, mask, groups)
+    assert dr[0, 1].item() == pytest.approx(0.5) and dr[1, 1].item() == pytest.approx(-0.5)
+    rloo = compute_advantages("rloo", scores, mask, groups)
+    assert torch.equal(rloo, compute_rloo_advantages(rewards, mask, [0, 0, 1, 1]).advantages)
+    for name in (e for e in AdvEstimator if e is not AdvEstimator.GAE):
+        adv = compute_advantages(name, scores, mask, groups)
+        assert adv.shape == mask.shape and bool((adv[mask == 0] == 0).all())
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator: unknown 'ppo'"):
+        compute_advantages("ppo", scores, mask, groups)
