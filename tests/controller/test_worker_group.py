@@ -73,6 +73,36 @@ def test_exception_on_one_rank_ends_the_call_fast_with_its_rank_and_traceback() 
     _assert_cleaned_up(ray, group)
 
 
+def _nonfinite_on_every_rank(ctx: ParallelContext) -> None:
+    from mcore_rl.engine.train_engine import NonFiniteLossError
+
+    raise NonFiniteLossError(f"rank {ctx.rank}: NaN/inf loss [nan]; the update was not applied")
+
+
+def test_a_typed_error_crosses_the_ray_boundary_as_itself() -> None:
+    """The driver tells a NaN loss from other failures by type (``WorkerError.cause``), not by its message;
+    the RL step then names the step (``trainer/step.py``)."""
+    from mcore_rl.engine.train_engine import NonFiniteLossError
+    from mcore_rl.trainer.step import _named_nonfinite
+
+    group = WorkerGroup.spawn(Worker, 1)
+    with pytest.raises(WorkerError) as info:
+        group.run("run", _nonfinite_on_every_rank)
+    assert isinstance(info.value.cause, NonFiniteLossError) and info.value.rank == 0
+
+    def failed_update() -> None:
+        raise info.value
+
+    with pytest.raises(NonFiniteLossError, match=r"^step 7: NaN/inf loss, the update was not applied"):
+        _named_nonfinite(7, failed_update)
+
+    def other_failure() -> None:
+        raise WorkerError(0, "update", "ValueError: unrelated", ValueError("unrelated NaN/inf loss text"))
+
+    with pytest.raises(WorkerError, match="unrelated"):  # not a NaN loss, whatever its message says
+        _named_nonfinite(7, other_failure)
+
+
 def test_kill_9_of_one_actor_ends_the_call_fast_with_its_rank() -> None:
     import ray
 
