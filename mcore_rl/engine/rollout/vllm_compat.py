@@ -119,14 +119,18 @@ def platform_args() -> dict[str, Any]:
     return {"worker_cls": CPU_WORKER} if platform_name() == "cpu" else {}
 
 
+DIST_IDENT_ENV = "MCORE_RL_VLLM_DIST_IDENT"
+"""What our CPU worker hands vLLM as ``VLLM_DIST_IDENT`` (not a ``VLLM_*`` name: vLLM warns on unknown ones)."""
+
+
 def share_dist_ident() -> None:
-    """Collective on CPU: one ``VLLM_DIST_IDENT`` for the world, drawn on rank 0 (from ``os.urandom``, so no
-    RNG of ours moves), which names the shared memory of every vLLM TP group this world builds."""
+    """Collective on CPU: one identifier for the world, drawn on rank 0 (from ``os.urandom``, so no RNG of
+    ours moves), which names the shared memory of every vLLM TP group this world builds."""
     if platform_name() != "cpu":
         return
     token = torch.tensor([int.from_bytes(os.urandom(6), "little")])
     dist.broadcast(token, src=0)
-    os.environ["VLLM_DIST_IDENT"] = f"mcore_rl-{int(token):012x}"
+    os.environ[DIST_IDENT_ENV] = f"mcore_rl-{int(token):012x}"
 
 
 def local_device_index(rank: int) -> int:

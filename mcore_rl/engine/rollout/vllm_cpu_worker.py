@@ -14,8 +14,10 @@ import os
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from mcore_rl.engine.rollout.vllm_compat import DIST_IDENT_ENV
+
 
 class ExternalWorldCPUWorker(CPUWorker):
     def init_device(self) -> None:
-        self.distributed_init_method = f"env://:{os.environ['VLLM_DIST_IDENT']}"
+        self.distributed_init_method = f"env://:{os.environ[DIST_IDENT_ENV]}"  # vLLM keeps the last field
         super().init_device()
