@@ -220,7 +220,9 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str) -> dict[str, Any]:
     with ParallelContext.initialize(ParallelConfig(tensor_parallel_size=train_tp)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
         engine.load_full_state(random_full_state(arch, seed=7))
+        before = _process_state()
         hybrid, rollout = build_vllm_hybrid(engine, tp_g, HybridConfig(bucket_bytes=16 << 10), ROLLOUT)
+        process_kept = _process_state() == before
         llm, embedding = rollout.llm, rollout.llm.apply_model(_embedding_param)[0]
         in_train = rollout.memory()
         _check_lifecycle_refusals(rollout)
@@ -239,10 +241,26 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str) -> dict[str, Any]:
             "steps": steps,
             "memory_train": in_train,
             "in_place": in_place,
+            "process_kept": process_kept,
             "files": files,
             "world_sum": float(world),
             "vllm_groups_left": _vllm_groups_left(),
         }
+
+
+def _process_state() -> tuple[Any, ...]:
+    """What vLLM's construction changes in its process and vllm_compat restores."""
+    import gc
+    import random
+
+    rng = (torch.get_rng_state(), random.getstate())
+    return (
+        rng[0].tolist(),
+        rng[1],
+        torch.get_float32_matmul_precision(),
+        torch.set_num_threads,
+        gc.get_freeze_count(),
+    )
 
 
 def _vllm_groups_left() -> bool:
@@ -260,7 +278,7 @@ def _expected_weight_bytes(arch: Any, tp_g: int) -> int:
 def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
     world = len(results)
     for rank, result in enumerate(results):
-        assert result["in_place"] and result["files"] == ["config.json"]
+        assert result["in_place"] and result["files"] == ["config.json"] and result["process_kept"]
         assert result["world_sum"] == sum(range(world)) and not result["vllm_groups_left"]
         expected = RolloutMemory(
             _expected_weight_bytes(ARCHS[family], tp_g), ROLLOUT.kv_cache_memory_bytes, False
