@@ -216,18 +216,26 @@ class VLLMRolloutEngine:
         set_launcher_env(rank, vllm_compat.local_device_index(rank))
         vllm_compat.share_dist_ident()
         self._config_dir = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
-        with open(os.path.join(self._config_dir, "config.json"), "w") as f:
-            json.dump(arch.extra, f)
-        args = engine_args(self._config_dir, config, tensor_parallel_size)
-        if "gpu_memory_utilization" in args:
-            check_free_memory(*torch.cuda.mem_get_info(), config.gpu_memory_utilization)
-        with vllm_compat.process_state_kept(), megatron_cpu.suspended():
-            self.llm = vllm.LLM(**args)
+        try:
+            self.llm = self._start_vllm(vllm, tensor_parallel_size)
+        except BaseException:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            raise
         self._closed = False
         self._check_parameters(self.llm.apply_model(_param_shapes)[0])
         self._unloaded = set(self._shapes)
         self._asleep: set[str] = set()
         self.sleep(level=2)  # nothing resident (where sleep frees memory) while training goes first
+
+    def _start_vllm(self, vllm: Any, tensor_parallel_size: int) -> Any:
+        """``vllm.LLM`` on the model's config.json (the only file it reads: weights come through loads)."""
+        with open(os.path.join(self._config_dir, "config.json"), "w") as f:
+            json.dump(self.arch.extra, f)
+        args = engine_args(self._config_dir, self.config, tensor_parallel_size)
+        if "gpu_memory_utilization" in args:
+            check_free_memory(*torch.cuda.mem_get_info(), self.config.gpu_memory_utilization)
+        with vllm_compat.process_state_kept(), megatron_cpu.suspended():
+            return vllm.LLM(**args)
 
     @staticmethod
     def _check_request(arch: ModelArch, config: VLLMRolloutConfig, tp: int) -> None:
