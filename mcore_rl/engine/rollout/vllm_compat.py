@@ -22,8 +22,11 @@ construction by :func:`process_state_kept`); on CPU ``torch.set_num_threads`` is
 (restored: under ``external_launcher`` vLLM binds no threads, so there is nothing to protect); ``gc.freeze()``
 moves every live object to the permanent generation (undone: a trainer's objects that die later in a cycle
 would never be collected); shutdown destroys the default process group (kept by :func:`default_group_kept`).
-What stays: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in ``os.environ``, and vLLM's cache of its environment
-variables (later changes to ``VLLM_*`` variables are not seen).
+What stays: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the variables ``import vllm`` sets
+(``TORCHINDUCTOR_COMPILE_THREADS=1``, ``TORCHINDUCTOR_CACHE_DIR``, an ``LD_LIBRARY_PATH`` entry) in
+``os.environ``; vLLM's cache of its environment variables (later changes to ``VLLM_*`` are not seen); and on
+CPU a MEMBIND policy binding the process's memory to the NUMA node of its first allowed core (harmless on one
+node; on a multi-socket host the trainer's allocations land on that node too).
 """
 
 from __future__ import annotations
