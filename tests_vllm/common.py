@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.rollout.vllm_engine import engine_args
+from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutConfig, engine_args
 from tests.models import tiny_arch
 
 CASES = {
-    "llama": dict(num_key_value_heads=4),  # untied; kv 4 so that TP 4 splits whole KV heads
-    "qwen2": dict(num_key_value_heads=4),  # tied, with a qkv bias
+    "llama": dict(hidden_size=128, num_key_value_heads=4),  # untied; kv 4 so that TP 4 splits whole KV heads
+    "qwen2": dict(hidden_size=128, num_key_value_heads=4),  # tied, with a qkv bias
 }
-"""Tiny configs of both layouts; every one splits at TP 1, 2 and 4."""
+"""Tiny configs of both layouts (head_dim 32, the smallest vLLM's CPU attention takes); each splits at TP 1,
+2 and 4."""
+
+CONFIG = VLLMRolloutConfig(dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=16 << 20)
 
 
 def arch_of(family: str) -> ModelArch:
@@ -31,14 +35,5 @@ def write_config(arch: ModelArch, directory: Path) -> str:
 
 
 def our_engine_args(model: str, tp: int, **overrides: Any) -> dict[str, Any]:
-    """The arguments VLLMRolloutEngine passes to ``vllm.LLM`` for the tiny configs."""
-    args = dict(
-        tensor_parallel_size=tp,
-        dtype=torch.float32,
-        max_model_len=64,
-        gpu_memory_utilization=0.5,
-        seed=0,
-        enforce_eager=True,
-    )
-    args.update(overrides)
-    return engine_args(model, **args)
+    """The arguments VLLMRolloutEngine passes to ``vllm.LLM`` on this platform for the tiny configs."""
+    return engine_args(model, replace(CONFIG, **overrides), tp)

