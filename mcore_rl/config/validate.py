@@ -12,6 +12,7 @@ from typing import Any
 
 from mcore_rl.algo.settings import AdvEstimator, DPOLossType
 from mcore_rl.config.dpo import DPOConfig
+from mcore_rl.config.model import RolloutEngineName
 from mcore_rl.config.run import RunConfig
 from mcore_rl.io.errors import ConfigError
 
@@ -81,12 +82,37 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     for heads, name in ((arch.num_attention_heads, "attention heads"), (arch.num_query_groups, "kv heads")):
         if heads % tp_g:
             problems.append(f"rollout.tensor_model_parallel_size={tp_g} does not divide the {heads} {name}")
+    if cfg.rollout.name == RolloutEngineName.VLLM:
+        problems += _vllm_problems(cfg, arch)
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     if total > arch.max_position_embeddings:
         problems.append(
             f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
             f"max_position_embeddings={arch.max_position_embeddings}"
         )
+    return problems
+
+
+def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
+    """What vLLM would refuse, found before any process starts (``rollout.name=vllm``)."""
+    import importlib.util
+
+    from mcore_rl.engine.rollout.vllm_compat import preflight_problems
+
+    device = cfg.trainer.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    installed = importlib.util.find_spec("vllm") is not None
+    problems = preflight_problems(arch, cfg.rollout.tensor_model_parallel_size, device == "cuda", installed)
+    for prefix, sampling in (("rollout", cfg.rollout), ("rollout.val_kwargs", cfg.rollout.val_kwargs)):
+        if sampling.temperature > 0 and (0 < sampling.top_k < arch.vocab_size or sampling.top_p < 1.0):
+            problems.append(
+                f"{prefix}.top_k={sampling.top_k} / {prefix}.top_p={sampling.top_p} with rollout.name=vllm: vLLM "
+                "reports log-probs of the filtered distribution, which the actor cannot recompute; turn filtering "
+                "off or use rollout.name=local"
+            )
     return problems
 
 
@@ -184,8 +210,6 @@ def _run_problems(cfg: RunConfig) -> list[str]:
             f"rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide "
             f"rollout.num_ranks={rollout.num_ranks} (the rollout pool, rollout.colocate=false)"
         )
-    if not rollout.colocate and rollout.name != "local":
-        problems.append(f"rollout.colocate=false runs the local engine on its own pool, not {rollout.name}")
     for prefix, optim in (
         ("optim", cfg.optim),
         ("sft.optim", cfg.sft.optim),

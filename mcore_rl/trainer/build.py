@@ -9,10 +9,12 @@ import torch
 
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import ConfigError, RunConfig
+from mcore_rl.config.model import RolloutEngineName
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
 from mcore_rl.controller.resources import cluster_cpus, ray_shut_down_on_failure
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutConfig
 from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
 from mcore_rl.engine.workers.critic import CriticSpec, CriticWorker
 from mcore_rl.engine.workers.reward_model import RewardModelSpec
@@ -32,7 +34,6 @@ from mcore_rl.trainer.step import StepBase, update_plan
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
     """What every rank builds, from the run config; refuses what the driver does not run yet."""
     unsupported = {
-        "rollout.name": cfg.rollout.name != "local",  # vLLM needs its own hybrid wiring (GPU)
         # token rewards feed GAE only; the critic-free estimators take one outcome score per sequence
         "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward and cfg.algorithm.adv_estimator != "gae",
     }
@@ -53,6 +54,22 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         with_reference=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         load_dir=load_dir,
         hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights else None,
+        vllm=vllm_rollout_config(cfg) if cfg.rollout.colocate else None,
+    )
+
+
+def vllm_rollout_config(cfg: RunConfig) -> VLLMRolloutConfig | None:
+    """vLLM's settings from the run config (``rollout.name=vllm``), None for the embedded engine. vLLM computes
+    in the dtype the reshard hands it (``rollout.hybrid.rollout_dtype``, else the actor's), so an fp32 run
+    samples in fp32."""
+    if cfg.rollout.name != RolloutEngineName.VLLM:
+        return None
+    return VLLMRolloutConfig(
+        dtype=getattr(torch, cfg.rollout.hybrid.rollout_dtype or cfg.model.dtype),
+        max_model_len=cfg.data.max_prompt_length + cfg.rollout.response_length,
+        kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        seed=cfg.trainer.seed,
     )
 
 
@@ -101,6 +118,7 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
     spec = RolloutSpec(
         arch=cfg.model.arch(),
         weights_dtype=rollout.hybrid.rollout_dtype,  # the colocated reshard's cast, then a float32 engine
+        vllm=vllm_rollout_config(cfg),
     )  # the default pad id, as the actor's WorkerSpec: pool and colocated rollouts pad alike
     parallel = dataclasses.replace(  # replicas are the pool's data-parallel ranks
         cfg.parallel,

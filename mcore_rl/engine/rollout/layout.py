@@ -70,8 +70,8 @@ def rollout_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]
     return shapes
 
 
-def _vocab_shard(full: Tensor, arch: ModelArch, tp: int, rank: int) -> Tensor:
-    rows = padded_vocab_size(arch.vocab_size, tp, VOCAB_DIVISIBLE_BY)
+def _vocab_shard(full: Tensor, arch: ModelArch, tp: int, rank: int, divisible_by: int) -> Tensor:
+    rows = padded_vocab_size(arch.vocab_size, tp, divisible_by)
     padded = torch.cat([full, full.new_zeros(rows - full.shape[0], full.shape[1])])
     return padded.chunk(tp)[rank]
 
@@ -82,14 +82,22 @@ def _qkv_shard(full: Tensor, arch: ModelArch, tp: int, rank: int) -> Tensor:
 
 
 def rollout_shards_from_full(
-    full: dict[str, Tensor], arch: ModelArch, tp_g: int, tp_rank: int
+    full: dict[str, Tensor],
+    arch: ModelArch,
+    tp_g: int,
+    tp_rank: int,
+    vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
 ) -> dict[str, Tensor]:
-    """One rollout rank's tensors from megatron's full state (TP1, real vocab rows; see engine/weights.py).
+    """One rollout rank's tensors from megatron's full state (TP1, real vocab rows; see engine/weights.py),
+    the vocab padded to a multiple of ``vocab_divisible_by`` per rank (ours; vLLM's is
+    ``vllm_layout.vllm_vocab_divisible_by``).
 
-    The naive oracle of the resharding plan: it slices full tensors, where the plan moves only shards.
+    The naive oracle of the resharding plan: it slices full tensors, where the plan moves only shards; and
+    what a rollout pool loads from the actor's full state.
     """
     check_rollout_tp(arch, tp_g)
-    out = {"embed_tokens.weight": _vocab_shard(full["embedding.word_embeddings.weight"], arch, tp_g, tp_rank)}
+    embedding = full["embedding.word_embeddings.weight"]
+    out = {"embed_tokens.weight": _vocab_shard(embedding, arch, tp_g, tp_rank, vocab_divisible_by)}
     for i in range(arch.num_layers):
         src, dst = f"decoder.layers.{i}.", f"layers.{i}."
         out[dst + "input_layernorm.weight"] = full[src + "input_layernorm.weight"]
@@ -109,5 +117,7 @@ def rollout_shards_from_full(
         out[dst + "mlp.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"].chunk(tp_g, 1)[tp_rank]
     out["norm.weight"] = full["decoder.final_layernorm.weight"]
     if not arch.tie_word_embeddings:
-        out["lm_head.weight"] = _vocab_shard(full["output_layer.weight"], arch, tp_g, tp_rank)
+        out["lm_head.weight"] = _vocab_shard(
+            full["output_layer.weight"], arch, tp_g, tp_rank, vocab_divisible_by
+        )
     return {name: t.contiguous() for name, t in out.items()}

