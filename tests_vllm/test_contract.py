@@ -203,3 +203,16 @@ def test_head_sizes_cpu_attention_refuses_are_refused_first() -> None:
     assert not CPUAttentionBackend.supports_head_size(16) and CPUAttentionBackend.supports_head_size(32)
     with pytest.raises(ValueError, match=r"^head_dim=16 .*: vLLM's CPU attention supports head sizes 32, 64"):
         vllm_compat.check_platform_supports(tiny_arch("llama"), torch.float32)  # hidden 64 / 4 heads
+
+
+@pytest.mark.skipif(PLATFORM != "cpu", reason="vLLM's CPU attention only")
+def test_the_config_checks_copy_of_the_cpu_head_sizes_is_vllms() -> None:
+    """``rollout.name=vllm`` is checked before any process starts, without importing vLLM, against a copy of
+    vLLM's list; the copy must be vLLM's, and the platform's dtypes ours."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == vllm_compat.CPU_HEAD_SIZES
+    assert {torch.float32, torch.bfloat16, torch.float16} <= set(current_platform.supported_dtypes)
+    problems = vllm_compat.preflight_problems(tiny_arch("llama"), 1, on_gpu=False, installed=True)
+    assert len(problems) == 1 and "head_dim=16" in problems[0]

@@ -81,6 +81,9 @@ def preflight_problems(arch: ModelArch, rollout_tp: int, on_gpu: bool, installed
 
 def import_vllm() -> Any:
     """The ``vllm`` module, or one line naming the setting that asked for it and the install command."""
+    # vLLM logs each weight load and cache reset at INFO: a line per step would bury the run's progress bar
+    # (``VLLM_LOGGING_LEVEL`` set by the user wins).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as err:
