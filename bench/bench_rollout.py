@@ -1,19 +1,48 @@
-"""Rollout throughput: our embedded engine vs ``transformers`` ``generate`` on the same tiny Llama, same batch.
+"""Rollout throughput: our embedded engine vs vLLM vs ``transformers`` ``generate``, same model, same batch.
 
-Both sample at temperature 1 with no top-k/top-p and no EOS, so both produce exactly
-``batch * n * new_tokens`` tokens; the same weights are loaded into both. Runs alternate (HF, ours, HF, ...)
-so that load from other processes hits both alike; the report gives medians and the min-max spread of tok/s
-(wall clock) and the ratio of the medians.
+All three sample at temperature 1 with no top-k/top-p and no EOS (no stop ids; vLLM ``ignore_eos``), so each
+produces exactly ``sequences * new_tokens`` tokens; the same random fp32 weights are loaded into all three.
+Runs alternate in the ``--engines`` order (ours, vLLM, HF, ours, ...) so that load from other processes hits
+every engine alike; the report gives medians and the min-max spread of tok/s (wall clock) and the ratios of
+the medians, ours/vLLM and ours/HF. Before the table, a sanity check: greedy continuations of vLLM and HF
+must equal ours token for token (same weights, same function, both fp32).
 
-    python bench/bench_rollout.py [--batch 16] [--n 1] [--prompt-len 32] [--new-tokens 128] [--threads 1]
-    python bench/bench_rollout.py --grid [--kv-heads 8]   # the issue-17 table, under ~5 minutes
+    python bench/bench_rollout.py [--model tiny] [--engines ours,vllm,hf] [--batch 16] [--n 1]
+        [--prompt-len 32] [--new-tokens 128] [--threads 2] [--repeats 5]
+    python bench/bench_rollout.py --vllm-grid --model tiny        # 8/32/128 sequences x 32/256 new tokens
+    python bench/bench_rollout.py --vllm-grid --model realistic
+    python bench/bench_rollout.py --vllm-grid --model qwen05b --engines ours,vllm
+    python bench/bench_rollout.py --grid [--kv-heads 8]   # the issue-17 table (ours vs HF), ~5 minutes
 
-``--n`` samples per prompt (RL's group sampling): HF repeats each prompt ``n`` times (``num_return_sequences``);
-ours prefills each prompt once and copies its KV cache rows. ``--grid`` varies one setting at a time around
-batch 32 (8 prompts x 4 samples), 64 new tokens: batch 8/32/128 sequences, 16/64/256 new tokens, 1 and 2
-threads; ``--kv-heads 8`` is issue 17's MHA model (the default keeps GQA with 4 KV heads). To compare two
-versions of the engine, run the same command with ``PYTHONPATH`` pointing at each source tree (from a
-directory outside both), back to back.
+Models (``bench/_rollout_models.py``, random weights built locally, fp32, head_dim >= 32 as vLLM's CPU
+attention needs): ``tiny`` (Llama h256 x 4 layers, 8 heads / 4 KV, vocab 1000; ``--hidden`` and
+``--kv-heads`` override it), ``realistic`` (Llama h512 x 8, 8 / 2 KV, vocab 32000) and ``qwen05b``
+(Qwen2.5-0.5B's shape: h896 x 24, 14 / 2 KV, vocab 151936, tied embeddings, qkv bias). One model per
+invocation.
+
+``--vllm-grid`` runs 8, 32 and 128 sequences as that many distinct prompts with ``n = 1``, at 32 and 256
+new tokens, 2 threads (``--threads``). Not the RL shape (prompts x 4 samples) on purpose: ours prefills a
+prompt once and copies its cache rows to its n samples, while vLLM's prefix cache shares only full KV
+blocks (128 tokens on CPU), so vLLM prefills a short prompt n times: at 32 new tokens on the tiny model
+vLLM's tok/s is the same at 2 prompts x 4 as at 8 x 1, ours ~20% higher, and the table would measure that
+instead of decoding. ``--n 4`` measures the RL shape in one cell. vLLM's prefix cache is emptied before
+every call (untimed): the bench repeats its prompts, an RL rollout does not.
+
+vLLM runs in this process (a gloo world of one, as in the hybrid worker), eager, built per cell and sized
+to it: ``max_model_len`` = prompt + new tokens, a KV cache of twice the blocks its sequences take, so every
+sequence runs at once. Ours is rebuilt per thread count, as a worker builds it. vLLM's CPU build makes
+``torch.set_num_threads`` a no-op while it constructs (our engine restores it): every timed call checks the
+thread count its engine ran with (vLLM's read inside its model). vLLM warns that libtcmalloc and libiomp5
+are not in ``LD_PRELOAD``; all engines share one process and one OpenMP runtime, so
+``LD_PRELOAD=.venv/lib/libiomp5.so`` (shipped with torch's MKL) applies to all of them.
+
+``--grid`` (ours vs HF unless ``--engines`` says otherwise, tiny model, prompts of 16 tokens) varies one
+setting at a time around batch 32 (8 prompts x 4 samples), 64 new tokens: batch 8/32/128 sequences,
+16/64/256 new tokens, 1 and 2 threads; ``--kv-heads 8`` is issue 17's MHA model (the default keeps GQA with
+4 KV heads). To compare two versions of the engine, run the same command with ``PYTHONPATH`` pointing at
+each source tree (from a directory outside both), back to back.
+
+Measured <date> on <machine>, ``--vllm-grid``, 2 threads, ours / vLLM and ours / HF per model: <figures>.
 
 Measured 2026-11-30 on the 2-core CI machine (AVX-512), ``--grid --grid-threads 1 --kv-heads 8``, ours / HF:
 2.74x at 8 sequences, 2.49x at 32, 2.13x at 128 (64 new tokens); 2.40x at 16 new tokens, 2.85x at 256
@@ -31,50 +60,26 @@ count): 2 threads 3.94x at 8 sequences, 3.38x at 32, 2.90x at 128; 2.73x at 16 n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.rollout import LocalRolloutEngine, SamplingParams, rollout_param_shapes
+from mcore_rl.engine.rollout import LocalRolloutEngine, SamplingParams
 
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 1000,
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "initializer_range": 0.05,
-}
+if __package__:  # python -m bench.bench_rollout, or imported (bench_grpo_step reads HF_CONFIG)
+    from bench._rollout_models import MODELS, VLLMSide, build_hf, hf_to_rollout, kv_cache_bytes, model_config
+else:  # python bench/bench_rollout.py
+    from _rollout_models import MODELS, VLLMSide, build_hf, hf_to_rollout, kv_cache_bytes, model_config
 
-
-def hf_to_rollout(model: torch.nn.Module, arch: ModelArch) -> dict[str, torch.Tensor]:
-    """HF Llama weights -> our rollout layout at TP1 (fused qkv / gate_up, vocab rows padded)."""
-    sd = {k.removeprefix("model."): v.detach() for k, v in model.state_dict().items()}
-    shapes = rollout_param_shapes(arch, 1)
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith("qkv_proj.weight"):
-            base = name.removesuffix("qkv_proj.weight")
-            out[name] = torch.cat([sd[base + f"{p}_proj.weight"] for p in "qkv"])
-        elif name.endswith("gate_up_proj.weight"):
-            base = name.removesuffix("gate_up_proj.weight")
-            out[name] = torch.cat([sd[base + "gate_proj.weight"], sd[base + "up_proj.weight"]])
-        else:
-            out[name] = sd[name]
-        if out[name].shape != shape:  # vocab padding rows
-            out[name] = torch.cat([out[name], out[name].new_zeros(shape[0] - out[name].shape[0], shape[1])])
-    return out
+ENGINES = ("ours", "vllm", "hf")
+HF_CONFIG = MODELS["tiny"]
+"""The tiny model's config.json (bench_grpo_step.py builds its model from it)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,12 @@ class Cell:
     threads: int
 
     @property
+    def sequences(self) -> int:
+        return self.prompts * self.n
+
+    @property
     def tokens(self) -> int:
-        return self.prompts * self.n * self.new_tokens
+        return self.sequences * self.new_tokens
 
 
 # --grid: one setting varied at a time around 8 prompts x 4 samples, 64 new tokens, so the whole table stays
@@ -101,42 +110,67 @@ def grid(threads: list[int]) -> list[Cell]:
     ]
 
 
+def vllm_grid(threads: int) -> list[Cell]:
+    """The vLLM comparison's cells: distinct prompts, n = 1 (see the module docstring for why)."""
+    return [Cell(seqs, 1, new, threads) for new in (32, 256) for seqs in (8, 32, 128)]
+
+
 class Bench:
-    """The two engines on one model, and a timed, interleaved comparison of one cell."""
+    """The selected engines on one model, and a timed, interleaved comparison of one cell."""
 
-    def __init__(self, hidden: int, kv_heads: int, prompt_len: int) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
+    def __init__(self, config: dict, prompt_len: int, engines: tuple[str, ...]) -> None:
+        from mcore_rl.engine.rollout.vllm_layout import vllm_vocab_divisible_by
 
-        config = {
-            **HF_CONFIG,
-            "hidden_size": hidden,
-            "intermediate_size": hidden * 688 // 256,
-            "num_key_value_heads": kv_heads,
-        }
-        hf_config = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
         self.arch = ModelArch.from_hf_config(config)
+        self.engines, self.prompt_len = engines, prompt_len
+        model = build_hf(config)
+        self.shards = hf_to_rollout(model, self.arch)
+        self.model = model if "hf" in engines else None  # the big models run without HF: free it
         self.engine, self.engine_threads = self._engine(), torch.get_num_threads()
-        self.prompt_len = prompt_len
+        self.vllm = None
+        if "vllm" in engines:
+            padded = hf_to_rollout(model, self.arch, vllm_vocab_divisible_by(1))
+            same = all(padded[k].shape == v.shape for k, v in self.shards.items())
+            self.vllm = VLLMSide(self.arch, self.shards if same else padded)
 
     def _engine(self) -> LocalRolloutEngine:
         """Ours with the HF model's weights, built under the current thread count as a worker builds it (the
         decoder lays its weights out for how decode steps multiply with that many threads)."""
         engine = LocalRolloutEngine(self.arch)
-        engine.load_weights(hf_to_rollout(self.model, self.arch).items())
+        engine.load_weights(self.shards.items())
         return engine
 
-    def greedy_agrees(self) -> bool:
-        """Same weights, same function: greedy continuations must agree (a sanity check, not timed)."""
+    def prepare(self, cell: Cell) -> None:
+        """The cell's thread count, and every engine built for it (untimed)."""
+        torch.set_num_threads(cell.threads)
+        if self.engine_threads != cell.threads:
+            self.engine, self.engine_threads = self._engine(), cell.threads
+        if self.vllm is not None:
+            max_len = self.prompt_len + cell.new_tokens
+            self.vllm.get(max_len, kv_cache_bytes(self.arch, cell.sequences, max_len))
+            torch.set_num_threads(cell.threads)  # a no-op had vLLM's replacement stayed: measure checks it
+
+    def greedy_agrees(self, cell: Cell) -> dict[str, bool]:
+        """Same weights, same function: greedy continuations of the other engines must equal ours (a sanity
+        check, not timed; on the first cell's engines)."""
+        self.prepare(cell)
+        new = min(8, cell.new_tokens)
         prompts = torch.randint(0, self.arch.vocab_size, (2, self.prompt_len))
-        ours = self.engine.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=8))
-        hf = self.hf_generate(prompts, new_tokens=8, n=1, sample=False)
-        return bool((hf[:, self.prompt_len :] == ours.token_ids).all())
+        params = SamplingParams(temperature=0.0, max_new_tokens=new)
+        ours = self.engine.generate(prompts.tolist(), params).token_ids
+        agrees = {}
+        if self.vllm is not None:
+            self.vllm.reset()
+            agrees["vllm"] = bool((self.vllm.generate(prompts.tolist(), params).token_ids == ours).all())
+        if self.model is not None:
+            hf = self.hf_generate(prompts, new_tokens=new, n=1, sample=False)
+            agrees["hf"] = bool((hf[:, self.prompt_len :] == ours).all())
+        return agrees
 
     def hf_generate(self, prompts: torch.Tensor, new_tokens: int, n: int, sample: bool) -> torch.Tensor:
         """HF ``generate`` of exactly ``new_tokens`` per sequence (no EOS): greedy, or plain sampling at
         temperature 1 (no top-k/top-p), ``n`` sequences per prompt."""
+        assert self.model is not None
         sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
         with torch.inference_mode():
             return self.model.generate(
@@ -151,53 +185,88 @@ class Bench:
                 pad_token_id=0,
             )
 
-    def measure(self, cell: Cell, repeats: int) -> dict[str, list[float]]:
-        """tok/s of each side over ``repeats`` interleaved runs (after one warm-up each)."""
-        torch.set_num_threads(cell.threads)
-        if self.engine_threads != cell.threads:
-            self.engine, self.engine_threads = self._engine(), cell.threads
+    def _runners(self, cell: Cell) -> dict[str, Callable[[], int]]:
+        """Per engine, one generate call of the cell; each returns the thread count its engine ran with."""
         prompts = torch.randint(0, self.arch.vocab_size, (cell.prompts, self.prompt_len))
-        params = SamplingParams(temperature=1.0, n=cell.n, max_new_tokens=cell.new_tokens, seed=0)
+        params = SamplingParams(
+            temperature=1.0, n=cell.n, max_new_tokens=cell.new_tokens, stop_token_ids=(), seed=0
+        )
 
-        def run_hf() -> None:
-            out = self.hf_generate(prompts, cell.new_tokens, cell.n, sample=True)
-            assert out.shape == (cell.prompts * cell.n, self.prompt_len + cell.new_tokens)
-
-        def run_ours() -> None:
+        def run_ours() -> int:
             out = self.engine.generate(prompts.tolist(), params)
             assert int(out.lengths.sum()) == cell.tokens
+            return torch.get_num_threads()
 
-        sides = {"hf": run_hf, "ours": run_ours}
-        for fn in sides.values():
-            fn()
-        rates: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(repeats):
-            for name, fn in sides.items():
+        def run_vllm() -> int:
+            assert self.vllm is not None
+            out = self.vllm.generate(prompts.tolist(), params)
+            assert int(out.lengths.sum()) == cell.tokens
+            return self.vllm.engine.llm.apply_model(lambda _: torch.get_num_threads())[0]  # where it ran
+
+        def run_hf() -> int:
+            out = self.hf_generate(prompts, cell.new_tokens, cell.n, sample=True)
+            assert out.shape == (cell.sequences, self.prompt_len + cell.new_tokens)
+            return torch.get_num_threads()
+
+        runners = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}
+        return {name: runners[name] for name in self.engines}
+
+    def measure(self, cell: Cell, repeats: int) -> dict[str, list[float]]:
+        """tok/s of each engine over ``repeats`` interleaved runs (after one warm-up each)."""
+        self.prepare(cell)
+        runners = self._runners(cell)
+        before = {"vllm": self.vllm.reset} if self.vllm is not None else {}
+        rates: dict[str, list[float]] = {name: [] for name in runners}
+        for rep in range(repeats + 1):
+            for name, fn in runners.items():
+                before.get(name, lambda: None)()
                 start = time.perf_counter()
-                fn()
-                rates[name].append(cell.tokens / (time.perf_counter() - start))
+                threads = fn()
+                elapsed = time.perf_counter() - start
+                if threads != cell.threads:
+                    raise RuntimeError(f"{name} ran with {threads} threads, the cell asks for {cell.threads}")
+                if rep:  # the first round warms up
+                    rates[name].append(cell.tokens / elapsed)
         return rates
+
+    def close(self) -> None:
+        if self.vllm is not None:
+            self.vllm.close()
+
+
+def _header(engines: tuple[str, ...]) -> str:
+    names = {"ours": "ours", "vllm": "vLLM", "hf": "HF"}
+    rates = " ".join(f"{names[e] + ' tok/s':>11}" for e in engines)
+    ratios = " ".join(f"{'ours/' + names[e]:>9}" for e in engines if e != "ours" and "ours" in engines)
+    spreads = " ".join(f"{'spread ' + names[e]:<15}" for e in engines)
+    return f"  seq   new thr | {rates} | {ratios} | {spreads}"
 
 
 def _row(cell: Cell, rates: dict[str, list[float]]) -> str:
-    hf, ours = statistics.median(rates["hf"]), statistics.median(rates["ours"])
-    spread = "  ".join(f"{min(rates[k]):6.0f}-{max(rates[k]):<6.0f}" for k in ("hf", "ours"))
-    return (
-        f"{cell.prompts * cell.n:5d} {cell.new_tokens:5d} {cell.threads:3d} | {hf:8.0f} {ours:8.0f} "
-        f"{ours / hf:6.2f}x | {spread}"
-    )
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    values = " ".join(f"{median[e]:11.0f}" for e in rates)
+    ratios = " ".join(f"{median['ours'] / median[e]:8.2f}x" for e in rates if e != "ours" and "ours" in rates)
+    spread = " ".join(f"{min(r):6.0f}-{max(r):<8.0f}" for r in rates.values())
+    return f"{cell.sequences:5d} {cell.new_tokens:5d} {cell.threads:3d} | {values} | {ratios} | {spread}"
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument(
+        "--engines",
+        default=None,
+        help=f"comma-separated, in rotation order; default {','.join(ENGINES)} (ours,hf with --grid)",
+    )
     parser.add_argument("--batch", type=int, default=16, help="prompts")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (MLP width scales with it)")
-    parser.add_argument("--kv-heads", type=int, default=HF_CONFIG["num_key_value_heads"])
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (MLP width scales with it)")
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--vllm-grid", action="store_true", help="8/32/128 sequences x 32/256 new tokens")
     parser.add_argument("--grid", action="store_true", help="the issue-17 table (prompt length 16)")
     parser.add_argument(
         "--grid-threads",
@@ -206,23 +275,53 @@ def main() -> None:
         "waits for the descheduled OpenMP thread, and both sides' runs take minutes)",
     )
     args = parser.parse_args()
+    args.engines = tuple((args.engines or ("ours,hf" if args.grid else ",".join(ENGINES))).split(","))
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown or len(set(args.engines)) != len(args.engines):
+        parser.error(f"--engines: each of {', '.join(ENGINES)} at most once, got {','.join(args.engines)}")
     if args.grid:
-        args.prompt_len, args.repeats = 16, min(args.repeats, 3)
+        args.prompt_len = 16
+    if args.grid or args.vllm_grid:
+        args.repeats = min(args.repeats, 3)
+    return args
+
+
+def _cells(args: argparse.Namespace) -> list[Cell]:
     if args.grid:
-        cells = grid([int(t) for t in args.grid_threads.split(",")])
-    else:
-        cells = [Cell(args.batch, args.n, args.new_tokens, args.threads)]
-    bench = Bench(args.hidden, args.kv_heads, args.prompt_len)
-    arch = bench.arch
-    print(
-        f"model: hidden {arch.hidden_size}, {arch.num_layers} layers, {arch.num_attention_heads} heads / "
-        f"{arch.num_query_groups} kv, vocab {arch.vocab_size}, fp32; prompt {args.prompt_len} tokens, "
-        f"temperature 1, {args.repeats} interleaved runs per cell; greedy outputs agree with HF: "
-        f"{bench.greedy_agrees()}"
-    )
-    print("  seq   new thr |  HF tok/s  ours tok/s ratio | spread HF        spread ours")
-    for cell in cells:
-        print(_row(cell, bench.measure(cell, args.repeats)), flush=True)
+        return grid([int(t) for t in args.grid_threads.split(",")])
+    if args.vllm_grid:
+        return vllm_grid(args.threads)
+    return [Cell(args.batch, args.n, args.new_tokens, args.threads)]
+
+
+def main() -> None:
+    args = _parse()
+    cells = _cells(args)
+    torch.set_num_threads(cells[0].threads)
+    with contextlib.ExitStack() as stack:
+        if "vllm" in args.engines:
+            # each vLLM build (one per cell) warns in ~30 lines: a chat-template traceback (no tokenizer),
+            # the set_num_threads skip (undone, checked), LD_PRELOAD (see the module docstring)
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            from mcore_rl.compat import megatron_cpu
+            from mcore_rl.parallel.config import ParallelConfig
+            from mcore_rl.parallel.context import ParallelContext
+
+            stack.enter_context(ParallelContext.initialize(ParallelConfig()))  # vLLM joins a world of one
+            stack.enter_context(megatron_cpu.suspended())  # HF calls no megatron code either
+        bench = Bench(model_config(args.model, args.hidden, args.kv_heads), args.prompt_len, args.engines)
+        stack.callback(bench.close)
+        arch = bench.arch
+        print(
+            f"model {args.model}: hidden {arch.hidden_size}, {arch.num_layers} layers, "
+            f"{arch.num_attention_heads} heads / {arch.num_query_groups} kv, vocab {arch.vocab_size}, fp32; "
+            f"prompt {args.prompt_len} tokens, temperature 1, {args.repeats} interleaved runs per cell; "
+            f"greedy outputs agree with ours: {bench.greedy_agrees(cells[0])}",
+            flush=True,
+        )
+        print(_header(args.engines))
+        for cell in cells:
+            print(_row(cell, bench.measure(cell, args.repeats)), flush=True)
 
 
 if __name__ == "__main__":
