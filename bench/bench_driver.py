@@ -22,7 +22,7 @@ figure through the driver is ``--paths ray --baseline trl``: our step through Ra
 third model copy in the rotation (the in-process rank's would share the caches with both).
 
     python -m bench.bench_driver [--steps 6] [--warmup 2] [--threads 2] [--workload llama|demo|both]
-        [--override model.share_prompt_prefix=true ...] [--baseline trl] [--paths ray]
+        [--override model.share_prompt_prefix=true ...] [--baseline trl] [--paths ray [ray-vllm]]
 """
 
 from __future__ import annotations
@@ -53,7 +53,10 @@ HF_CONFIG = {
     "initializer_range": 0.02,
 }
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_LEN = 8, 4, 32, 16
-PATHS = ("in-process", "ray")
+PATHS = ("in-process", "ray", "ray-vllm")
+"""in-process: the rank in the driver's process; ray: a Ray worker; ray-vllm: a Ray worker with vLLM as its
+rollout engine (``rollout.name=vllm``; the others run the embedded engine)."""
+DEFAULT_PATHS = ("in-process", "ray")
 
 
 def even_first_word(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
@@ -162,16 +165,15 @@ def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None,
     from mcore_rl.data.prompts import PromptDataset
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
-    from mcore_rl.trainer.build import build_actor_group, worker_spec
     from mcore_rl.trainer.grpo import GRPOStep
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
     size = cfg.data.train_batch_size
-    paths = {name: build_actor_group(cfg, worker_spec(cfg, total), use_ray=name == "ray") for name in names}
+    paths = {name: _actors(cfg, name, total) for name in names}
     # What each run's driver has: the in-process rank computes on the driver's threads; a Ray driver only
     # schedules, on one (``build_actor_group``).
-    driver_threads = {"in-process": threads, "ray": 1}
+    driver_threads = {"in-process": threads, "ray": 1, "ray-vllm": 1}
     times: dict[str, list[dict[str, float]]] = {name: [] for name in [*paths, "trl"]}
     rewards: dict[str, list[float]] = {name: [] for name in paths}
     trl = None
@@ -200,6 +202,18 @@ def compare(cfg, total: int, warmup: int, threads: int, trl_python: Path | None,
             actors.shutdown()
     torch.set_num_threads(threads)
     return times, rewards, fixed, None if trl is None else trl.label
+
+
+def _actors(cfg, name: str, total: int):
+    """The actor group of path ``name`` (see :data:`PATHS`)."""
+    import dataclasses
+
+    from mcore_rl.trainer.build import build_actor_group, worker_spec
+
+    if name == "ray-vllm":  # a KV cache of the workload's size, not the 512 MiB CPU default
+        rollout = dataclasses.replace(cfg.rollout, name="vllm", kv_cache_memory_bytes=64 << 20)
+        cfg = dataclasses.replace(cfg, rollout=rollout)
+    return build_actor_group(cfg, worker_spec(cfg, total), use_ray=name != "in-process")
 
 
 def _rl_side(rl_step, rewards: list[float], threads: int):
@@ -252,9 +266,9 @@ def main() -> int:
         "--paths",
         nargs="+",
         choices=PATHS,
-        default=list(PATHS),
+        default=list(DEFAULT_PATHS),
         help="which of our paths to run (--paths ray --baseline trl: ours through Ray against TRL alone, "
-        "without a third model in the rotation)",
+        "without a third model in the rotation; --paths ray ray-vllm: the step with each rollout engine)",
     )
     args = parser.parse_args()
     trl_python = _trl_python(args, parser)
@@ -306,12 +320,15 @@ def report(title: str, times, rewards, fixed, trl_label, args, overrides) -> Non
     )
     ours = [p for p in PATHS if p in median]
     print("  " + "   ".join(f"{p} {median[p]:.3f} s" for p in ours), end="")
-    if len(ours) == 2:
+    if "in-process" in median and "ray" in median:
         ratio = median["ray"] / median["in-process"]
         print(f"   ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")
         print(f"  same samples on both paths: {rewards['in-process'] == rewards['ray']} (rewards per step)")
     else:
         print()
+    if "ray-vllm" in median and "ray" in median:
+        ratio = median["ray-vllm"] / median["ray"]
+        print(f"  step with vLLM / with the embedded engine (both through Ray): {ratio:.2f}x")
     print("  per stage (median s)   " + "".join(f"{p:>12}" for p in ours))
     for stage in times[ours[0]][0]:
         cells = "".join(f"{statistics.median(t[stage] for t in times[p]):12.4f}" for p in ours)
