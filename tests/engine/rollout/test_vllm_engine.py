@@ -211,14 +211,15 @@ def _rollouts(hybrid: Any, engine: Any, ctx: Any, calls: int) -> list[dict[str, 
 
 
 def _hybrid_body(train_tp: int, tp_g: int, family: str) -> dict[str, Any]:
+    from mcore_rl.engine.optim import OptimConfig
     from mcore_rl.engine.rollout.vllm_engine import build_vllm_hybrid
-    from mcore_rl.engine.train_engine import OptimizerConfig, TrainEngine
+    from mcore_rl.engine.train_engine import TrainEngine
     from mcore_rl.parallel.config import HybridConfig, ParallelConfig
     from mcore_rl.parallel.context import ParallelContext
 
     arch = ARCHS[family]
     with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=train_tp)) as ctx:
-        engine = TrainEngine.build(arch, ctx, optim=OptimizerConfig(lr=1e-2))
+        engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
         engine.load_full_state(random_full_state(arch, seed=7))
         before = _process_state()
         hybrid, rollout = build_vllm_hybrid(engine, tp_g, HybridConfig(bucket_bytes=16 << 10), ROLLOUT)
