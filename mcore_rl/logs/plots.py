@@ -21,21 +21,87 @@ def _pyplot() -> Any:
     return plt
 
 
+def reward_series(records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """The (step, value) series ``reward.png`` draws, each stage on its own step axis: the SFT loss and
+    greedy validation accuracy (``sft``), the RL stage's sampled training reward and greedy validation
+    accuracy (``rl``), and the held-out test accuracy before training, after SFT and after RL (``test``)."""
+    sft = [r for r in records if r["stage"] == "sft"]
+    rl = [r for r in records if r["stage"] == "rl"]
+    tests = {
+        r["when"]: r["accuracy"] for r in records if r["stage"] == "test" and r.get("accuracy") is not None
+    }
+    last_sft = sft[-1]["step"] if sft else 0
+    last_rl = rl[-1]["step"] if rl else 0
+    return {
+        "sft_loss": [(r["step"], r["loss"]) for r in sft if "loss" in r],
+        "sft_val_accuracy": [(r["step"], r["val_accuracy"]) for r in sft if "val_accuracy" in r],
+        "rl_reward": [(r["step"], r["reward"]) for r in rl if "reward" in r],
+        "rl_val_accuracy": [(r["step"], r["val_accuracy"]) for r in rl if "val_accuracy" in r],
+        # held-out marks on the axis of the stage they close: before (SFT step 0, or RL step 0 without SFT),
+        # after SFT (its last step), after RL (its last step)
+        "test_sft": [
+            (p, tests[w]) for w, p in (("before", 0), ("after_sft", last_sft)) if w in tests and sft
+        ],
+        "test_rl": [
+            (p, tests[w])
+            for w, p in (("before", 0), ("after_sft", 0), ("after_rl", last_rl))
+            if w in tests and (w != "before" or not sft)
+        ],
+    }
+
+
 def reward_plot(records: list[dict[str, Any]], log_dir: str) -> str | None:
-    """``reward.png``: the RL stage's training reward and the validation accuracy per step."""
+    """``reward.png``: the SFT warm start and the RL stage side by side, each on its own step axis (an RL step
+    is not an SFT step): SFT loss and greedy validation accuracy; RL's sampled training reward (at the rollout
+    temperature, the verifier's mean score of the samples it trained on) and greedy validation accuracy;
+    the held-out test accuracy as marks where each stage starts and ends. A panel with nothing to draw is left
+    out, and so is the legend entry of a series without points."""
     plt = _pyplot()
     if plt is None:
         return None
-    rl = [r for r in records if r["stage"] == "rl"]
-    val = [r for r in records if "val_accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rl], [r["reward"] for r in rl], label="reward (train samples)", lw=1)
-    ax.plot([r["step"] for r in val], [r["val_accuracy"] for r in val], "o-", label="validation accuracy")
-    ax.set_xlabel("RL step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    series = reward_series(records)
+    panels = [
+        name
+        for name in ("sft", "rl")
+        if any(series[k] for k in series if k.startswith(name) or k == f"test_{name}")
+    ]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, name in zip(axes[0], panels, strict=True):
+        _draw_stage(ax, name, series)
+    fig.tight_layout()
     return _save(plt, fig, os.path.join(log_dir, "reward.png"))
+
+
+def _draw_stage(ax: Any, stage: str, series: dict[str, list[tuple[float, float]]]) -> None:
+    # one colour per quantity in both panels
+    styles: dict[str, dict[str, Any]] = {
+        "rl_reward": dict(fmt="-", color="C0", lw=0.8, label="sampled reward (training batches)"),
+        "sft_val_accuracy": dict(
+            fmt="o-", color="C1", lw=1, markersize=3, label="greedy validation accuracy"
+        ),
+        "rl_val_accuracy": dict(fmt="o-", color="C1", lw=1, markersize=3, label="greedy validation accuracy"),
+        f"test_{stage}": dict(fmt="*", color="black", markersize=11, label="held-out test accuracy"),
+    }
+    for key, style in styles.items():
+        if key.startswith((stage, "test_")) and series.get(key):
+            options = dict(style)
+            fmt = options.pop("fmt")
+            ax.plot(*zip(*series[key], strict=True), fmt, **options)
+    handles, labels = ax.get_legend_handles_labels()
+    if stage == "sft" and series["sft_loss"]:
+        loss = ax.twinx()
+        (line,) = loss.plot(*zip(*series["sft_loss"], strict=True), color="grey", lw=0.8, alpha=0.6)
+        loss.set_ylabel("SFT loss (token mean)")
+        handles, labels = [*handles, line], [*labels, "loss (right axis)"]
+    ax.set_xlabel("SFT step" if stage == "sft" else "RL step")
+    ax.set_ylabel("accuracy / reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("SFT warm start" if stage == "sft" else "RL")
+    ax.grid(alpha=0.3)
+    if handles:
+        ax.legend(handles, labels, loc="center right", bbox_to_anchor=(1.0, 0.65), fontsize=8)
 
 
 def dpo_plot(records: list[dict[str, Any]], log_dir: str) -> str | None:

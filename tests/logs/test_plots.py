@@ -1,0 +1,47 @@
+"""``reward.png`` reads the run's records stage by stage: SFT and RL each on their own step axis (an RL step is
+not an SFT step), greedy validation apart from the sampled training reward, the held-out test as marks."""
+
+from __future__ import annotations
+
+from mcore_rl.logs.plots import reward_plot, reward_series
+
+
+def _records(sft_steps: int) -> list[dict]:
+    records: list[dict] = [{"stage": "test", "step": 0, "when": "before", "accuracy": 0.0}]
+    for step in range(1, sft_steps + 1):
+        records.append(
+            {
+                "stage": "sft",
+                "step": step,
+                "loss": 2.0 / step,
+                **({"val_accuracy": 0.1 * step} if step % 2 == 0 else {}),
+            }
+        )
+    if sft_steps:
+        records.append({"stage": "test", "step": 0, "when": "after_sft", "accuracy": 0.3})
+    for step in range(1, 5):
+        records.append(
+            {
+                "stage": "rl",
+                "step": step,
+                "reward": 0.2 + 0.05 * step,
+                **({"val_accuracy": 0.9} if step == 4 else {}),
+            }
+        )
+    records.append({"stage": "test", "step": 4, "when": "after_rl", "accuracy": 0.8})
+    return records
+
+
+def test_each_stage_keeps_its_own_steps_and_the_held_out_marks_close_them() -> None:
+    series = reward_series(_records(sft_steps=4))
+    assert series["sft_val_accuracy"] == [(2, 0.2), (4, 0.4)]  # SFT steps, never shifted onto the RL axis
+    assert [s for s, _ in series["rl_reward"]] == [1, 2, 3, 4] and series["rl_val_accuracy"] == [(4, 0.9)]
+    assert series["test_sft"] == [(0, 0.0), (4, 0.3)]  # before SFT, and after its last step
+    assert series["test_rl"] == [(0, 0.3), (4, 0.8)]  # RL starts from the SFT model, ends at its last step
+
+
+def test_without_sft_the_first_held_out_mark_starts_rl_and_no_sft_panel_is_drawn(tmp_path) -> None:
+    series = reward_series(_records(sft_steps=0))
+    assert series["test_sft"] == [] and series["test_rl"] == [(0, 0.0), (4, 0.8)]
+    assert reward_plot(_records(sft_steps=0), str(tmp_path)) == str(tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").stat().st_size > 1000
