@@ -8,6 +8,7 @@ which honours cgroup/taskset limits that ``os.cpu_count()`` ignores.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,12 +58,16 @@ def init_ray(config: RayConfig | None = None) -> bool:
 
     config = config or RayConfig()
     started = not ray.is_initialized()
+    # Ray's own INFO lines ("Started a local Ray instance") only with mcore-rl --verbose
+    quiet = os.environ.get("MCORE_RL_VERBOSE", "") in ("", "0")
+    level = logging.WARNING if quiet else logging.INFO
     if started and config.address is not None:
-        ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=True, logging_level=level)
     elif started:
         ray.init(
             num_cpus=config.num_cpus or available_cpus(),
             include_dashboard=False,
+            logging_level=level,
             object_store_memory=config.object_store_memory_bytes,
             log_to_driver=True,
             _system_config={

@@ -13,6 +13,7 @@ over samples.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -52,6 +53,22 @@ class _RayRank:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         register_tensor_transport()  # this actor's own Ray serialization context
         super().__init__(*args, **kwargs)
+
+    def redirect_output(self, folder: str) -> str:
+        """This rank's stdout and stderr (Python warnings, megatron's and vLLM's logs, prints of native code)
+        into ``folder/<worker class>_rank<k>.log`` instead of the driver's console; returns the file. Errors
+        still reach the driver with their traceback (``WorkerError``)."""
+        import sys
+
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{type(self).__name__}_rank{self.rank}.log")  # type: ignore[attr-defined]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        return path
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 only: this node's IP and a port free on it, for every rank's MASTER_ADDR/PORT."""
@@ -103,9 +120,11 @@ class WorkerGroup:
         start_timeout_s: float = 300.0,
         take_pool: bool = False,
         seed: int = 1234,
+        output_dir: str | None = None,
     ) -> WorkerGroup:
         """Start one actor per rank on ``pool`` (default: a new pool sharing the cluster's CPUs), form the
-        torch.distributed world and build each rank's ParallelContext. ``take_pool``: the group owns the given
+        torch.distributed world and build each rank's ParallelContext. ``output_dir``: each rank's stdout and stderr
+        go to a file there (``_RayRank.redirect_output``), not the driver's console. ``take_pool``: the group owns the given
         pool and removes it at shutdown, also when starting fails (no placement group outlives a failed run).
 
         The rendezvous port is picked free on rank 0's node and bound a moment later by its TCPStore; another
@@ -115,7 +134,7 @@ class WorkerGroup:
         for attempt in range(_PORT_ATTEMPTS):
             try:
                 group = cls._spawn_once(
-                    worker_cls, world_size, parallel, pool, worker_args, start_timeout_s, seed
+                    worker_cls, world_size, parallel, pool, worker_args, start_timeout_s, seed, output_dir
                 )
                 group.owns_pool = owns_pool
                 return group
@@ -141,6 +160,7 @@ class WorkerGroup:
         worker_args: Sequence[Any],
         start_timeout_s: float,
         seed: int,
+        output_dir: str | None,
     ) -> WorkerGroup:
         """One attempt of :meth:`spawn`; a failure kills the actors and leaves the pool to the caller."""
         import ray
@@ -160,6 +180,8 @@ class WorkerGroup:
         ]
         group = cls(actors, pool, owns_pool=False)
         try:
+            if output_dir is not None:  # before the world forms: its warnings go there too
+                group.get(group.call("redirect_output", output_dir), timeout_s=start_timeout_s)
             first = Pending("rendezvous_address", [actors[0].rendezvous_address.remote()])
             address, port = group.get(first, timeout_s=start_timeout_s)[0]
             group.infos = group.get(

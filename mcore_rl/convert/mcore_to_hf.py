@@ -37,6 +37,7 @@ from mcore_rl.engine.hf.mapping import (
 )
 from mcore_rl.engine.hf.safetensors_io import OutputTensor, StreamingShardWriter
 from mcore_rl.engine.hf.score_head import arch_of_config, hf_config_of
+from mcore_rl.io.errors import note
 from mcore_rl.io.inputs import check_input_tree, input_file, read_json_object
 from mcore_rl.parallel.launch_env import current_rank
 
@@ -173,8 +174,14 @@ def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(_output_config(source.hf_config, dtype), f, indent=2, sort_keys=True)
             f.write("\n")
-        copy_side_files(source.side_files_from, tmp)
+        copied = copy_side_files(source.side_files_from, tmp)
         output.commit()
+        if not any(name.startswith("tokenizer") or name in ("vocab.json", "merges.txt") for name in copied):
+            # an RL or DPO run checkpoint holds weights only: say so rather than write a folder without one
+            note(
+                f"{output.path} has no tokenizer: {options.ckpt} holds none; pass --hf-config-from the model "
+                "folder the run started from (model.path / model.tokenizer_path) to copy its tokenizer files"
+            )
     except BaseException:
         output.abort()
         raise

@@ -4,6 +4,7 @@ rank (the overhead baseline and quick tests)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -94,7 +95,15 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
     parallel = cfg.critic.parallel or cfg.parallel
     ranks = cfg.critic.num_ranks
     pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    group = WorkerGroup.spawn(CriticWorker, ranks, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed)
+    group = WorkerGroup.spawn(
+        CriticWorker,
+        ranks,
+        parallel,
+        pool=pool,
+        take_pool=True,
+        seed=cfg.trainer.seed,
+        output_dir=worker_output_dir(cfg),
+    )
     try:
         group.infos = group.run("build", spec)
         critic = CriticGroup(RayBackend(group), actors=actors.backend)
@@ -129,7 +138,13 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
     )
     pool = ResourcePool(rollout.num_ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
     group = WorkerGroup.spawn(
-        RolloutWorker, rollout.num_ranks, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed
+        RolloutWorker,
+        rollout.num_ranks,
+        parallel,
+        pool=pool,
+        take_pool=True,
+        seed=cfg.trainer.seed,
+        output_dir=worker_output_dir(cfg),
     )
     try:
         group.infos = group.run("build", spec)
@@ -151,6 +166,15 @@ def _cpus_per_rank(cfg: RunConfig) -> float:
     return cluster_cpus() / ranks
 
 
+def worker_output_dir(cfg: RunConfig) -> str | None:
+    """Where the workers' console output (warnings of megatron, vLLM and torch, one file per rank) goes:
+    ``<logging.log_dir>/workers``, so the driver's console holds the progress bars and results; None (the
+    driver's console, live) with ``mcore-rl --verbose`` (``MCORE_RL_VERBOSE=1``)."""
+    if os.environ.get("MCORE_RL_VERBOSE", "") not in ("", "0"):
+        return None
+    return os.path.join(cfg.logging.log_dir, "workers")
+
+
 def _use_gpus(cfg: RunConfig) -> bool:
     if cfg.trainer.device == "auto":
         return torch.cuda.is_available()
@@ -166,7 +190,13 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
         with ray_shut_down_on_failure(started_ray):
             pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
             group = WorkerGroup.spawn(
-                HybridWorker, cfg.world_size, parallel, pool=pool, take_pool=True, seed=cfg.trainer.seed
+                HybridWorker,
+                cfg.world_size,
+                parallel,
+                pool=pool,
+                take_pool=True,
+                seed=cfg.trainer.seed,
+                output_dir=worker_output_dir(cfg),
             )
             try:
                 group.infos = group.run("build", spec)  # now with the rollout coordinates

@@ -165,3 +165,23 @@ def test_sigterm_during_a_real_conversion_leaves_nothing(ckpt, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == "mcore-rl convert: interrupted by SIGTERM; partial output removed"
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_without_tokenizer_files_converts_and_says_so(ckpt, hf_sharded, tmp_path, capsys):
+    """A run checkpoint holds weights only: the HF folder is written, and one note names what is missing and
+    the flag that brings it (found by a new user: the folder silently had no tokenizer)."""
+    from mcore_rl.engine.checkpoint import HF_ASSETS_DIR
+
+    weights_only = shutil.copytree(ckpt, tmp_path / "weights_only")
+    shutil.rmtree(weights_only / HF_ASSETS_DIR, ignore_errors=True)
+    out = tmp_path / "out"
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(weights_only), "--out", str(out)]) == 0
+    assert "has no tokenizer" in capsys.readouterr().err and not (out / "tokenizer.json").exists()
+    from tests.convert.hf_models import save_word_tokenizer
+
+    model = shutil.copytree(hf_sharded, tmp_path / "model_with_tokenizer")
+    save_word_tokenizer(str(model))
+    again = tmp_path / "again"
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(weights_only), "--out", str(again),
+                 "--hf-config-from", str(model)]) == 0  # fmt: skip
+    assert "has no tokenizer" not in capsys.readouterr().err and (again / "tokenizer.json").exists()

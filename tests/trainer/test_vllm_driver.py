@@ -9,6 +9,7 @@ attention takes."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -32,10 +33,6 @@ VLLM = [
     MIXED_REWARD,
     *QUIET,
 ]
-LAYOUTS = {
-    "actor-tp1xdp2-rollout-tp2": ["trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2"],
-    "actor-tp2-rollout-tp1": ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2"],
-}
 
 
 def _rl_steps(cfg) -> list[dict]:
@@ -50,48 +47,50 @@ def _assert_agreement(steps: list[dict]) -> None:
     assert all(s["num_optimizer_steps"] == 1 for s in steps)  # the weights changed every step
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_grpo_with_vllm_samples_the_actors_current_weights(tmp_path, layout: str) -> None:
-    cfg = tiny_run_config(str(tmp_path), [*VLLM, *LAYOUTS[layout], "trainer.total_training_steps=3"])
-    steps = _rl_steps(cfg)
+def test_mcore_rl_train_with_vllm_at_actor_tp1xdp2_and_rollout_tp2(tmp_path) -> None:
+    """From the command line, as a user runs it: two replicas of the actor feed one TP2 vLLM engine."""
+    data = tmp_path / "data"
+    tiny_run_config(str(data))  # writes the task's files and tokenizer there
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "mcore_rl.cli", "train", "recipes/demo_cpu.yaml", "rollout.name=vllm",
+        "data.generate=null", f"data.train_files=[{data}/train.jsonl]", f"data.val_files=[{data}/val.jsonl]",
+        f"data.test_files=[{data}/test.jsonl]", f"model.tokenizer_path={data}/tokenizer", "sft.enable=false",
+        "trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "data.train_batch_size=8",
+        "trainer.total_training_steps=3", "trainer.test_freq=-1", "logging.progress_bar=false",
+        f"trainer.default_local_dir={run}", "rollout.kv_cache_memory_bytes=16777216",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "held-out accuracy" in done.stdout
+    records = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["stage"] == "rl"]
     _assert_agreement(steps)
     assert steps[-1]["memory/rollout_weights_bytes"] > 0 and steps[-1]["memory/rollout_kv_cache_bytes"] > 0
     assert len({s["pg_loss"] for s in steps}) == 3  # three different batches, trained on
 
 
-def test_ppo_and_a_pool_of_its_own_with_one_step_off(tmp_path) -> None:
-    """PPO's step with vLLM colocated, and GRPO with vLLM on a rollout pool of its own sampling the next step
-    while the actor updates (policy lag 1: the agreement is then the lag's, not 1)."""
-    ppo = tiny_run_config(
-        str(tmp_path),
-        [*VLLM, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2",
-         f"trainer.default_local_dir={tmp_path / 'ppo'}"],
-    )  # fmt: skip
-    _assert_agreement(_rl_steps(ppo))
+def test_ppo_with_vllm_at_actor_tp2_and_rollout_tp1(tmp_path) -> None:
+    """PPO's step (a critic beside the actor) with each TP2 actor's two shards resharded into a TP1 engine."""
+    layout = ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2"]
+    cfg = tiny_run_config(
+        str(tmp_path), [*VLLM, *layout, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2"]
+    )
+    _assert_agreement(_rl_steps(cfg))
+
+
+def test_a_vllm_pool_of_its_own_samples_the_next_step_while_the_actor_updates(tmp_path) -> None:
+    """GRPO with vLLM on a rollout pool of its own and one-step-off: policy lag 1 after the first step (the
+    agreement is then the lag's, not 1)."""
     pool = tiny_run_config(
         str(tmp_path),
         [*VLLM, "rollout.colocate=false", "trainer.one_step_off=true", "trainer.total_training_steps=3",
-         "algorithm.recompute_old_log_probs=always", f"trainer.default_local_dir={tmp_path / 'pool'}"],
+         "algorithm.recompute_old_log_probs=always"],
     )  # fmt: skip
     steps = _rl_steps(pool)
     assert [s["policy_lag"] for s in steps] == [0.0, 1.0, 1.0]
     assert 0.999 <= steps[0]["token_mult_prob_error"] <= 1.001  # the first rollout: the current weights
     assert steps[2]["token_mult_prob_error"] > 1.0 + 1e-6  # a lagged one: one update behind
-
-
-def test_mcore_rl_train_runs_with_vllm_from_the_command_line(tmp_path) -> None:
-    data = tmp_path / "data"
-    tiny_run_config(str(data))  # writes the task's files and tokenizer there
-    command = [
-        sys.executable, "-m", "mcore_rl.cli", "train", "recipes/demo_cpu.yaml", "rollout.name=vllm",
-        "data.generate=null", f"data.train_files=[{data}/train.jsonl]", f"data.val_files=[{data}/val.jsonl]",
-        f"data.test_files=[{data}/test.jsonl]", f"model.tokenizer_path={data}/tokenizer", "sft.enable=false",
-        "trainer.total_training_steps=2", "trainer.test_freq=-1", "logging.progress_bar=false",
-        f"trainer.default_local_dir={tmp_path / 'run'}", "rollout.kv_cache_memory_bytes=16777216",
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "held-out accuracy" in done.stdout
 
 
 @pytest.mark.parametrize(

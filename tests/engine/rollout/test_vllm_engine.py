@@ -328,6 +328,7 @@ def test_vllm_follows_the_actor_in_place(vllm_ranks: Any, train_tp: int, tp_g: i
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.sweep  # 45 s of CI for a layout beyond the issue's (4 ranks, two replicas): `make test-sweep`
 def test_two_tp2_replicas_in_a_world_of_four(vllm_ranks: Any) -> None:
     """Train TP2 x DP2 -> two rollout TP2 replicas: replica 0 generates twice per rollout, replica 1 once."""
     _check(vllm_ranks(_hybrid_body, 2, 2, "llama", world_size=4), 2, "llama")
