@@ -39,8 +39,11 @@ $(STAMP): setup.py pyproject.toml $(NATIVE_SOURCES)
 	command -v shellcheck >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq shellcheck) || true
 	touch $(STAMP)
 
-# The main job through the single-controller Ray driver.
+# The main job through the single-controller Ray driver. A run never replaces an earlier run's log, so a
+# second `make demo` first moves the previous demo's folder aside (kept, never deleted).
 demo: $(STAMP)
+	@if [ -e runs/demo ]; then kept=runs/demo.$$(date +%Y%m%d-%H%M%S); mv runs/demo $$kept; \
+		echo "make demo: the previous demo run is kept in $$kept"; fi
 	$(PY) -m mcore_rl.cli train recipes/demo_cpu.yaml
 
 # Lint and type checks gate the suite: CI runs exactly this target. The vLLM contract tests run in a pytest

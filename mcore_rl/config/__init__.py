@@ -35,7 +35,9 @@ the meaning is the same::
                 val_before_train, save_freq, resume_mode, resume_from_path, max_ckpt_to_keep,
                 default_local_dir, seed, nnodes, n_gpus_per_node, device, ray_address, num_cpus,
                 on_nonfinite_loss, overlap_stages, one_step_off
-    logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold
+    logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold,
+                log_val_generations, wandb, wandb_mode, mlflow, mlflow_tracking_uri, tracker_project,
+                tracker_run_name
     sft:        enable, train_files, val_files, response_key, total_steps, train_batch_size,
                 micro_batch_size_per_gpu, max_length, optim {as optim}, test_freq, target_val_accuracy
     dpo:        train_files, val_files, chosen_key, rejected_key, loss_type, beta, label_smoothing,
@@ -49,7 +51,7 @@ the meaning is the same::
 Python API::
 
     cfg = load_config("recipes/demo_cpu.yaml", ["rollout.n=8", "trainer.total_training_steps=20"])
-    cfg = check_config(RunConfig(model=ModelConfig(path="my/model"), data=DataConfig(train_files=[...])))
+    cfg = check_config(RunConfig(model=ModelConfig(path="/models/my-model"), data=DataConfig(train_files=[...])))
     save_config(cfg, run_dir)          # run_dir/config.yaml, the resolved config
 
 ``mcore-rl config show RECIPE [k=v ...]`` prints the resolved config.

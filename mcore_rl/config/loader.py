@@ -5,6 +5,10 @@ what a user needs around it:
 
 * ``defaults:`` in a recipe lists parent recipes (paths relative to the recipe, ``.yaml`` optional) merged
   first, in order; ``_self_`` in the list places the recipe itself (last by default). Cycles are refused.
+* a bare recipe name (``base``, ``demo_cpu``: no folder part), as a parent or on the command line, that is
+  not found where it is looked for (next to the recipe naming it, or the working directory) is one of the
+  project's own recipes (:func:`project_recipes`), so ``defaults: [base]`` works from any folder.
+* a section left empty (``reward:`` with nothing under it: YAML's null) is the section's defaults.
 * one-line errors: an unknown key names its full dotted path, where it came from and the keys allowed
   there; a wrong type names the key, the expected type and the value; then :func:`validate` runs.
 """
@@ -32,22 +36,29 @@ CONFIG_FILE = "config.yaml"
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (), check_paths: bool = False
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+    check_paths: bool = False,
+    rules: bool = True,
 ) -> RunConfig:
     """The run config of recipe ``path`` (None: the schema defaults) with ``key=value`` ``overrides``
-    applied in order, resolved and validated (see :func:`validate`; ``check_paths`` also requires files)."""
+    applied in order, resolved and validated (see :func:`validate`; ``check_paths`` also requires files).
+    ``rules=False`` checks each field (unknown keys, types, ranges) but not the rules that span sections
+    (:func:`~mcore_rl.config.validate.config_problems`): ``config show`` prints a config that cannot run."""
     merged = OmegaConf.structured(RunConfig)
-    layers = _recipe_chain(Path(path), ()) if path is not None else []
+    layers = _recipe_chain(_find_recipe(Path(path), None), ()) if path is not None else []
     layers.append(("overrides", _parse_overrides(overrides)))
     for source, layer in layers:
+        _drop_null_sections(layer, RunConfig)  # before the key check: null is not "a section expected"
         _check_keys(OmegaConf.to_container(layer, resolve=False), RunConfig, "", source)
         merged = _merge(merged, layer, source)
-    return check_config(merged, check_paths=check_paths)
+    return check_config(merged, check_paths=check_paths, rules=rules)
 
 
-def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False) -> RunConfig:
+def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False, rules: bool = True) -> RunConfig:
     """A resolved, type-checked and validated copy of ``cfg`` (e.g. one built in Python): interpolations
-    such as ``rollout.response_length`` take their values, wrong types and broken rules raise ConfigError."""
+    such as ``rollout.response_length`` take their values, wrong types and broken rules raise ConfigError
+    (the rules that span sections only with ``rules``)."""
     try:
         node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
         values = OmegaConf.to_container(node, resolve=True)
@@ -58,7 +69,8 @@ def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False) -> RunC
     if resolved is None:
         raise ConfigError("invalid run config:\n  " + "\n  ".join(problems))
     assert isinstance(resolved, RunConfig)
-    validate(resolved, check_paths=check_paths)
+    if rules:
+        validate(resolved, check_paths=check_paths)
     return resolved
 
 
@@ -107,9 +119,37 @@ def save_config(cfg: RunConfig, folder: str | os.PathLike[str]) -> Path:
     return target
 
 
+def project_recipes() -> Path | None:
+    """The project's own recipes folder: ``mcore_rl/recipes/`` in an installed wheel (``setup.py`` ships
+    the repository's ``recipes/*.yaml`` there), the repository's ``recipes/`` in a source checkout or an
+    editable install; None when neither is there."""
+    package = Path(__file__).resolve().parents[1]
+    if (package / "recipes").is_dir():
+        return package / "recipes"
+    checkout = package.parent  # a source tree: setup.py beside the package (not any site-packages/recipes)
+    if (checkout / "setup.py").is_file() and (checkout / "recipes").is_dir():
+        return checkout / "recipes"
+    return None
+
+
+def _find_recipe(path: Path, folder: Path | None) -> Path:
+    """Recipe ``path`` (``.yaml`` optional) as given, relative to ``folder`` (the recipe naming it as a
+    parent; None: the working directory); a bare name found nowhere there is one of :func:`project_recipes`.
+    Returned unresolved when missing, so the error names what was written."""
+
+    def with_suffix(p: Path) -> Path:
+        return p if p.suffix in (".yaml", ".yml") or p.is_file() else p.with_suffix(".yaml")
+
+    local = with_suffix(path if folder is None else folder / path)
+    own = project_recipes()
+    if local.is_file() or len(path.parts) != 1 or own is None:
+        return local
+    installed = with_suffix(own / path)
+    return installed if installed.is_file() else local
+
+
 def _recipe_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictConfig]]:
     """``(source, layer)`` pairs of ``path`` and its ``defaults:`` parents, in merge order."""
-    path = path if path.suffix in (".yaml", ".yml") or path.is_file() else path.with_suffix(".yaml")
     resolved = path.resolve()
     if resolved in seen:
         cycle = " -> ".join(str(p) for p in (*seen, resolved))
@@ -118,7 +158,10 @@ def _recipe_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictCon
         layer = OmegaConf.load(path)
     except FileNotFoundError:
         parent = f" (listed in defaults of {seen[-1]})" if seen else ""
-        raise ConfigError(f"{path}: recipe not found{parent}") from None
+        own = project_recipes()
+        known = sorted(p.stem for p in own.glob("*.yaml")) if own is not None else []
+        listed = f"; the project's own recipes, by bare name: {', '.join(known)}" if known else ""
+        raise ConfigError(f"{path}: recipe not found{parent}{listed}") from None
     except Exception as err:  # yaml's scanner errors name the line and column
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(layer, DictConfig):
@@ -134,7 +177,7 @@ def _recipe_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictCon
         if name == "_self_":
             chain.append((str(path), layer))
         else:
-            chain += _recipe_chain(path.parent / name, (*seen, resolved))
+            chain += _recipe_chain(_find_recipe(Path(name), path.parent), (*seen, resolved))
     return chain
 
 
@@ -158,6 +201,22 @@ def _merge(base: DictConfig, layer: DictConfig, source: str) -> DictConfig:
         raise ConfigError(_reword(err, source)) from None
     assert isinstance(merged, DictConfig)
     return merged
+
+
+def _drop_null_sections(layer: DictConfig, schema: type) -> None:
+    """Remove every section given as null (``reward:`` with nothing under it), at any depth, so that it keeps
+    its defaults; a field that may itself be None (``critic.parallel: null``) keeps its null."""
+    raw = OmegaConf.to_container(layer, resolve=False)  # unresolved: a ${...} elsewhere may not resolve yet
+    assert isinstance(raw, dict)
+    hints = typing.get_type_hints(schema)
+    for key, value in raw.items():
+        hint = hints.get(str(key))
+        if not (dataclasses.is_dataclass(hint) and isinstance(hint, type)):
+            continue  # an unknown key (named by _check_keys), a plain value or an optional section
+        if value is None:
+            del layer[key]
+        elif isinstance(value, Mapping):
+            _drop_null_sections(layer[key], hint)
 
 
 def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:

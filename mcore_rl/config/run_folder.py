@@ -1,18 +1,71 @@
-"""Where a run writes: its folder (logs, run checkpoints, the resolved config) claimed before anything runs."""
+"""Where a run writes: its folder (logs, run checkpoints, the resolved config), checked before anything is
+written (:func:`check_run_folders`) and claimed once every other start-up check has passed
+(:func:`claim_run_folders`), so that a refused run leaves no trace."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
-from mcore_rl.config.run import RunConfig
-from mcore_rl.io.output import claim_run_folder, is_ours
+from mcore_rl.config.run import ResumeMode, RunConfig
+from mcore_rl.io.errors import OutputError
+from mcore_rl.io.output import check_run_folder, claim_run_folder, is_ours
+from mcore_rl.logs.run_log import previous_log
+
+
+def check_run_folders(cfg: RunConfig) -> None:
+    """Refuse, writing nothing, a run folder (or a log folder outside it) that would write over what is not
+    ours: the current directory, home, an input, or an existing folder another tool wrote (see
+    mcore_rl.io.claim_run_folder); and a fresh run over an earlier run's ``metrics.jsonl`` (see
+    :func:`_refuse_replacing_log`)."""
+    inputs = _inputs(cfg)
+    run = check_run_folder(cfg.trainer.default_local_dir, flag="trainer.default_local_dir", inputs=inputs)
+    if not _inside(cfg.logging.log_dir, run):
+        check_run_folder(cfg.logging.log_dir, flag="logging.log_dir", inputs=inputs)
+    _refuse_replacing_log(cfg)
 
 
 def claim_run_folders(cfg: RunConfig) -> None:
-    """Refuse a run folder (or a log folder outside it) that would write over what is not ours: the current
-    directory, home, an input, or an existing folder another tool wrote (see mcore_rl.io.claim_run_folder)."""
-    inputs = [
+    """:func:`check_run_folders`, then create the run folder (and a log folder outside it) with our marker."""
+    check_run_folders(cfg)
+    inputs = _inputs(cfg)
+    run = claim_run_folder(cfg.trainer.default_local_dir, flag="trainer.default_local_dir", inputs=inputs)
+    if not _inside(cfg.logging.log_dir, run):
+        claim_run_folder(cfg.logging.log_dir, flag="logging.log_dir", inputs=inputs, kind="logs")
+
+
+def _refuse_replacing_log(cfg: RunConfig) -> None:
+    """A run that resumes appends to its ``metrics.jsonl``; one that starts afresh over an earlier run's log is
+    refused rather than the log renamed: the folder's ``config.yaml``, plot and TensorBoard events are that run's
+    too and a new run would replace or mix with them, so the earlier run stays whole until the user says where
+    the new one goes."""
+    old = previous_log(cfg.logging)
+    if old is None or resume_checkpoint(cfg) is not None:
+        return
+    disabled = cfg.trainer.resume_mode == ResumeMode.DISABLE.value
+    why = (
+        "trainer.resume_mode=disable"
+        if disabled
+        else f"no run checkpoint in {checkpoint_root(cfg)} to resume (trainer.save_freq={cfg.trainer.save_freq})"
+    )
+    continue_it = (
+        "; or trainer.resume_mode=auto to continue it"
+        if disabled and os.path.isfile(os.path.join(checkpoint_root(cfg), LATEST))
+        else ""
+    )
+    raise OutputError(
+        f"{old} holds an earlier run's log, which a new run would replace ({why}): set trainer.default_local_dir "
+        f"(or logging.log_dir) to another folder, or move {cfg.trainer.default_local_dir} away{continue_it}"
+    )
+
+
+def _inside(path: str, folder: str) -> bool:
+    real = os.path.realpath(path)
+    return real == folder or real.startswith(folder + os.sep)
+
+
+def _inputs(cfg: RunConfig) -> list[str | None]:
+    return [
         cfg.model.path,
         cfg.model.tokenizer_path,
         cfg.reward_model.path,
@@ -23,10 +76,6 @@ def claim_run_folders(cfg: RunConfig) -> None:
         *cfg.dpo.train_files,
         *cfg.dpo.val_files,
     ]
-    run = claim_run_folder(cfg.trainer.default_local_dir, flag="trainer.default_local_dir", inputs=inputs)
-    log_dir = os.path.realpath(cfg.logging.log_dir)
-    if not (log_dir == run or log_dir.startswith(run + os.sep)):
-        claim_run_folder(cfg.logging.log_dir, flag="logging.log_dir", inputs=inputs, kind="logs")
 
 
 # --- run checkpoints: <default_local_dir>/checkpoints/global_step_<N>, and `latest` naming the newest ----------

@@ -8,6 +8,7 @@ when it is built (``__post_init__``, :mod:`mcore_rl.io.fields`).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from mcore_rl.algo.settings import AdvEstimator, DPOLossType
@@ -23,15 +24,44 @@ def get_key(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+MODEL_FOLDER_KEYS = ("model.path", "critic.model_path", "reward_model.path")
+"""Keys naming a local Hugging Face model folder (never a hub id: nothing is downloaded)."""
+
+
 def validate(cfg: RunConfig, check_paths: bool = False) -> None:
     """Raise :class:`ConfigError` listing every broken rule; ``check_paths`` also requires the data files,
     the model folder and the tokenizer to exist (the driver checks them once data generation has run)."""
-    layout = _layout_problems(cfg)
-    problems = layout + ([] if layout else _batch_problems(cfg)) + _run_problems(cfg)
-    if check_paths:
-        problems += _path_problems(cfg)
+    problems = config_problems(cfg, check_paths)
     if problems:
         raise ConfigError("invalid run config:\n  " + "\n  ".join(problems))
+
+
+def config_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
+    """Every broken rule of :func:`validate`, one line each (empty when the config can run)."""
+    layout = _layout_problems(cfg)
+    problems = layout + ([] if layout else _batch_problems(cfg)) + _run_problems(cfg)
+    problems += _hub_id_problems(cfg)
+    if check_paths:
+        problems += _path_problems(cfg)
+    return problems
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``owner/name`` (as ``Qwen/Qwen2.5-0.5B-Instruct``) and no such file or folder here."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path)) and not os.path.exists(path)
+
+
+def _hub_id_problems(cfg: RunConfig) -> list[str]:
+    """A hub id given as a model folder, found now rather than as a tokenizer error once the run starts."""
+    problems = []
+    for key in MODEL_FOLDER_KEYS:
+        path = get_key(cfg, key)
+        if path is not None and _looks_like_hub_id(path):
+            problems.append(
+                f"{key}={path}: no such local folder; {key} must be a local folder (no downloads); got a hub "
+                f"id? Download it first (e.g. `huggingface-cli download {path} --local-dir DIR`) and set {key}=DIR"
+            )
+    return problems
 
 
 def _layout_problems(cfg: RunConfig) -> list[str]:
@@ -263,9 +293,11 @@ def _path_problems(cfg: RunConfig) -> list[str]:
         *(("dpo.val_files", f) for f in cfg.dpo.val_files),
     ]
     problems = [f"{key}: {path} does not exist" for key, path in files if not os.path.isfile(path)]
+    folders = (get_key(cfg, key) for key in MODEL_FOLDER_KEYS)
+    hub_ids = {path for path in folders if path is not None and _looks_like_hub_id(path)}
     for key in ("model.path", "model.tokenizer_path", "reward_model.path"):
         path = get_key(cfg, key)
-        if path is not None and not os.path.exists(path):
+        if path is not None and not os.path.exists(path) and path not in hub_ids:  # named once, above
             problems.append(f"{key}: {path} does not exist")
     if cfg.model.tokenizer_path is None:
         problems.append("model.tokenizer_path is not set (nor model.path): the run needs a tokenizer")

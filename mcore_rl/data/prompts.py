@@ -99,8 +99,64 @@ class PromptDataset:
         """A hash of every prompt's tokens and ground truth: a resumed run refuses a changed dataset."""
         digest = hashlib.sha256()
         for r in self.records:
-            digest.update(json.dumps([r.prompt_ids, r.data_source, r.ground_truth], default=str).encode())
+            digest.update(_content(r))
         return digest.hexdigest()[:16]
+
+    def manifest(self) -> dict[str, Any]:
+        """What a run checkpoint keeps of the data, enough to name what changed when a resume finds other data:
+        per file, in order, its usable prompts and a 32-bit digest of each (8 hex characters a prompt, of what
+        :meth:`fingerprint` covers)."""
+        files: dict[str, list[str]] = {}
+        for r in self.records:
+            files.setdefault(r.file, []).append(hashlib.sha256(_content(r)).hexdigest()[:8])
+        return {"files": [{"file": f, "prompts": len(d), "digests": "".join(d)} for f, d in files.items()]}
+
+    def describe_change(self, saved: dict[str, Any]) -> str:
+        """What differs between this data and the :meth:`manifest` a checkpoint saved: files added, removed or
+        reordered, a file's prompt count, the first row that differs."""
+        now = self.manifest()["files"]
+        before = {f["file"]: f for f in saved.get("files", [])}
+        names, saved_names = [f["file"] for f in now], list(before)
+        added, removed = [n for n in names if n not in before], [n for n in saved_names if n not in names]
+        if added or removed:
+            change = [
+                f"added {', '.join(added)}" if added else "",
+                f"removed {', '.join(removed)}" if removed else "",
+            ]
+            return "the files changed: " + "; ".join(c for c in change if c)
+        if names != saved_names:
+            return f"the files are in another order (saved: {', '.join(saved_names)})"
+        rows: dict[str, list[int]] = {}
+        for r in self.records:
+            rows.setdefault(r.file, []).append(r.row)
+        changes = [_file_change(f["file"], before[f["file"]], f, rows[f["file"]]) for f in now]
+        return "; ".join(c for c in changes if c) or "the prompts differ"
+
+
+def _content(r: PromptRecord) -> bytes:
+    return json.dumps([r.prompt_ids, r.data_source, r.ground_truth], default=str).encode()
+
+
+def _file_change(file: str, saved: dict[str, Any], now: dict[str, Any], rows: list[int]) -> str | None:
+    """One file's change, or None: its prompt count and the first prompt that differs (by its row now)."""
+    old, new = str(saved.get("digests", "")), str(now["digests"])
+    old_digests = [old[i : i + 8] for i in range(0, len(old), 8)]
+    new_digests = [new[i : i + 8] for i in range(0, len(new), 8)]
+    differ = [i for i, (a, b) in enumerate(zip(old_digests, new_digests, strict=False)) if a != b]
+    count = ""
+    if len(old_digests) != len(new_digests):
+        count = f"{len(old_digests)} usable prompts when saved, {len(new_digests)} now"
+    if not differ:
+        if not count:
+            return None
+        common = min(len(old_digests), len(new_digests))
+        end = f"rows from {rows[common]} added" if common < len(rows) else "the last ones removed"
+        return f"{file}: {count} ({end})"
+    if len(differ) == min(len(old_digests), len(new_digests)) > 1:
+        what = "every prompt differs (a changed tokenizer, chat template or data.prompt_key?)"
+    else:
+        what = f"row {rows[differ[0]]} is the first prompt that differs ({len(differ)} differ)"
+    return f"{file}: " + ", ".join(w for w in (count, what) if w)
 
 
 def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat_template: bool) -> list[int]:
@@ -148,7 +204,15 @@ class PromptLoader:
         return self.dataset.batch(self.sampler.next_indices())
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        return {**self.sampler.state_dict(), "data": self.dataset.manifest()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the position; a state saved for other data is refused naming what changed (a checkpoint
+        written before the manifest was kept names the fingerprints alone)."""
+        saved = state.get("data")
+        if state.get("fingerprint") != self.sampler.fingerprint and isinstance(saved, dict):
+            raise DataError(
+                f"cannot resume the data position: data.train_files changed since the checkpoint: "
+                f"{self.dataset.describe_change(saved)}"
+            )
         self.sampler.load_state_dict(state)

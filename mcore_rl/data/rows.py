@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.io.errors import InputError
 
-class DataError(ValueError):
+
+class DataError(InputError):
     """A dataset file or row we cannot use; the message names the file, the row and the column."""
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from mcore_rl.data.rows import DataError
+
 
 class EpochSampler:
     """Batches of dataset indices: every epoch visits each index once (the last partial batch dropped
@@ -75,10 +77,10 @@ class EpochSampler:
         """Restore the position; refuse a state saved for other data or another order."""
         for key in ("fingerprint", "num_items", "seed", "shuffle"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(
+                raise DataError(
                     f"cannot resume the data position: the saved {key} is {state.get(key)!r}, this run has "
                     f"{getattr(self, key)!r} (the dataset or its order changed)"
                 )
         if not 0 <= state["position"] <= self.num_items or state["epoch"] < 0:
-            raise ValueError(f"saved data position {state['epoch']}:{state['position']} is out of range")
+            raise DataError(f"saved data position {state['epoch']}:{state['position']} is out of range")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -12,7 +12,8 @@ PAD falls back to EOS when the tokenizer has none (as verl does); the loss never
 
 Chat prompts go through the tokenizer's own template when it has one. Otherwise the documented fallback
 renders each message as ``"<role>: <content>\\n"`` and, for the generation prompt, appends
-``"assistant: "``; plain-text prompts are always encoded as they are.
+``"assistant: "`` (a warning naming the folder says so, once); plain-text prompts are always encoded as
+they are.
 """
 
 from __future__ import annotations
@@ -20,17 +21,44 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "[SEP]")
-"""Special tokens taken as EOS by a bare ``tokenizer.json`` (no config naming one), in this order."""
+from mcore_rl.io.errors import InputError
+
+EOS_CANDIDATES = (
+    "</s>",
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<eos>",
+    "<|eos|>",
+    "<|end_of_text|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|eot|>",
+    "[SEP]",
+)
+"""Special tokens taken as EOS by a bare ``tokenizer.json`` (no config naming one), in this order: the
+spellings of Llama/Mistral, GPT-2/Qwen, ChatML, Gemma, Llama 3, Phi-3 and BERT-style vocabularies."""
 
 Message = dict[str, str]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer folder we cannot use; the message names the path."""
+
+
+def _warn_no_template(path: str, why: str) -> None:
+    warnings.warn(
+        f"{path}: the tokenizer has no chat template ({why}): chat prompts are rendered as plain "
+        "'role: content' lines plus 'assistant: '; if the model was trained with a template, put it in "
+        "tokenizer_config.json (chat_template) next to tokenizer.json",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def fallback_chat_text(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
@@ -88,10 +116,12 @@ class HFTokenizer:
             self.has_chat_template = False
         if eos is None:
             raise TokenizerError(
-                f"{path}: the tokenizer names no EOS token (add eos_token to tokenizer_config.json)"
+                f"{path}: the tokenizer names no EOS token (none of its special tokens is one of "
+                f"{' '.join(EOS_CANDIDATES)}): add a tokenizer_config.json with eos_token"
             )
         self.eos_token_id = int(eos)
         self.pad_token_id = int(eos if pad is None else pad)
+        self._warned = False
 
     def encode(self, text: str) -> list[int]:
         if self._hf is not None:
@@ -104,6 +134,14 @@ class HFTokenizer:
 
     def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:
+            if not self._warned:
+                self._warned = True
+                config = (
+                    "no tokenizer_config.json"
+                    if self._hf is None
+                    else "its tokenizer_config.json has no chat_template"
+                )
+                _warn_no_template(self.path, config)
             return fallback_chat_text(messages, add_generation_prompt)
         text = self._hf.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
@@ -132,6 +170,7 @@ class SentencePieceTokenizer:
         self.eos_token_id = int(eos)
         self.pad_token_id = int(pad if pad >= 0 else eos)
         self.vocab_size = int(self._sp.get_piece_size())
+        self._warned = False
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
@@ -143,6 +182,9 @@ class SentencePieceTokenizer:
         return str(self._sp.decode(kept))
 
     def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        if not self._warned:
+            self._warned = True
+            _warn_no_template(self.path, "a sentencepiece model carries none")
         return fallback_chat_text(messages, add_generation_prompt)
 
 
@@ -152,7 +194,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     if os.path.isfile(path) and path.endswith(".model"):
         return SentencePieceTokenizer(path)
     if not os.path.isdir(path):
-        raise TokenizerError(f"{path}: no such tokenizer folder or .model file")
+        hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) and not os.path.exists(path)
+        hint = "; tokenizers are read from local folders (no downloads): a hub id?" if hub_id else ""
+        raise TokenizerError(f"{path}: no such tokenizer folder or .model file{hint}")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return HFTokenizer(path)
     models = sorted(glob.glob(os.path.join(path, "*.model")))

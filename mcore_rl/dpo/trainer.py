@@ -24,6 +24,7 @@ megatron's schedules is the whole job, and torchrun/Slurm launch it directly.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from mcore_rl.algo import DPOSettings
 from mcore_rl.config import ConfigError, RunConfig, claim_run_folders, load_config, save_config
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
+from mcore_rl.convert.export import MODEL_DIR, check_export_folder, export_hf_model
 from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
 from mcore_rl.data.prompts import PromptDataset
 from mcore_rl.data.sampler import EpochSampler
@@ -169,6 +171,7 @@ class DPOTrainer:
                     self.save()
             if self.global_step == self.total_steps:
                 summary["after"] = self.evaluate(log)
+                summary["model"] = self.export_model()  # the HF folder <default_local_dir>/model
         finally:
             summary["plot"] = log.close()
             self.records = log.records
@@ -258,6 +261,31 @@ class DPOTrainer:
         dist.barrier()
         return path
 
+    def export_model(self) -> str:
+        """Collective: the policy as the HF folder ``<default_local_dir>/model`` (``mcore_rl/convert/export.py``),
+        converted by rank 0 from the run checkpoint of the last step when ``trainer.save_freq`` wrote one, else
+        from a model checkpoint written for it and removed after."""
+        cfg, rank = self.cfg, self.ctx.rank
+        out = os.path.join(cfg.trainer.default_local_dir, MODEL_DIR)
+        with self.ctx.guard("exporting the model"):  # rank 0's refusal stops its peers, naming it
+            if rank == 0:
+                check_export_folder(out)
+            dist.barrier()
+        checkpoint = os.path.join(self.checkpoint_root, checkpoint_name(self.global_step))
+        saved = cfg.trainer.save_freq > 0 and os.path.isdir(checkpoint)
+        if not saved:
+            checkpoint = os.path.join(cfg.trainer.default_local_dir, ".model_export_checkpoint")
+            self.policy.engine.save_model(checkpoint)
+        with self.ctx.guard("exporting the model"):
+            if rank == 0:
+                try:
+                    export_hf_model(checkpoint, out, cfg.model.hf_config_dict(), cfg.model.tokenizer_path)
+                finally:
+                    if not saved:
+                        shutil.rmtree(checkpoint, ignore_errors=True)
+            dist.barrier()
+        return out
+
     def resume_path(self) -> str | None:
         return resume_checkpoint(self.cfg)
 
@@ -308,6 +336,11 @@ def initial_weights(cfg: RunConfig) -> dict[str, torch.Tensor] | None:
     """The HF weights of ``model.path`` as a full state (None: the seeded random initialisation)."""
     if cfg.model.path is None or not cfg.model.load_weights:
         return None
+    if cfg.model.is_megatron_checkpoint():  # the policy and its reference start from one full HF state
+        raise ConfigError(
+            f"model.path {cfg.model.path}: a megatron checkpoint; DPO starts from an HF folder "
+            f"(mcore-rl convert mcore-to-hf --ckpt {cfg.model.path} --out DIR, then model.path=DIR)"
+        )
     from mcore_rl.engine.hf.state import load_hf_full_state
 
     return load_hf_full_state(cfg.model.path, cfg.model.arch())

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 
 class InputError(ValueError):
-    """Bad user input (a file, folder, config field or environment variable); the message names it."""
+    """Bad user input (a file, folder, config field or environment variable); the message names it.
+
+    Each component's own input errors subclass it (``DataError``, ``TokenizerError``, ``ScorerError``,
+    ``SamplingParamsError``, ``PlanError``, ``RolloutLayoutError``, ``ConvertError``, ``FieldError``), so
+    that ``mcore-rl`` reports every one as ``error: ...`` (exit 1) and never as an internal error; a new
+    error class for something the user gave belongs under it too. A ``ValueError`` still, for callers that
+    catch that."""
 
 
 class ConfigError(InputError):

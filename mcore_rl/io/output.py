@@ -336,6 +336,30 @@ def is_ours(folder: str) -> bool:
     return _read_marker(folder) is not None
 
 
+def check_run_folder(given: str, *, flag: str, inputs: Sequence[str | None] = ()) -> str:
+    """The refusals of :func:`claim_run_folder`, writing nothing (a run checks everything that can refuse it
+    before it creates its folder); returns the real path."""
+    real = _allowed_place(given, flag, inputs, "give the run folder")
+    if os.path.islink(real):
+        raise OutputError(f"{flag} {given} is a symbolic link; give the folder it points to, or another")
+    if os.path.lexists(real) and not os.path.isdir(real):
+        raise OutputError(f"{flag} {given} exists and is not a folder; it is left as it is")
+    try:
+        _refuse_foreign(real, given, flag)
+    except OSError as err:
+        raise OutputError(f"{flag} {given}: cannot read it ({err.strerror})") from None
+    return real
+
+
+def _refuse_foreign(real: str, given: str, flag: str) -> None:
+    """A non-empty folder without our marker is not ours to write into."""
+    if os.path.isdir(real) and _read_marker(real) is None and os.listdir(real):
+        raise OutputError(
+            f"{flag} {given} exists and was not written by mcore_rl (no {MARKER_FILE}); "
+            "move it away or choose another folder"
+        )
+
+
 def claim_run_folder(given: str, *, flag: str, inputs: Sequence[str | None] = (), kind: str = "run") -> str:
     """Check and claim a long-lived run folder (logs, run checkpoints, the resolved config); returns its real path.
 
@@ -344,20 +368,12 @@ def claim_run_folder(given: str, *, flag: str, inputs: Sequence[str | None] = ()
     inside or containing an input, a symlink or a file), and an existing non-empty folder only when it carries
     our marker (an earlier run of ours, which a resume continues). A new or empty folder gets the marker.
     """
-    real = _allowed_place(given, flag, inputs, "give the run folder")
-    if os.path.islink(real):
-        raise OutputError(f"{flag} {given} is a symbolic link; give the folder it points to, or another")
-    if os.path.lexists(real) and not os.path.isdir(real):
-        raise OutputError(f"{flag} {given} exists and is not a folder; it is left as it is")
+    real = check_run_folder(given, flag=flag, inputs=inputs)
     try:
         os.makedirs(real, exist_ok=True)
         if _read_marker(real) is not None:
             return real
-        if os.listdir(real):
-            raise OutputError(
-                f"{flag} {given} exists and was not written by mcore_rl (no {MARKER_FILE}); "
-                "move it away or choose another folder"
-            )
+        _refuse_foreign(real, given, flag)  # again: another tool may have filled it since the check
         with open(os.path.join(real, MARKER_FILE), "x") as f:  # "x": never over a concurrent claim's file
             json.dump({"tool": "mcore_rl", "kind": kind, "target": real, "pid": os.getpid()}, f, indent=2)
             f.write("\n")

@@ -9,7 +9,30 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mcore_rl.io.errors import note
 from mcore_rl.logs.config import LoggingConfig
+from mcore_rl.logs.generations import append_generations
+from mcore_rl.logs.trackers import Tracker, open_trackers
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def previous_log(cfg: LoggingConfig) -> str | None:
+    """The ``metrics.jsonl`` of an earlier run in ``cfg.log_dir`` that a fresh run (not a resume) would start
+    over, or None. A run refuses to start over one (:func:`mcore_rl.config.run_folder.check_run_folders`)."""
+    path = os.path.join(cfg.log_dir, METRICS_FILE)
+    return path if cfg.jsonl and os.path.isfile(path) and os.path.getsize(path) > 0 else None
+
+
+def keep_aside(path: str) -> str:
+    """Rename ``path`` (``metrics.jsonl``) to the first free ``metrics.<k>.jsonl`` beside it; returns that."""
+    stem, ext = os.path.splitext(path)
+    k = 1
+    while os.path.lexists(f"{stem}.{k}{ext}"):
+        k += 1
+    os.rename(path, f"{stem}.{k}{ext}")
+    return f"{stem}.{k}{ext}"
+
 
 Plot = Callable[[list[dict[str, Any]], str], str | None]
 """(records, log folder) -> the PNG written, or None (nothing to draw, or matplotlib missing)."""
@@ -32,9 +55,14 @@ def emit_record(jsonl: Any, tb: Any, stage: str, step: int, metrics: dict[str, A
 class RunLog:
     """Writes records of ``{"stage": ..., "step": ..., metrics...}``; :meth:`close` draws the plot.
 
-    ``progress_stage``: the stage whose steps the progress bar counts, showing the ``bar_metrics`` (label ->
-    record key) it has. ``start_step`` > 0 continues a resumed run: the JSONL is appended to and the bar starts
-    there. ``enabled=False`` (ranks other than 0 of a run they share) writes nothing."""
+    ``progress_stage``: the stage whose ``total_steps`` a progress bar counts; ``stage_steps`` gives other
+    stages (stage -> its most steps, e.g. the SFT warm start before RL) a bar of their own. Each bar opens at
+    its stage's first record and the one before it closes there, so the console shows one line per stage
+    finished and a live one, each with the ``bar_metrics`` (label -> record key) its records have. ``start_step`` > 0 continues a resumed run: the JSONL is appended to and the bar starts
+    there; a fresh run (``start_step`` 0) never writes over an earlier run's JSONL: the drivers refuse it before
+    they start, and a caller that did not is told the old file was kept aside (``metrics.<k>.jsonl``), as
+    raising here, on rank 0 alone mid-run, would leave its peers waiting. ``enabled=False`` (ranks other than 0
+    of a run they share) writes nothing."""
 
     def __init__(
         self,
@@ -42,13 +70,22 @@ class RunLog:
         total_steps: int,
         *,
         progress_stage: str = "rl",
+        stage_steps: Mapping[str, int] | None = None,
         bar_metrics: Mapping[str, str] | None = None,
         plot: Plot | None = None,
         start_step: int = 0,
         enabled: bool = True,
+        samples: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.samples = samples
+        """The validation samples taken since the last record (``logging.log_val_generations``), appended to
+        ``generations.jsonl`` with the next record's stage and step."""
+        self._trackers: list[Tracker] = []
         self.progress_stage = progress_stage
+        self._stage_steps = {**(stage_steps or {}), progress_stage: total_steps}
+        self._start_step = start_step
+        self._bar_stage: str | None = None
         self.bar_metrics = dict(bar_metrics or {k: k for k in ("reward", "loss", "val_accuracy")})
         self.draw = plot
         self.enabled = enabled
@@ -59,32 +96,46 @@ class RunLog:
         if not enabled:
             return
         os.makedirs(cfg.log_dir, exist_ok=True)
-        self.jsonl_path = os.path.join(cfg.log_dir, "metrics.jsonl")
+        self.jsonl_path = os.path.join(cfg.log_dir, METRICS_FILE)
+        if not start_step and previous_log(cfg) is not None:
+            note(f"kept the earlier run's {self.jsonl_path} as {keep_aside(self.jsonl_path)}")
         if cfg.jsonl:
             self._jsonl = open(self.jsonl_path, "a" if start_step else "w")  # noqa: SIM115
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
-        if cfg.progress_bar:
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total_steps, initial=start_step, desc=progress_stage, unit="step", mininterval=2.0
-            )
+        self._trackers = open_trackers(cfg)  # W&B, MLflow (logging.wandb / logging.mlflow)
 
     def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self.records.append(emit_record(self._jsonl, self._tb, stage, step, metrics))
-        if self._bar is not None and stage == self.progress_stage:
+        for tracker in self._trackers:
+            tracker.log(stage, step, metrics)
+        if self.samples is not None:
+            append_generations(self.cfg.log_dir, self._tb, stage, step, self.samples())
+        if self.cfg.progress_bar and stage in self._stage_steps:
+            self._advance_bar(stage, step, metrics)
+
+    def _advance_bar(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
+        if stage != self._bar_stage:
+            from tqdm import tqdm
+
+            if self._bar is not None:
+                self._bar.close()  # stays on the console: the stage's last step and metrics
+            initial = self._start_step if stage == self.progress_stage else 0
+            total = self._stage_steps[stage]
+            self._bar = tqdm(total=total, initial=initial, desc=stage, unit="step", mininterval=2.0)
+            self._bar_stage = stage
+        if step > self._bar.n:
             self._bar.update(step - self._bar.n)
-            shown = {k: f"{metrics[v]:.3f}" for k, v in self.bar_metrics.items() if v in metrics}
-            self._bar.set_postfix(shown, refresh=False)
+        shown = {k: f"{metrics[v]:.3f}" for k, v in self.bar_metrics.items() if v in metrics}
+        self._bar.set_postfix(shown, refresh=False)
 
     def close(self) -> str | None:
         """Flush everything; returns the plot's path (None when off, disabled, or nothing was drawn)."""
-        for handle in (self._bar, self._jsonl, self._tb):
+        for handle in (self._bar, self._jsonl, self._tb, *self._trackers):
             if handle is not None:
                 handle.close()
         if not (self.enabled and self.cfg.plot and self.draw is not None):

@@ -46,9 +46,15 @@ _LAYOUT_FLAGS = {
 }
 
 
+EXIT_STATUS = "exit status: 0 fits, 1 DOES NOT FIT (a smaller layout that fits is proposed), 2 bad input"
+"""Also the ``--help`` epilog. Bad input is 2 here, not 1 as elsewhere in ``mcore-rl``: 1 means "does not
+fit", and a script must tell the two apart."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
     parser.add_argument("recipe", nargs="?", help="run recipe (YAML); omit to give the layout as flags")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the recipe")
+    parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides of the recipe")
     parser.add_argument("--gpu", default="A100-80", choices=sorted(GPU_MEMORY_BYTES), help="GPU model")
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recompute")
     parser.add_argument("--model-config", help="HF config.json (instead of the recipe's model.path)")

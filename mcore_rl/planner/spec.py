@@ -12,6 +12,7 @@ from typing import Literal
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.layout import RolloutLayoutError, check_rollout_tp
+from mcore_rl.io.errors import InputError
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 
 GIB = 1 << 30
@@ -29,7 +30,7 @@ Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """An input the run cannot start with; the message names the field."""
 
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from mcore_rl.io.errors import InputError
 from mcore_rl.scoring import rules
 from mcore_rl.scoring.config import RewardConfig
 
@@ -32,7 +33,7 @@ MATH_SOURCES = (
 BUILTIN_NAMES = ("gsm8k", "math", "exact_match", "format")
 
 
-class ScorerError(ValueError):
+class ScorerError(InputError):
     """A scorer spec or data source we cannot resolve; the message names the spec or source."""
 
 
@@ -74,6 +75,41 @@ def default_scorer_name(data_source: str) -> str | None:
     if data_source == DEMO_DATA_SOURCE:
         return "exact_match"
     return None
+
+
+def builtin_sources() -> list[str]:
+    """The ``data_source`` values with a built-in scorer (:func:`default_scorer_name`), ``*`` a prefix."""
+    return ["openai/gsm8k", *MATH_SOURCES, "aime*", DEMO_DATA_SOURCE]
+
+
+def has_scorer(data_source: str, cfg: RewardConfig) -> bool:
+    """Whether :class:`ScoreDispatch` has a scorer for rows of ``data_source``: ``reward.custom_function``,
+    a ``reward.sources`` entry, or a built-in (decided from the config, importing no user scorer)."""
+    return (
+        bool(cfg.custom_function)
+        or data_source in cfg.sources
+        or default_scorer_name(data_source) is not None
+    )
+
+
+def how_to_add_scorer(data_source: str) -> str:
+    return (
+        f"add reward.sources.{data_source}=<scorer> (a built-in of {', '.join(BUILTIN_NAMES)} or "
+        "module:function or path/to/file.py:function) or reward.custom_function"
+    )
+
+
+def check_scorers(cfg: RewardConfig, sources: dict[str, str]) -> None:
+    """Refuse data whose rows no scorer answers (each would score 0 under ``reward.on_error=zero``: a run that
+    learns nothing); ``sources`` maps each ``data_source`` of the data to where a row of it is."""
+    missing = [(s, where) for s, where in sources.items() if not has_scorer(s, cfg)]
+    if missing:
+        source, where = missing[0]
+        others = f" (also {', '.join(repr(s) for s, _ in missing[1:])})" if missing[1:] else ""
+        raise ScorerError(
+            f"no scorer for data_source {source!r} ({where}){others}: {how_to_add_scorer(source)}; "
+            f"the built-in scorers answer {', '.join(builtin_sources())}"
+        )
 
 
 def load_user_scorer(spec: str) -> ScoreFn:
@@ -120,8 +156,7 @@ class ScoreDispatch:
             name = default_scorer_name(data_source)
             if name is None:
                 raise ScorerError(
-                    f"no scorer for data_source {data_source!r}: add reward.sources.{data_source}=<scorer> "
-                    f"(a built-in of {', '.join(BUILTIN_NAMES)} or module:function) or reward.custom_function"
+                    f"no scorer for data_source {data_source!r}: {how_to_add_scorer(data_source)}"
                 )
             self._by_source[data_source] = builtin_scorer(name, self.cfg)
         return self._by_source[data_source]

@@ -22,6 +22,7 @@ from mcore_rl.engine.workers.reward_model import RewardModelSpec
 from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
 from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.scoring import RewardScorer
+from mcore_rl.scoring.registry import check_scorers
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.critic import CriticGroup
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup, reward_model_checkpoint
@@ -30,6 +31,31 @@ from mcore_rl.trainer.grpo import GRPOStep
 from mcore_rl.trainer.ppo import PPOStep
 from mcore_rl.trainer.rollout_source import ColocatedRollout, PoolRollout, RolloutSource
 from mcore_rl.trainer.step import StepBase, update_plan
+
+
+def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, str]) -> None:
+    """What refuses a run before anything is written or started, beyond the config's own rules: a tokenizer
+    with ids the model has no embedding for, a ``data_source`` with no scorer (``data_sources``: each one of
+    the training, validation and test data -> where a row of it is)."""
+    check_vocab(cfg, tokenizer)
+    check_scorers(cfg.reward, data_sources)
+
+
+def check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
+    """A tokenizer larger than the model's vocabulary would hand it ids past its embedding (found by a run that
+    died mid-way on the first prompt with such an id); a smaller one is fine (HF models pad theirs)."""
+    vocab_size = cfg.model.arch().vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        where = (
+            "model.hf_config vocab_size"
+            if "vocab_size" in cfg.model.hf_config
+            else f"{cfg.model.path}/config.json vocab_size"
+        )
+        raise ConfigError(
+            f"model.tokenizer_path {cfg.model.tokenizer_path}: the tokenizer has {tokenizer.vocab_size} tokens, "
+            f"more than the model's {where}={vocab_size}; use the model's own tokenizer, or a model whose "
+            "vocab_size covers it"
+        )
 
 
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
@@ -41,6 +67,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
     for key, bad in unsupported.items():
         if bad:
             raise ConfigError(f"{key}: not supported by the RL driver yet (got {getattr_path(cfg, key)!r})")
+    megatron = cfg.model.is_megatron_checkpoint()
     return WorkerSpec(
         arch=cfg.model.arch(),
         optim=cfg.optim,
@@ -53,10 +80,18 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         rollout_tp=cfg.rollout.tensor_model_parallel_size if cfg.rollout.colocate else 1,
         hybrid=cfg.rollout.hybrid,
         with_reference=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-        load_dir=load_dir,
-        hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights else None,
+        load_dir=load_dir or initial_checkpoint(cfg),
+        hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights and not megatron else None,
         vllm=vllm_rollout_config(cfg) if cfg.rollout.colocate else None,
     )
+
+
+def initial_checkpoint(cfg: RunConfig) -> str | None:
+    """``model.path`` when it is a megatron model checkpoint whose weights the run loads (each rank reads its
+    own shards, at any layout), else None (an HF folder is read whole: ``WorkerSpec.hf_path``)."""
+    if cfg.model.path is None or not cfg.model.load_weights or not cfg.model.is_megatron_checkpoint():
+        return None
+    return cfg.model.path
 
 
 def vllm_rollout_config(cfg: RunConfig) -> VLLMRolloutConfig | None:

@@ -22,20 +22,16 @@ fresh optimizer from a saved model).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError, RunConfig, load_config
-from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
-from mcore_rl.convert.output import copy_side_files
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
+from mcore_rl.trainer.export import check_model_dir, hf_model_from_checkpoint
 from mcore_rl.trainer.trainer import Trainer
 
-MODEL_DIR = "model"
 CHECKPOINT_DIR = "sft_checkpoint"
 
 
@@ -72,7 +68,13 @@ def sft_config(config: RunConfig | str | os.PathLike[str], overrides: Sequence[s
 def fit_sft(trainer: Trainer) -> SFTSummary:
     """Held-out test, SFT, held-out test, then the model (see the module docstring)."""
     cfg = trainer.cfg
-    log = RunLog(cfg.logging, cfg.sft.total_steps, progress_stage="sft", plot=reward_plot)
+    log = RunLog(
+        cfg.logging,
+        cfg.sft.total_steps,
+        progress_stage="sft",
+        plot=reward_plot,
+        samples=trainer.step.take_val_samples,
+    )
     try:
         before = trainer.test(log, "before")
         steps = trainer.sft(log)
@@ -90,22 +92,10 @@ def fit_sft(trainer: Trainer) -> SFTSummary:
 def export_model(trainer: Trainer) -> tuple[str, str]:
     """The actor's weights as a megatron checkpoint (collective, any layout) and as an HF folder converted
     from it on the driver (streamed tensor by tensor); returns both paths."""
-    cfg = trainer.cfg
-    root = cfg.trainer.default_local_dir
-    checkpoint = os.path.join(root, CHECKPOINT_DIR)
+    checkpoint = os.path.join(trainer.cfg.trainer.default_local_dir, CHECKPOINT_DIR)
+    check_model_dir(trainer.cfg)  # before the save: a refusal costs nothing
     trainer.actors.save_model(checkpoint)
-    with tempfile.TemporaryDirectory(prefix="mcore_rl_sft_assets_") as assets:
-        # config.json of the run's model and its tokenizer files, so that model.path alone describes it.
-        with open(os.path.join(assets, "config.json"), "w") as f:
-            json.dump(cfg.model.hf_config_dict(), f, indent=2, sort_keys=True)
-        tokenizer = cfg.model.tokenizer_path
-        if tokenizer and os.path.isdir(tokenizer):
-            copy_side_files(tokenizer, assets)
-        options = McoreToHfOptions(
-            ckpt=checkpoint, out=os.path.join(root, MODEL_DIR), hf_config_from=assets, overwrite=True
-        )
-        model = convert_mcore_to_hf(options)
-    return checkpoint, model
+    return checkpoint, hf_model_from_checkpoint(trainer.cfg, checkpoint)
 
 
 def run_sft(

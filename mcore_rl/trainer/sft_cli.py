@@ -10,7 +10,7 @@ from mcore_rl.trainer.cli import add_arguments as add_train_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_train_arguments(parser)
+    add_train_arguments(parser, override_example="sft.total_steps=20")
 
 
 def _pct(value: float | None) -> str:

@@ -34,6 +34,7 @@ from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
+from mcore_rl.trainer.validation import generate_scored, generation_samples
 from mcore_rl.types import (
     PromptBatch,
     RolloutBatch,
@@ -89,6 +90,8 @@ class StepBase:
         started before this step's update."""
         self.policy_lag = 0
         """Steps between the weights that generated the last rollout and the actor's when it was trained."""
+        self._val_samples: list[dict[str, Any]] = []
+        """``logging.log_val_generations``: samples of the validations since :meth:`take_val_samples`."""
 
     def run(self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None) -> StepStats:
         """One RL step on ``prompts``; the weights are synced for the next step when it returns.
@@ -167,17 +170,18 @@ class StepBase:
 
     def evaluate(self, prompts: PromptBatch) -> float:
         """Mean validation reward (accuracy for 0/1 rules) with ``rollout.val_kwargs`` sampling, on the actor's
-        own engines."""
-        # Repeat the last prompt so that every rollout replica gets as many; the repeats are not scored.
-        extra = -len(prompts) % self.actors.num_rollout_shards
-        ids = prompts.prompt_ids + [prompts.prompt_ids[-1]] * extra
-        request = RolloutRequest(ids, torch.arange(len(ids)))
-        self.actors.sync_weights()
-        rollout = self.actors.generate(request, self.sampling(0, validation=True))
-        keep = rollout.prompt_index < len(prompts)
-        scores = self.score(_rows(rollout, keep), prompts).scores
-        self.actors.phase_memory()  # validation's phases are not the next step's
-        return float(scores.mean())
+        own engines; ``logging.log_val_generations`` of its samples are kept for :meth:`take_val_samples`."""
+        scored = generate_scored(self, prompts, self.sampling(0, validation=True))
+        if self.cfg.logging.log_val_generations:
+            limit = self.cfg.logging.log_val_generations
+            self._val_samples += generation_samples(self.tokenizer, prompts, scored, limit)
+        return scored.mean
+
+    def take_val_samples(self) -> list[dict[str, Any]]:
+        """The validation samples kept since the last call; the run log writes them with the record that
+        follows the validation (``generations.jsonl``)."""
+        samples, self._val_samples = self._val_samples, []
+        return samples
 
     # --- the update and what follows ------------------------------------------------------------------------
     def lag_correction(
@@ -340,11 +344,6 @@ def _once(wait: Callable[[], T]) -> Callable[[], T]:
         return result[0]
 
     return first
-
-
-def _rows(rollout: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
-    """The rows of ``rollout`` where ``keep`` [N] is True."""
-    return RolloutBatch(*(getattr(rollout, f)[keep] for f in RolloutBatch.__dataclass_fields__))
 
 
 def loss_settings(cfg: RunConfig) -> PolicyLossSettings:

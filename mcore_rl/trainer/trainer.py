@@ -2,8 +2,15 @@
 
     Trainer.from_config("recipes/demo_cpu.yaml", ["trainer.total_training_steps=50"]).fit()
 
-``fit()``: held-out test -> SFT warm start (``sft.enable``) -> held-out test -> RL steps (validation every
-``trainer.test_freq``, a run checkpoint every ``trainer.save_freq``) -> held-out test -> reward plot.
+``fit()``: held-out test (``trainer.val_before_train``) -> SFT warm start (``sft.enable``) -> held-out test ->
+validation at RL step 0 (``trainer.val_before_train``) -> RL steps (validation every ``trainer.test_freq``, a run
+checkpoint every ``trainer.save_freq``) -> held-out test -> reward plot.
+
+``from_config`` refuses a run before it writes anything or starts a worker: the config's rules, where it would
+write (and an earlier run's log it would replace), a tokenizer larger than the model's vocabulary, a
+``data_source`` no scorer answers, a checkpoint to resume that was saved for another model or other data. Only
+then are the run folder and its ``config.yaml`` written (and only inputs that ``data.generate`` finds missing
+are written before those checks, as the checks read them).
 
 A run checkpoint ``<default_local_dir>/checkpoints/global_step_<N>`` holds the actor's weights and
 optimizer (the resumable TrainEngine checkpoint, written to a staging name and renamed when complete), the
@@ -24,17 +31,26 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from mcore_rl.config import RunConfig, claim_run_folders, load_config, save_config
-from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
+from mcore_rl.config import ConfigError, RunConfig, check_config, claim_run_folders, load_config, save_config
+from mcore_rl.config.run_folder import (
+    check_run_folders,
+    checkpoint_name,
+    checkpoint_root,
+    publish_checkpoint,
+    resume_checkpoint,
+)
 from mcore_rl.data.demo_task import prepare_data
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
+from mcore_rl.data.rows import DataError
 from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.io.errors import note
 from mcore_rl.io.inputs import input_file
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.build import build_actor_group, build_step, worker_spec
+from mcore_rl.trainer.build import build_actor_group, build_step, check_start, worker_spec
+from mcore_rl.trainer.export import export_rl_model
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.step import StepBase, update_plan
 from mcore_rl.types import PromptBatch, RolloutBatch
@@ -75,17 +91,70 @@ def load_run_data(cfg: RunConfig) -> RunData:
     )
 
 
+def data_sources(data: RunData) -> dict[str, str]:
+    """Each ``data_source`` of the training, validation and test prompts -> where its first row is."""
+    found: dict[str, str] = {}
+    for r in data.loader.dataset.records:
+        found.setdefault(r.data_source, f"{r.file} row {r.row}")
+    for batch in (data.val, data.test):
+        if batch is not None:
+            for source, origin in zip(batch.data_sources, batch.origins, strict=True):
+                found.setdefault(source, origin)
+    return found
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The run checkpoint a run continues from, checked against the run before anything is written."""
+
+    path: str
+    step: int
+    state: dict[str, Any]
+    """The driver state saved beside the weights (``Trainer.save``)."""
+
+
+def resume_point(cfg: RunConfig, loader: PromptLoader) -> ResumePoint | None:
+    """The checkpoint ``trainer.resume_mode`` names, with ``loader`` at its data position; refuses one saved for
+    another model or other training data, naming what changed (None: a fresh run)."""
+    path = resume_checkpoint(cfg)
+    if path is None:
+        return None
+    from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+
+    step, _, saved = read_trainer_state(path)
+    model = cfg.model.hf_config_dict()
+    changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
+    if changed:
+        raise ConfigError(f"{path}: saved for another model (config.json differs in {changed}); not resuming")
+    try:
+        loader.load_state_dict(saved["loader"])
+    except DataError as err:
+        raise DataError(
+            f"{path}: {err}; not resuming (resume with the data it was saved with, or start a new run in "
+            "another trainer.default_local_dir)"
+        ) from None
+    return ResumePoint(path, step, saved)
+
+
 class Trainer:
     """Drives one run; build with :meth:`from_config`, run with :meth:`fit`, read ``records`` after."""
 
     def __init__(
-        self, cfg: RunConfig, actors: ActorGroup, step: StepBase, data: RunData, total_steps: int
+        self,
+        cfg: RunConfig,
+        actors: ActorGroup,
+        step: StepBase,
+        data: RunData,
+        total_steps: int,
+        resume_from: ResumePoint | None = None,
     ) -> None:
         self.cfg = cfg
         self.actors = actors
         self.step = step
         self.data = data
         self.total_steps = total_steps
+        self.resume_from = resume_from
+        """The checkpoint :meth:`fit` continues from (checked by :meth:`from_config`); None: a fresh run."""
         self.global_step = 0
         self._prefetched: PromptBatch | None = None
         """``trainer.one_step_off``: the next step's prompts, already drawn (their rollout is pending)."""
@@ -95,32 +164,48 @@ class Trainer:
     def from_config(
         cls, config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), use_ray: bool = True
     ) -> Trainer:
-        """A trainer for a recipe path (+ ``key=value`` overrides) or a checked :class:`RunConfig`."""
+        """A trainer for a recipe path (+ ``key=value`` overrides) or a :class:`RunConfig` (resolved and checked
+        here as a recipe is); everything that can refuse the run is checked before anything is written."""
         if isinstance(config, RunConfig) and overrides:
             raise ValueError("overrides apply to a recipe path; set the fields of a RunConfig directly")
-        cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-        claim_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
+        cfg = check_config(config) if isinstance(config, RunConfig) else load_config(config, overrides)
+        check_run_folders(cfg)  # first: where it writes, before even generated data is written
         prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
-        save_config(cfg, cfg.trainer.default_local_dir)
         data = load_run_data(cfg)
+        check_start(cfg, data.tokenizer, data_sources(data))
+        resume_from = resume_point(cfg, data.loader)
+        claim_run_folders(cfg)  # every check passed: now the run folder and its config
+        save_config(cfg, cfg.trainer.default_local_dir)
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
         actors = build_actor_group(cfg, worker_spec(cfg, actor_optimizer_steps(cfg, total)), use_ray)
         step = build_step(cfg, actors, data.tokenizer, RewardScorer(cfg.reward), total)
-        return cls(cfg, actors, step, data, total)
+        return cls(cfg, actors, step, data, total, resume_from)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
-        """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption)."""
+        """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption). The summary
+        holds the held-out accuracies that ran (``test_before``, ``test_after_sft``, ``test_after_rl``: None
+        without ``data.test_files``), ``sft_steps``, ``val_before``, ``resumed_from`` / ``resumed_step``, or only
+        ``already_complete`` (the step) and ``checkpoint`` when the checkpoint resumed is at ``total_steps``
+        already: nothing is loaded, trained or logged then."""
         cfg, summary = self.cfg, dict[str, Any]()
+        point = self.resume_from
+        if point is not None and point.step >= self.total_steps:
+            self.global_step = point.step
+            return {"already_complete": point.step, "checkpoint": point.path}
         resumed = self.resume()
-        log = RunLog(cfg.logging, self.total_steps, plot=reward_plot, start_step=self.global_step)
+        if resumed and point is not None:
+            summary["resumed_from"], summary["resumed_step"] = point.path, point.step
+        log = RunLog(
+            cfg.logging,
+            self.total_steps,
+            plot=reward_plot,
+            stage_steps={"sft": cfg.sft.total_steps} if cfg.sft.enable and not resumed else None,
+            start_step=self.global_step,
+            samples=self.step.take_val_samples,  # logging.log_val_generations
+        )
         try:
             if not resumed:
-                summary["test_before"] = self.test(log, "before")
-                if cfg.sft.enable:
-                    summary["sft_steps"] = self.sft(log)
-                    summary["test_after_sft"] = self.test(log, "after_sft")
-                    self.actors.set_optim(cfg.optim, actor_optimizer_steps(cfg, self.total_steps))
-                    self.step.warm_started()
+                self._before_rl(log, summary)
             while self.global_step < self.total_steps and self.global_step != stop_after:
                 self.global_step += 1
                 prompts = self._prefetched if self._prefetched is not None else self.data.loader.next_batch()
@@ -135,10 +220,26 @@ class Trainer:
                     self.save()
             if self.global_step == self.total_steps:
                 summary["test_after_rl"] = self.test(log, "after_rl")
+                summary["model"] = export_rl_model(self)  # the HF folder <default_local_dir>/model
         finally:
             summary["plot"] = log.close()
             self.records = log.records
         return summary
+
+    def _before_rl(self, log: RunLog, summary: dict[str, Any]) -> None:
+        """A fresh run's start: the held-out test and, after the SFT warm start, validation at RL step 0
+        (``trainer.val_before_train``)."""
+        cfg = self.cfg
+        if cfg.trainer.val_before_train:
+            summary["test_before"] = self.test(log, "before")
+        if cfg.sft.enable:
+            summary["sft_steps"] = self.sft(log)
+            summary["test_after_sft"] = self.test(log, "after_sft")
+            self.actors.set_optim(cfg.optim, actor_optimizer_steps(cfg, self.total_steps))
+            self.step.warm_started()
+        if cfg.trainer.val_before_train and self.data.val is not None:
+            summary["val_before"] = self.step.evaluate(self.data.val)
+            log.write("rl", 0, {"val_accuracy": summary["val_before"]})
 
     def test(self, log: RunLog, when: str) -> float | None:
         """Held-out accuracy (``data.test_files``) with validation sampling; logged as stage ``test``."""
@@ -199,20 +300,11 @@ class Trainer:
         return path
 
     def resume(self) -> bool:
-        """Restore the checkpoint ``trainer.resume_mode`` names; refuses a changed model or dataset."""
-        path = resume_checkpoint(self.cfg)
-        if path is None:
+        """Restore :attr:`resume_from` (the data position is restored already, by its check)."""
+        if self.resume_from is None:
             return False
-        from mcore_rl.engine.trainer_checkpoint import read_trainer_state
-
-        _, _, saved = read_trainer_state(path)
-        model = self.cfg.model.hf_config_dict()
-        changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
-        if changed:
-            raise ValueError(
-                f"{path}: saved for another model (config.json differs in {changed}); not resuming"
-            )
-        self.data.loader.load_state_dict(saved["loader"])  # refuses a different dataset, naming why
+        path, saved = self.resume_from.path, self.resume_from.state
+        note(f"resuming from {path} (step {self.resume_from.step})")
         step, extra = self.actors.load_checkpoint(path)
         self.step.load_state_dict(extra.get("algorithm", {}))
         self.step.load_models(path)

@@ -33,6 +33,7 @@ def tiny_run_config(folder: str, overrides: list[str] | None = None) -> RunConfi
         "optim.weight_decay=0.0",
         f"trainer.default_local_dir={os.path.join(folder, 'run')}",
         "trainer.num_cpus=2",
+        "trainer.val_before_train=false",  # the driver tests compare training steps; test_lifecycle.py sets it
     ]
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
     node = OmegaConf.merge(node, OmegaConf.from_dotlist(base + list(overrides or [])))

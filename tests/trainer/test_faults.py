@@ -19,6 +19,7 @@ def _args(data: str, run: str) -> list[str]:
         "sft.enable=false",
         "data.test_files=[]",
         "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
         "trainer.total_training_steps=2",
     ]
 

@@ -74,7 +74,8 @@ def test_sft_lowers_the_loss_and_rl_starts_from_its_model(data, tmp_path) -> Non
                 else torch.equal(start[name], weight)
             )
         rl.fit()
-        assert [r["stage"] for r in rl.records] == ["test", "rl", "test"]
+        stages = [(r["stage"], r["step"]) for r in rl.records]
+        assert stages == [("test", 0), ("rl", 0), ("rl", 1), ("test", 1)]  # val at step 0: val_before_train
 
 
 def test_sft_command_writes_the_model_and_says_how_to_start_rl_from_it(data, tmp_path, capsys) -> None:

@@ -30,11 +30,13 @@ def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_pa
     with open(os.path.join(run, "logs", "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     stages = [r["stage"] for r in records]
-    assert stages.count("sft") == 4 and stages.count("rl") == 2 and stages.count("test") == 3
+    assert stages.count("sft") == 4 and stages.count("rl") == 3 and stages.count("test") == 3
     assert [r["when"] for r in records if r["stage"] == "test"] == ["before", "after_sft", "after_rl"]
     sft = [r for r in records if r["stage"] == "sft"]
     assert sft[-1]["loss"] < sft[0]["loss"] and "val_accuracy" in sft[1]
     rl = [r for r in records if r["stage"] == "rl"]
+    assert set(rl[0]) == {"stage", "step", "val_accuracy"} and rl[0]["step"] == 0  # trainer.val_before_train
+    rl = rl[1:]
     assert all("val_accuracy" in r and abs(r["token_mult_prob_error"] - 1) < 1e-5 for r in rl)
     phases = ("generate", "update", "sync")  # the demo recipe takes the on-policy shortcut: no log_probs pass
     assert all(r["old_log_probs_recomputed"] == 0.0 and "memory/log_probs_rss_bytes" not in r for r in rl)

@@ -38,7 +38,7 @@ VLLM = [
 def _rl_steps(cfg) -> list[dict]:
     with Trainer.from_config(cfg) as trainer:
         trainer.fit()
-        return [r for r in trainer.records if r["stage"] == "rl"]
+        return [r for r in trainer.records if r["stage"] == "rl" and r["step"] > 0]
 
 
 def _assert_agreement(steps: list[dict]) -> None:
@@ -64,7 +64,7 @@ def test_mcore_rl_train_with_vllm_at_actor_tp1xdp2_and_rollout_tp2(tmp_path) -> 
     assert done.returncode == 0, done.stderr[-2000:]
     assert "held-out accuracy" in done.stdout
     records = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["stage"] == "rl"]
+    steps = [r for r in records if r["stage"] == "rl" and r["step"] > 0]
     _assert_agreement(steps)
     assert steps[-1]["memory/rollout_weights_bytes"] > 0 and steps[-1]["memory/rollout_kv_cache_bytes"] > 0
     assert len({s["pg_loss"] for s in steps}) == 3  # three different batches, trained on

@@ -22,13 +22,15 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from mcore_rl.io.errors import InputError
+
 FINISH_STOP = "stop"
 """The sequence ended with one of ``SamplingParams.stop_token_ids`` (the stop token is part of the output)."""
 FINISH_LENGTH = "length"
 """The sequence reached ``max_new_tokens`` without a stop token."""
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(InputError):
     """A sampling parameter out of range; the message names the field."""
 
 

@@ -25,13 +25,14 @@ from torch import Tensor
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.from_megatron import deinterleave_qkv
+from mcore_rl.io.errors import InputError
 from mcore_rl.parallel.layout import padded_vocab_size
 
 VOCAB_DIVISIBLE_BY = 128
 """Vocab padding granularity (times TP), megatron's default, so both sides pad alike."""
 
 
-class RolloutLayoutError(ValueError):
+class RolloutLayoutError(InputError):
     """The model cannot be split for this rollout TP size; the message names the field."""
 
 

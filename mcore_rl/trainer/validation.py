@@ -1,0 +1,81 @@
+"""Sampling and scoring a prompt set on the actor's own engines: a run's validation (``StepBase.evaluate``,
+with the samples ``logging.log_val_generations`` logs) and each pass of ``mcore-rl eval``
+(:mod:`mcore_rl.trainer.evaluate`).
+
+    PromptBatch [P] --actors.generate(sampling)--> RolloutBatch [P * n, prompt-major] --step.score--> [P * n]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mcore_rl.types import PromptBatch, RolloutBatch, RolloutRequest
+
+if TYPE_CHECKING:
+    from mcore_rl.data.tokenizer import Tokenizer
+    from mcore_rl.engine.rollout.base import SamplingParams
+    from mcore_rl.trainer.step import StepBase
+
+
+@dataclass
+class ScoredRollout:
+    """The scored responses of one generate call over a prompt set."""
+
+    rollout: RolloutBatch
+    """[P * n] rows, prompt-major (``rollout.prompt_index`` names each row's prompt)."""
+    scores: torch.Tensor
+    """[P * n] float32: each response's reward (the rules', as the step scores them)."""
+
+    @property
+    def mean(self) -> float:
+        return float(self.scores.mean())
+
+
+def generate_scored(step: StepBase, prompts: PromptBatch, sampling: SamplingParams) -> ScoredRollout:
+    """Sample ``prompts`` on the actor's own engines (current weights) and score every response."""
+    # Repeat the last prompt so that every rollout replica gets as many; the repeats are not scored.
+    extra = -len(prompts) % step.actors.num_rollout_shards
+    ids = prompts.prompt_ids + [prompts.prompt_ids[-1]] * extra
+    step.actors.sync_weights()
+    rollout = step.actors.generate(RolloutRequest(ids, torch.arange(len(ids))), sampling)
+    keep = rollout.prompt_index < len(prompts)
+    rollout = RolloutBatch(*(getattr(rollout, f.name)[keep] for f in dataclasses.fields(RolloutBatch)))
+    scores = step.score(rollout, prompts).scores
+    step.actors.phase_memory()  # validation's phases are not the next step's
+    return ScoredRollout(rollout, scores)
+
+
+def generation_samples(
+    tokenizer: Tokenizer, prompts: PromptBatch, scored: ScoredRollout, limit: int
+) -> list[dict[str, Any]]:
+    """The first sample of each of the first ``limit`` prompts as ``{data_source, prompt, response,
+    ground_truth, score}`` (``logging.log_val_generations``)."""
+    first: dict[int, int] = {}
+    for row, p in enumerate(scored.rollout.prompt_index.tolist()):
+        if p < limit:
+            first.setdefault(p, row)
+    responses = scored.rollout.responses()
+    return [
+        {
+            "data_source": prompts.data_sources[p],
+            "prompt": tokenizer.decode(prompts.prompt_ids[p]),
+            "response": tokenizer.decode(responses[row]),
+            "ground_truth": _plain(prompts.ground_truths[p]),
+            "score": float(scored.scores[row]),
+        }
+        for p, row in sorted(first.items())
+    ]
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-writable ground truth (parquet may hand back numpy values or nested lists)."""
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)

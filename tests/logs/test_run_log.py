@@ -1,0 +1,78 @@
+"""``RunLog`` never writes over an earlier run's ``metrics.jsonl``: a resume appends to it; a fresh run that
+reached it unchecked (the drivers refuse one before they start) keeps it aside as ``metrics.<k>.jsonl`` and
+says so in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mcore_rl.logs.config import LoggingConfig
+from mcore_rl.logs.run_log import RunLog, previous_log
+
+
+def _cfg(folder: Path) -> LoggingConfig:
+    return LoggingConfig(log_dir=str(folder), progress_bar=False, plot=False)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_fresh_log_keeps_the_earlier_one_aside(tmp_path: Path, capsys) -> None:
+    earlier = '{"stage": "rl", "step": 1, "reward": 0.25}\n'
+    (tmp_path / "metrics.jsonl").write_text(earlier)
+    (tmp_path / "metrics.1.jsonl").write_text("an even earlier run\n")
+    assert previous_log(_cfg(tmp_path)) == str(tmp_path / "metrics.jsonl")
+    log = RunLog(_cfg(tmp_path), total_steps=2)
+    log.write("rl", 1, {"reward": 0.5})
+    log.close()
+    assert (tmp_path / "metrics.2.jsonl").read_text() == earlier  # the earlier runs' logs, both whole
+    assert (tmp_path / "metrics.1.jsonl").read_text() == "an even earlier run\n"
+    assert _lines(tmp_path / "metrics.jsonl") == [{"stage": "rl", "step": 1, "reward": 0.5}]
+    assert (
+        f"kept the earlier run's {tmp_path}/metrics.jsonl as {tmp_path}/metrics.2.jsonl"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_resumed_log_appends(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"stage": "rl", "step": 1}\n')
+    log = RunLog(_cfg(tmp_path), total_steps=2, start_step=1)
+    log.write("rl", 2, {})
+    log.close()
+    assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert not (tmp_path / "metrics.1.jsonl").exists()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    assert previous_log(_cfg(tmp_path / "empty")) is None  # an empty log is nothing to keep
+
+
+def test_each_stage_has_its_own_progress_bar(tmp_path: Path, capsys) -> None:
+    """The SFT warm start and RL each get a bar counting their own steps: SFT stopped at its target leaves its
+    line (2 of 5 steps, its loss) and RL's bar starts at 0, not at SFT's step; a test record moves neither."""
+    cfg = LoggingConfig(log_dir=str(tmp_path), progress_bar=True, plot=False)
+    log = RunLog(cfg, total_steps=3, stage_steps={"sft": 5})
+    log.write("test", 0, {"when": "before", "accuracy": 0.0})
+    log.write("sft", 1, {"loss": 2.5})
+    log.write("sft", 2, {"loss": 1.25, "val_accuracy": 0.5})
+    for step in (1, 2, 3):
+        log.write("rl", step, {"reward": step / 4})
+    log.close()
+    lines = [
+        line.strip() for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()
+    ]
+    sft_line = [line for line in lines if line.startswith("sft:")][-1]
+    rl_line = [line for line in lines if line.startswith("rl:")][-1]
+    assert "2/5" in sft_line and "loss=1.250" in sft_line and "val_accuracy=0.500" in sft_line
+    assert "3/3" in rl_line and "reward=0.750" in rl_line
+    assert not any(line.startswith("test") for line in lines)
+
+
+def test_a_resumed_bar_starts_at_the_resumed_step(tmp_path: Path, capsys) -> None:
+    cfg = LoggingConfig(log_dir=str(tmp_path), progress_bar=True, plot=False)
+    (tmp_path / "metrics.jsonl").write_text('{"stage": "rl", "step": 1}\n')
+    log = RunLog(cfg, total_steps=4, start_step=3)
+    log.write("rl", 4, {"reward": 1.0})
+    log.close()
+    assert "4/4" in capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]

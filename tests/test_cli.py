@@ -1,0 +1,161 @@
+"""``mcore-rl`` itself: every expected failure is one ``error:`` line with exit 1 (not an "internal error"),
+the same unknown key exits alike from ``config show`` and ``train``, and ``key=value`` overrides may follow a
+flag in every command that takes them (parsed only: nothing runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.cli import _report, main, parse_command
+from mcore_rl.config import ConfigError
+from mcore_rl.data.rows import DataError
+from mcore_rl.data.tokenizer import TokenizerError
+from mcore_rl.engine.rollout.base import SamplingParams, SamplingParamsError
+from mcore_rl.engine.rollout.layout import RolloutLayoutError
+from mcore_rl.io.errors import InputError
+from mcore_rl.planner.spec import PlanError
+from mcore_rl.scoring.registry import ScorerError
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "recipes" / "demo_cpu.yaml")
+
+INPUT_ERRORS = [ConfigError, DataError, TokenizerError, ScorerError, SamplingParamsError, PlanError]
+
+
+@pytest.mark.parametrize("error", [*INPUT_ERRORS, RolloutLayoutError], ids=lambda e: e.__name__)
+def test_every_input_error_is_one_error_line_with_exit_1(error: type[Exception], capsys) -> None:
+    assert issubclass(error, InputError) and issubclass(error, ValueError)  # `except ValueError` still holds
+    assert _report("mcore-rl train", error("data/train.parquet: no such data file"), debug=False) == 1
+    assert capsys.readouterr().err == "mcore-rl train: error: data/train.parquet: no such data file\n"
+
+
+def test_a_sampling_parameter_out_of_range_is_an_input_error(capsys) -> None:
+    with pytest.raises(InputError) as info:
+        SamplingParams(temperature=-1.0)
+    assert _report("mcore-rl dpo", info.value, debug=False) == 1
+    assert capsys.readouterr().err.startswith("mcore-rl dpo: error: temperature must be >= 0")
+
+
+def test_an_input_error_raised_on_a_worker_names_the_rank_not_a_traceback(capsys) -> None:
+    from mcore_rl.controller.worker_group import WorkerError
+
+    cause = DataError("sft.parquet: row 3: column 'response': missing")
+    err = WorkerError(2, "sft_step", "Traceback (most recent call last): ...", cause=cause)
+    assert _report("mcore-rl sft", err, debug=False) == 1
+    assert (
+        capsys.readouterr().err
+        == "mcore-rl sft: rank 2: error: sft.parquet: row 3: column 'response': missing\n"
+    )
+
+
+def test_anything_else_is_still_an_internal_error(capsys) -> None:
+    assert _report("mcore-rl train", KeyError("x"), debug=False) == 1
+    assert "internal error: KeyError" in capsys.readouterr().err
+
+
+def test_unknown_key_exits_1_from_config_show_and_from_train(tmp_path: Path, capsys) -> None:
+    """One exit status for one mistake: 1 (an input error), as the README says; 2 is argparse's bad flags."""
+    assert main(["config", "show", DEMO, "rollout.m=4"]) == 1
+    shown = capsys.readouterr().err
+    run = f"trainer.default_local_dir={tmp_path}/run"
+    assert main(["train", DEMO, "--in-process", run, "rollout.m=4"]) == 1
+    trained = capsys.readouterr().err
+    for err, prog in ((shown, "config"), (trained, "train")):
+        assert err.startswith(f"mcore-rl {prog}: error: unknown key rollout.m (overrides)"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_reports_tokenizer_and_data_errors_as_input_errors(tmp_path: Path, capsys) -> None:
+    from tests.data.conftest import train_bpe
+
+    common = [DEMO, "--in-process", f"trainer.default_local_dir={tmp_path}/run", "data.generate=null"]
+    assert main(["train", *common, f"model.tokenizer_path={tmp_path}/no_tokenizer"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"mcore-rl train: error: {tmp_path}/no_tokenizer: no such tokenizer folder"), err
+
+    tokenizer = train_bpe(tmp_path / "tok", with_config=True)
+    missing = f"data.train_files=[{tmp_path}/none.parquet]"
+    assert main(["train", *common, f"model.tokenizer_path={tokenizer}", missing]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"mcore-rl train: error: {tmp_path}/none.parquet: no such data file"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["train", "r.yaml", "--in-process", "trainer.total_training_steps=1", "rollout.n=2"],
+            {
+                "recipe": "r.yaml",
+                "overrides": ["trainer.total_training_steps=1", "rollout.n=2"],
+                "in_process": True,
+            },
+        ),
+        (
+            ["train", "r.yaml", "a=1", "--in-process", "b=2"],
+            {"overrides": ["a=1", "b=2"], "in_process": True},
+        ),
+        (["sft", "r.yaml", "--in-process", "sft.total_steps=3"], {"overrides": ["sft.total_steps=3"]}),
+        (
+            ["dpo", "r.yaml", "dpo.beta=0.2", "dpo.loss_type=ipo"],
+            {"overrides": ["dpo.beta=0.2", "dpo.loss_type=ipo"]},
+        ),
+        (
+            ["plan", "r.yaml", "--gpu", "A100-40", "data.train_batch_size=8", "--recompute", "full", "k=v"],
+            {"recipe": "r.yaml", "overrides": ["data.train_batch_size=8", "k=v"], "gpu": "A100-40"},
+        ),
+        (
+            ["config", "show", "r.yaml", "--check-paths", "rollout.n=4", "--check", "rollout.top_k=3"],
+            {
+                "action": "show",
+                "recipe": "r.yaml",
+                "overrides": ["rollout.n=4", "rollout.top_k=3"],
+                "check": True,
+            },
+        ),
+        # no recipe: run() takes the first positional as an override
+        (["config", "show", "rollout.n=4"], {"recipe": "rollout.n=4", "overrides": []}),
+        (["config", "show"], {"recipe": None, "overrides": [], "check_paths": False}),
+        (
+            ["convert", "hf-to-mcore", "--hf-dir", "a", "--out", "b"],
+            {"direction": "hf-to-mcore", "hf_dir": "a"},
+        ),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_overrides_may_follow_a_flag(argv: list[str], expected: dict[str, object]) -> None:
+    _, args = parse_command(argv)
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+def test_a_bad_flag_is_still_argparse_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_command(["train", "r.yaml", "--no-such-flag", "a=1"])
+    assert info.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_sft_help_shows_an_sft_override(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_command(["sft", "--help"])
+    out = capsys.readouterr().out
+    assert "sft.total_steps=20" in out and "trainer.total_training_steps" not in out
+    with pytest.raises(SystemExit):
+        parse_command(["train", "--help"])
+    assert "trainer.total_training_steps=20" in capsys.readouterr().out
+
+
+def test_verbose_anywhere_keeps_the_ranks_output_on_the_console(monkeypatch, capsys) -> None:
+    """``--verbose`` (any position, like ``--debug``) is taken out of the command's arguments and turns the
+    per-rank log files off: the worker spec then carries no output folder (Ray's INFO lines follow the same
+    variable in controller.resources)."""
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.build import worker_output_dir
+
+    monkeypatch.delenv("MCORE_RL_VERBOSE", raising=False)
+    cfg = load_config(DEMO)
+    assert worker_output_dir(cfg) == f"{cfg.logging.log_dir}/workers"
+    assert main(["config", "show", DEMO, "--verbose", "trainer.total_training_steps=3"]) == 0
+    assert "total_training_steps: 3" in capsys.readouterr().out
+    assert worker_output_dir(cfg) is None

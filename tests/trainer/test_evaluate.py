@@ -1,0 +1,158 @@
+"""``mcore-rl eval``'s numbers without a model: the unbiased pass@k against counting every k-subset, the
+per-data_source summary on hand-computed rewards, the report's JSON and table, what a model argument
+resolves to (HF folder, megatron checkpoint, run checkpoint, run folder) and the config an eval runs on."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore_rl.io.errors import ConfigError, InputError, OutputError
+from mcore_rl.trainer.evaluate import (
+    ALL,
+    EvalReport,
+    eval_config,
+    eval_source,
+    pass_at_k,
+    pass_ks,
+    summarize,
+    write_report,
+)
+from tests.models import tiny_hf_config
+
+
+@pytest.mark.parametrize(("n", "c"), [(1, 0), (1, 1), (4, 0), (4, 1), (4, 3), (5, 2), (8, 8), (7, 3)])
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_pass(n: int, c: int) -> None:
+    passes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(passes, k))
+        expected = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+        assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+
+
+def test_pass_at_k_refuses_impossible_counts() -> None:
+    for n, c, k in [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)]:
+        with pytest.raises(ValueError, match="pass@k needs"):
+            pass_at_k(n, c, k)
+
+
+def test_reported_ks() -> None:
+    assert pass_ks(1) == [1]
+    assert pass_ks(4) == [1, 2, 4]
+    assert pass_ks(6) == [1, 2, 4, 6]
+    assert pass_ks(8) == [1, 2, 4, 8]
+
+
+def test_summary_per_data_source_by_hand() -> None:
+    sources = ["gsm8k", "math", "gsm8k"]
+    greedy = torch.tensor([1.0, 0.1, 0.0])  # 0.1: a format score, not a pass
+    samples = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    out = summarize(sources, greedy, samples)
+    assert list(out) == ["gsm8k", "math", ALL]
+    g = out["gsm8k"]
+    assert (g.num_prompts, g.greedy_accuracy, g.greedy_mean_reward) == (2, 0.5, 0.5)
+    assert g.sampled_mean_reward == pytest.approx(0.75)
+    assert g.pass_at == {1: pytest.approx(0.75), 2: pytest.approx(1.0)}
+    m = out["math"]
+    assert (m.greedy_accuracy, m.greedy_mean_reward, m.pass_at) == (0.0, pytest.approx(0.1), {1: 0.0, 2: 0.0})
+    a = out[ALL]
+    assert (a.num_prompts, a.greedy_accuracy) == (3, pytest.approx(1 / 3))
+    assert a.pass_at == {1: pytest.approx(0.5), 2: pytest.approx(2 / 3)}
+    assert summarize(sources, greedy, samples, pass_threshold=0.1)["math"].greedy_accuracy == 1.0
+    greedy_only = summarize(sources, greedy)[ALL]
+    assert greedy_only.sampled_mean_reward is None and greedy_only.pass_at == {}
+
+
+def test_report_json_and_table(tmp_path: Path) -> None:
+    by_source = summarize(["a", "b"], torch.tensor([1.0, 0.0]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    report = EvalReport("m", ["d.parquet"], 2, 1.0, 1.0, by_source)
+    numbers = report.to_json()
+    assert numbers["by_data_source"]["all"] == {
+        "num_prompts": 2,
+        "greedy_accuracy": 0.5,
+        "greedy_mean_reward": 0.5,
+        "sampled_mean_reward": 0.5,
+        "pass@1": 0.5,
+        "pass@2": 1.0,
+    }
+    lines = report.table().splitlines()
+    assert lines[0].split() == [
+        "data_source",
+        "prompts",
+        "greedy",
+        "acc",
+        "greedy",
+        "reward",
+        "sampled",
+        "reward",
+        "pass@1",
+        "pass@2",
+    ]
+    assert lines[3].split() == ["all", "2", "50.0%", "0.500", "0.500", "50.0%", "100.0%"]
+    out = tmp_path / "r.json"
+    write_report(report, str(out))
+    assert json.loads(out.read_text()) == numbers
+    with pytest.raises(OutputError, match="exists; it is left as it is"):
+        write_report(report, str(out))
+
+
+def _megatron_checkpoint(folder: Path, hf: dict, assets: bool = False) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    info = {"hf_config": hf, "dtype": "float32", "format_version": 1, "extra": {}}
+    (folder / "mcore_rl_model.json").write_text(json.dumps(info))
+    if assets:
+        (folder / "hf_assets").mkdir()
+        (folder / "hf_assets" / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def test_model_argument_resolution(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    assert eval_source(str(hf)).recipe is None
+    step = _megatron_checkpoint(tmp_path / "run" / "checkpoints" / "global_step_3", {})
+    (step / "config.yaml").write_text("{}")
+    (step / "trainer_state.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("global_step_3\n")
+    for given in (step, tmp_path / "run"):
+        source = eval_source(str(given))
+        assert (source.model_path, source.recipe) == (str(step), str(step / "config.yaml"))
+    with pytest.raises(InputError, match="local folders only"):
+        eval_source("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_eval_config_loads_a_megatron_checkpoint_and_switches_training_off(tmp_path: Path) -> None:
+    from mcore_rl.trainer.build import worker_spec
+
+    hf = tiny_hf_config("llama", vocab_size=14, max_position_embeddings=1024)
+    ckpt = _megatron_checkpoint(tmp_path / "ckpt", hf, assets=True)
+    cfg = eval_config(
+        str(ckpt), ["data/x.jsonl"], ["rollout.val_kwargs.n=4", "parallel.tensor_model_parallel_size=1"]
+    )
+    assert cfg.model.path == str(ckpt)
+    assert cfg.model.tokenizer_path == str(ckpt / "hf_assets")  # the conversion's copy of the tokenizer
+    assert cfg.model.arch().hidden_size == hf["hidden_size"]  # from mcore_rl_model.json
+    assert cfg.data.train_files == ["data/x.jsonl"] and cfg.data.val_files == [] and not cfg.sft.enable
+    assert cfg.rollout.val_kwargs.n == 4
+    spec = worker_spec(cfg, 1)
+    assert (spec.load_dir, spec.hf_path) == (str(ckpt), None)  # each rank reads its shards
+    assert worker_spec(eval_config(str(ckpt), ["x.jsonl"], ["model.load_weights=false"]), 1).load_dir is None
+
+
+def test_eval_refuses_greedy_pass_at_k(tmp_path: Path) -> None:
+    from mcore_rl.trainer.evaluate import evaluate_model
+
+    ckpt = _megatron_checkpoint(tmp_path / "ckpt", tiny_hf_config("llama", max_position_embeddings=1024))
+    with pytest.raises(
+        ConfigError, match=r"rollout\.val_kwargs\.n=4 with rollout\.val_kwargs\.temperature=0"
+    ):
+        evaluate_model(str(ckpt), ["x.jsonl"], ["rollout.val_kwargs.n=4"])
+    with pytest.raises(ConfigError, match="give at least one data file"):
+        evaluate_model(str(ckpt), [])
