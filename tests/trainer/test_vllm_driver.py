@@ -59,6 +59,7 @@ def test_mcore_rl_train_with_vllm_at_actor_tp1xdp2_and_rollout_tp2(tmp_path) -> 
         "trainer.n_gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "data.train_batch_size=8",
         "trainer.total_training_steps=3", "trainer.test_freq=-1", "logging.progress_bar=false",
         f"trainer.default_local_dir={run}", "rollout.kv_cache_memory_bytes=16777216",
+        MIXED_REWARD,  # the untrained model earns some reward, so each step's loss is a batch's own
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
