@@ -135,7 +135,18 @@ def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     installed = importlib.util.find_spec("vllm") is not None
-    problems = preflight_problems(arch, cfg.rollout.tensor_model_parallel_size, device == "cuda", installed)
+    rollout_dtype = cfg.rollout.hybrid.rollout_dtype
+    dtype = (
+        ("rollout.hybrid.rollout_dtype", rollout_dtype) if rollout_dtype else ("model.dtype", cfg.model.dtype)
+    )
+    capability = None
+    if device == "cuda":
+        import torch
+
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    problems = preflight_problems(
+        arch, cfg.rollout.tensor_model_parallel_size, device == "cuda", installed, dtype, capability
+    )
     for prefix, sampling in (("rollout", cfg.rollout), ("rollout.val_kwargs", cfg.rollout.val_kwargs)):
         if sampling.temperature > 0 and (0 < sampling.top_k < arch.vocab_size or sampling.top_p < 1.0):
             problems.append(

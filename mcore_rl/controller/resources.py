@@ -61,6 +61,10 @@ def init_ray(config: RayConfig | None = None) -> bool:
     # Ray's own INFO lines ("Started a local Ray instance") only with mcore-rl --verbose
     quiet = os.environ.get("MCORE_RL_VERBOSE", "") in ("", "0")
     level = logging.WARNING if quiet else logging.INFO
+    if quiet:
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            _SECURE_DEFAULT_NOTE
+        )
     if started and config.address is not None:
         ray.init(address=config.address, include_dashboard=False, log_to_driver=True, logging_level=level)
     elif started:
@@ -81,6 +85,17 @@ def init_ray(config: RayConfig | None = None) -> bool:
         )
     register_tensor_transport()
     return started
+
+
+class _SecureDefaultNote(logging.Filter):
+    """Drops Ray's notice that its local cluster uses token authentication (the secure default: nothing to
+    act on, and one more line above the progress bar); its warning that authentication is *off* still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token authentication is enabled" not in record.getMessage()
+
+
+_SECURE_DEFAULT_NOTE = _SecureDefaultNote()  # one instance: logging adds a filter once, however many inits
 
 
 def cluster_cpus() -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,31 @@ def test_a_vllm_pool_of_its_own_samples_the_next_step_while_the_actor_updates(tm
 def test_what_vllm_would_refuse_is_refused_before_any_process_starts(tmp_path, overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         tiny_run_config(str(tmp_path), [*VLLM, *overrides])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["model.dtype=bfloat16"], "model.dtype"),
+        (["rollout.hybrid.rollout_dtype=bfloat16"], "rollout.hybrid.rollout_dtype"),
+    ],
+)
+def test_bfloat16_on_a_gpu_older_than_ampere_is_refused_naming_the_key(
+    tmp_path, monkeypatch, overrides, key
+) -> None:
+    """vLLM's CUDA platform refuses bfloat16 below compute capability 8.0: a V100 (7.0) is refused at the
+    config check, naming the key that set the rollout's dtype; an A100 (8.0) is not."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 0))
+    gpu = ["trainer.device=cuda", *overrides]
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(key)}=bfloat16 with rollout.name=vllm: .* this GPU has 7\.0"
+    ):
+        tiny_run_config(str(tmp_path), [*VLLM, *gpu])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    tiny_run_config(str(tmp_path / "a100"), [*VLLM, *gpu])
 
 
 def test_a_missing_vllm_names_the_setting_and_the_install_command(tmp_path, monkeypatch) -> None:

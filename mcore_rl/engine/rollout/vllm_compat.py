@@ -59,12 +59,29 @@ contract tests hold this copy to vLLM's own). Known without importing vLLM, so c
 process starts."""
 
 
-def preflight_problems(arch: ModelArch, rollout_tp: int, on_gpu: bool, installed: bool) -> list[str]:
-    """What vLLM would refuse for this model and rollout TP, each as one line naming the key, found before
-    any process starts (without importing vLLM: that alone takes seconds and changes the process)."""
+def preflight_problems(
+    arch: ModelArch,
+    rollout_tp: int,
+    on_gpu: bool,
+    installed: bool,
+    dtype: tuple[str, str] = ("model.dtype", "float32"),
+    gpu_capability: tuple[int, int] | None = None,
+) -> list[str]:
+    """What vLLM would refuse for this model, rollout TP and rollout ``dtype`` (the key that sets it, its
+    value), each as one line naming the key, found before any process starts (without importing vLLM: that
+    alone takes seconds and changes the process). ``gpu_capability``: the GPU's compute capability."""
     from mcore_rl.engine.rollout.vllm_layout import VLLM_VOCAB_PADDING
 
     problems = [] if installed else [INSTALL_HINT]
+    key, name = dtype
+    # vLLM's CUDA platform refuses bfloat16 below compute capability 8.0 (V100, T4); its CPU platform takes
+    # float32, bfloat16 and float16 on x86 and aarch64 (the contract test checks the list against vLLM's).
+    if on_gpu and name == "bfloat16" and gpu_capability is not None and gpu_capability < (8, 0):
+        major, minor = gpu_capability
+        problems.append(
+            f"{key}=bfloat16 with rollout.name=vllm: vLLM needs compute capability 8.0 (A100) or newer for "
+            f"bfloat16, this GPU has {major}.{minor}; set {key}=float16"
+        )
     if not on_gpu and arch.head_dim not in CPU_HEAD_SIZES:
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         problems.append(
