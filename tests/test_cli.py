@@ -4,6 +4,7 @@ flag in every command that takes them (parsed only: nothing runs)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,13 +74,45 @@ def test_train_reports_tokenizer_and_data_errors_as_input_errors(tmp_path: Path,
     common = [DEMO, "--in-process", f"trainer.default_local_dir={tmp_path}/run", "data.generate=null"]
     assert main(["train", *common, f"model.tokenizer_path={tmp_path}/no_tokenizer"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"mcore-rl train: error: {tmp_path}/no_tokenizer: no such tokenizer folder"), err
+    assert err.startswith(
+        f"mcore-rl train: error: invalid run config: model.tokenizer_path: {tmp_path}/no_to"
+    ), err
 
     tokenizer = train_bpe(tmp_path / "tok", with_config=True)
     missing = f"data.train_files=[{tmp_path}/none.parquet]"
     assert main(["train", *common, f"model.tokenizer_path={tokenizer}", missing]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"mcore-rl train: error: {tmp_path}/none.parquet: no such data file"), err
+    assert f"error: invalid run config: data.train_files: {tmp_path}/none.parquet does not exist" in err, err
+
+
+def test_a_missing_model_folder_is_named_as_itself(tmp_path: Path, capsys) -> None:
+    """Not as the tokenizer error that reading it (model.tokenizer_path defaults to model.path) would give."""
+    common = [DEMO, "--in-process", f"trainer.default_local_dir={tmp_path}/run", "model.hf_config={}"]
+    assert main(["train", *common, f"model.path={tmp_path}/no_model"]) == 1
+    err = capsys.readouterr().err
+    assert f"model.path: {tmp_path}/no_model does not exist" in err and "tokenizer" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_without_tokenizer_files_asks_for_the_tokenizer(tmp_path: Path, capsys) -> None:
+    from tests.models import tiny_hf_config
+
+    ckpt = tmp_path / "sft_checkpoint"  # what an SFT run leaves: a model checkpoint, no hf_assets/
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    info = {"hf_config": tiny_hf_config("llama", max_position_embeddings=2048), "dtype": "float32"}
+    (ckpt / "mcore_rl_model.json").write_text(json.dumps({**info, "format_version": 1, "extra": {}}))
+    overrides = [
+        f"model.path={ckpt}",
+        f"model.tokenizer_path={ckpt}",
+        "model.hf_config={}",
+        "sft.enable=false",
+        "data.generate=null",
+    ]
+    assert main(["train", DEMO, "--in-process", f"trainer.default_local_dir={tmp_path}/run", *overrides]) == 1
+    err = capsys.readouterr().err
+    assert f"model.path={ckpt} is a megatron checkpoint without the tokenizer files" in err, err
+    assert "set model.tokenizer_path" in err
 
 
 @pytest.mark.parametrize(

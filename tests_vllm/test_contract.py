@@ -216,3 +216,21 @@ def test_the_config_checks_copy_of_the_cpu_head_sizes_is_vllms() -> None:
     assert {torch.float32, torch.bfloat16, torch.float16} <= set(current_platform.supported_dtypes)
     problems = vllm_compat.preflight_problems(tiny_arch("llama"), 1, on_gpu=False, installed=True)
     assert len(problems) == 1 and "head_dim=16" in problems[0]
+
+
+def test_the_chat_template_warmup_failure_of_a_tokenizer_free_engine_is_dropped(caplog) -> None:
+    """vLLM logs it (with a traceback) from the module-level logger named here; other records pass."""
+    import logging
+
+    vllm_compat.import_vllm()
+    import vllm.renderers.base as renderers
+
+    assert renderers.logger is logging.getLogger(vllm_compat.CHAT_WARMUP_LOGGER)
+    assert "Chat template warmup failed" in inspect.getsource(renderers)
+    renderers.logger.addHandler(caplog.handler)
+    try:
+        renderers.logger.warning("Chat template warmup failed", exc_info=False)
+        renderers.logger.warning("something else")
+    finally:
+        renderers.logger.removeHandler(caplog.handler)
+    assert {r.getMessage() for r in caplog.records} == {"something else"}

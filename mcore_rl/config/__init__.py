@@ -65,7 +65,7 @@ from mcore_rl.config.model import AlgorithmConfig, ModelConfig, RolloutConfig, V
 from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.config.run import RunConfig, SFTConfig, TrainerConfig
 from mcore_rl.config.run_folder import claim_run_folders
-from mcore_rl.config.validate import validate
+from mcore_rl.config.validate import check_paths, validate
 from mcore_rl.data.config import DataConfig
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.io.errors import ConfigError
@@ -94,6 +94,7 @@ __all__ = [
     "TrainerConfig",
     "ValSampling",
     "check_config",
+    "check_paths",
     "claim_run_folders",
     "config_to_yaml",
     "load_config",

@@ -26,8 +26,9 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mcore_rl.config.key_hints import key_hint
 from mcore_rl.config.run import RunConfig
-from mcore_rl.config.validate import validate
+from mcore_rl.config.validate import problems_message, validate
 from mcore_rl.io.errors import ConfigError
 from mcore_rl.io.fields import FieldError
 
@@ -67,7 +68,7 @@ def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False, rules: 
     problems: list[str] = []
     resolved = _build(RunConfig, values, "", problems)
     if resolved is None:
-        raise ConfigError("invalid run config:\n  " + "\n  ".join(problems))
+        raise ConfigError(problems_message(problems))
     assert isinstance(resolved, RunConfig)
     if rules:
         validate(resolved, check_paths=check_paths)
@@ -231,13 +232,22 @@ def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
+            hint = key_hint(RunConfig, _first_leaf(dotted, value), list(fields), prefix)
             raise ConfigError(
-                f"unknown key {dotted} ({source}); keys allowed under {prefix.rstrip('.') or 'the root'}: "
+                f"unknown key {dotted} ({source}){hint}; keys allowed under {prefix.rstrip('.') or 'the root'}: "
                 f"{', '.join(fields)}"
             )
         hint = hints[key]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
             _check_keys(value, hint, f"{dotted}.", source)
+
+
+def _first_leaf(dotted: str, value: Any) -> str:
+    """The full key of the first value under ``dotted`` (``actor_rollout_ref`` -> ``..model.path``)."""
+    while isinstance(value, Mapping) and value:
+        key, value = next(iter(value.items()))
+        dotted = f"{dotted}.{key}"
+    return dotted
 
 
 def _expected(full_key: str) -> str:

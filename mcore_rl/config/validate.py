@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from mcore_rl.algo.settings import AdvEstimator, DPOLossType
@@ -33,7 +34,24 @@ def validate(cfg: RunConfig, check_paths: bool = False) -> None:
     the model folder and the tokenizer to exist (the driver checks them once data generation has run)."""
     problems = config_problems(cfg, check_paths)
     if problems:
-        raise ConfigError("invalid run config:\n  " + "\n  ".join(problems))
+        raise ConfigError(problems_message(problems))
+
+
+def problems_message(problems: Sequence[str]) -> str:
+    """Every problem on a line of its own, each ending in ``;`` so that the CLI's one-line form still parts
+    them: ``invalid run config (2 problems): a; b``."""
+    if len(problems) == 1:
+        return f"invalid run config: {problems[0]}"
+    return f"invalid run config ({len(problems)} problems):\n  " + ";\n  ".join(problems)
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` naming each input file or folder that is missing (the model, the tokenizer,
+    the data), before anything reads them: a missing ``model.path`` is named as itself, not as the tokenizer
+    error loading it would give."""
+    problems = _path_problems(cfg)
+    if problems:
+        raise ConfigError(problems_message(problems))
 
 
 def config_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
@@ -312,4 +330,18 @@ def _path_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"{key}: {path} does not exist")
     if cfg.model.tokenizer_path is None:
         problems.append("model.tokenizer_path is not set (nor model.path): the run needs a tokenizer")
+    elif _checkpoint_without_tokenizer(cfg):
+        problems.append(
+            f"model.tokenizer_path: model.path={cfg.model.path} is a megatron checkpoint without the "
+            "tokenizer files (hf_assets/: an SFT or run checkpoint keeps none); set model.tokenizer_path "
+            "to the tokenizer folder it was trained with"
+        )
     return problems
+
+
+def _checkpoint_without_tokenizer(cfg: RunConfig) -> bool:
+    """The tokenizer defaults to ``model.path``, a megatron checkpoint holding no tokenizer files."""
+    model = cfg.model
+    if model.path is None or model.tokenizer_path != model.path or not model.is_megatron_checkpoint():
+        return False
+    return not any(os.path.exists(os.path.join(model.path, f)) for f in ("tokenizer.json", "tokenizer.model"))

@@ -82,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
     out = _convert(args)
     if current_rank() == 0:  # one line per job, not per torchrun rank
         print(f"wrote {out}")
+        if (
+            args.direction == "hf-to-mcore"
+        ):  # what it is for in RL (README: a megatron checkpoint as model.path)
+            print(f"use it: mcore-rl train RECIPE model.path={out} (each rank reads only its own shards)")
+        else:
+            print(f"use it: mcore-rl eval {out} DATA, or transformers' from_pretrained({out!r})")
     return 0
 
 

@@ -66,6 +66,13 @@ class SFTDataset:
                     records.append(_record(raw, (file, row), tokenizer, data, response_key, max_length))
                 except BadRowError as bad:
                     overlong = bad.error.reason.startswith("example has")
+                    if not records and _no_response_column(bad.error, raw, response_key):
+                        raise DataError(
+                            f"{bad.error}: the rows hold no sft.response_key={response_key!r}; name the column "
+                            f"of the answer text (e.g. sft.response_key=extra_info.answer for the files of "
+                            f"`mcore-rl data prepare`; columns here: {', '.join(sorted(raw))}; or data.skip_bad_rows=true "
+                            "if only some rows lack it)"
+                        ) from None
                     if not (data.filter_overlong_prompts if overlong else data.skip_bad_rows):
                         hint = "data.filter_overlong_prompts" if overlong else "data.skip_bad_rows"
                         raise DataError(f"{bad.error} (set {hint}=true to skip such rows)") from None
@@ -85,6 +92,11 @@ class SFTDataset:
     def sampler(self, batch_size: int, seed: int) -> EpochSampler:
         """Shuffled batches of ``batch_size`` examples (state saved like the prompt loader's)."""
         return EpochSampler(len(self), batch_size, True, seed, True, f"sft:{len(self)}")
+
+
+def _no_response_column(problem: RowProblem, raw: Any, response_key: str) -> bool:
+    """The first row has no ``response_key``: most likely a wrong key rather than one bad row to skip."""
+    return isinstance(raw, dict) and (problem.column, problem.reason) == (response_key, "missing")
 
 
 def _record(

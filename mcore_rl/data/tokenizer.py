@@ -86,6 +86,33 @@ class Tokenizer(Protocol):
         ...
 
 
+# tokenizer_class values that mean "the tokenizer.json as saved" rather than a model-specific class.
+_GENERIC_TOKENIZER_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _load_transformers_tokenizer(path: str) -> Any:
+    """The folder's tokenizer with the pipeline its ``tokenizer.json`` describes.
+
+    transformers 5's ``AutoTokenizer`` prefers the class of ``config.json``'s ``model_type`` over a generic
+    ``tokenizer_class``, and model classes such as ``Qwen2Tokenizer`` rebuild their own pre-tokenizer: the
+    same tokenizer files would then encode differently in an HF model folder than in a checkpoint's
+    ``hf_assets/`` (no ``config.json``). A generic or missing ``tokenizer_class`` therefore loads the
+    ``tokenizer.json`` as saved, wherever it lies; a named class (real hub tokenizers) is honoured.
+    """
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        try:
+            named = json.load(f).get("tokenizer_class")
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"tokenizer_config.json is not a JSON object ({err})") from None
+    if named in _GENERIC_TOKENIZER_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 class HFTokenizer:
     """A transformers tokenizer (config present) or a bare ``tokenizers.Tokenizer``."""
 
@@ -94,10 +121,8 @@ class HFTokenizer:
         self._hf: Any = None
         self._raw: Any = None
         if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-
             try:
-                self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                self._hf = _load_transformers_tokenizer(path)
             except (OSError, ValueError) as err:
                 raise TokenizerError(f"{path}: transformers cannot load the tokenizer: {err}") from None
             eos, pad = self._hf.eos_token_id, self._hf.pad_token_id

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.algo import DPOSettings
-from mcore_rl.config import ConfigError, RunConfig, claim_run_folders, load_config, save_config
+from mcore_rl.config import ConfigError, RunConfig, check_paths, claim_run_folders, load_config, save_config
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
 from mcore_rl.convert.export import MODEL_DIR, check_export_folder, export_hf_model
 from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
@@ -60,6 +60,7 @@ class DPOData:
 
 
 def load_dpo_data(cfg: RunConfig) -> DPOData:
+    check_paths(cfg)  # each missing input named as itself, before the tokenizer is read
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
     keys = (cfg.dpo.chosen_key, cfg.dpo.rejected_key)
 

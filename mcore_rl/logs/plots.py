@@ -96,6 +96,7 @@ def _draw_stage(ax: Any, stage: str, series: dict[str, list[tuple[float, float]]
         loss.set_ylabel("SFT loss (token mean)")
         handles, labels = [*handles, line], [*labels, "loss (right axis)"]
     ax.set_xlabel("SFT step" if stage == "sft" else "RL step")
+    _whole_steps(ax)
     ax.set_ylabel("accuracy / reward")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("SFT warm start" if stage == "sft" else "RL")
@@ -130,9 +131,17 @@ def dpo_plot(records: list[dict[str, Any]], log_dir: str) -> str | None:
     right.set_ylim(-0.02, 1.02)
     right.set_title("held-out")
     for ax in (left, right):
+        _whole_steps(ax)
         ax.grid(alpha=0.3)
         ax.legend()
     return _save(plt, fig, os.path.join(log_dir, "dpo.png"))
+
+
+def _whole_steps(ax: Any) -> None:
+    """Steps are counted: no 0.5 tick on a 3-step run's axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _save(plt: Any, fig: Any, path: str) -> str:

@@ -52,6 +52,10 @@ def emit_record(jsonl: Any, tb: Any, stage: str, step: int, metrics: dict[str, A
     return record
 
 
+BAR_MIN_INTERVAL_S = 2.0
+"""Seconds between two redraws of a progress bar (tqdm's ``mininterval``)."""
+
+
 class RunLog:
     """Writes records of ``{"stage": ..., "step": ..., metrics...}``; :meth:`close` draws the plot.
 
@@ -126,12 +130,17 @@ class RunLog:
                 self._bar.close()  # stays on the console: the stage's last step and metrics
             initial = self._start_step if stage == self.progress_stage else 0
             total = self._stage_steps[stage]
-            self._bar = tqdm(total=total, initial=initial, desc=stage, unit="step", mininterval=2.0)
+            self._bar = tqdm(
+                total=total, initial=initial, desc=stage, unit="step", mininterval=BAR_MIN_INTERVAL_S
+            )
             self._bar_stage = stage
+            self._shown: dict[str, str] = {}
+        # Merged, so a metric logged every few steps (val_accuracy) stays on the line between its steps; set
+        # before update(), which is what redraws the line, so the line shows this step's values.
+        self._shown.update({k: f"{metrics[v]:.3f}" for k, v in self.bar_metrics.items() if v in metrics})
+        self._bar.set_postfix(self._shown, refresh=False)
         if step > self._bar.n:
             self._bar.update(step - self._bar.n)
-        shown = {k: f"{metrics[v]:.3f}" for k, v in self.bar_metrics.items() if v in metrics}
-        self._bar.set_postfix(shown, refresh=False)
 
     def close(self) -> str | None:
         """Flush everything; returns the plot's path (None when off, disabled, or nothing was drawn)."""

@@ -51,11 +51,16 @@ EXIT_STATUS = "exit status: 0 fits, 1 DOES NOT FIT (a smaller layout that fits i
 fit", and a script must tell the two apart."""
 
 
+DEFAULT_GPU = "A100-80"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.add_argument("recipe", nargs="?", help="run recipe (YAML); omit to give the layout as flags")
     parser.add_argument("overrides", nargs="*", default=[], help="dotted.key=value overrides of the recipe")
-    parser.add_argument("--gpu", default="A100-80", choices=sorted(GPU_MEMORY_BYTES), help="GPU model")
+    parser.add_argument(
+        "--gpu", default=None, choices=sorted(GPU_MEMORY_BYTES), help=f"GPU model (default {DEFAULT_GPU})"
+    )
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recompute")
     parser.add_argument("--model-config", help="HF config.json (instead of the recipe's model.path)")
     parser.add_argument("--no-flash-attention", action="store_true", help="attention stores s x s scores")
@@ -87,12 +92,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     proposal = None if result.fits or args.no_propose else smallest_fitting_layout(plan)
+    if args.gpu is None:  # the GPU decides the verdict: say which one was assumed
+        print(f"gpu: {DEFAULT_GPU} assumed (--gpu names yours: {', '.join(sorted(GPU_MEMORY_BYTES))})")
     print(format_plan(result, proposal, searched=not args.no_propose))
     return 0 if result.fits else 1
 
 
 def _common(args: argparse.Namespace) -> dict[str, Any]:
-    return {"gpu": args.gpu, "recompute": args.recompute, "flash_attention": not args.no_flash_attention}
+    return {
+        "gpu": args.gpu or DEFAULT_GPU,
+        "recompute": args.recompute,
+        "flash_attention": not args.no_flash_attention,
+    }
 
 
 def _plan_from_flags(args: argparse.Namespace) -> PlanInput:

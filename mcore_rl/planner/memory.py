@@ -190,7 +190,9 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
     switch_terms = {
         **kept,
         "rollout weights": rollout_weights,
-        "reshard buffers": plan.reshard_inflight_bytes,
+        # A round's messages hold real tensors: never more than this rank sends (its weights) plus receives
+        # (its rollout weights) in the whole sync, however large the in-flight cap.
+        "reshard buffers": min(plan.reshard_inflight_bytes, sum(weights.values()) + rollout_weights),
     }
     rollout_act = rollout_activation_bytes(plan)
     kv = max(0, int(plan.rollout_memory_fraction * plan.gpu_bytes) - rollout_weights - rollout_act)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
+from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, gib
 
 
@@ -25,10 +29,21 @@ def describe_layout(result: MemoryPlan) -> str:
     )
 
 
+def _padding_note(p: Any) -> str:
+    """Why a rank can hold more than the model: megatron pads the vocabulary rows."""
+    padded = padded_vocab_size(p.arch.vocab_size, p.tp, VOCAB_DIVISIBLE_BY)
+    if padded == p.arch.vocab_size:
+        return ""
+    return (
+        f" (the vocabulary padded from {p.arch.vocab_size:,} to {padded:,} rows, a multiple of "
+        f"{VOCAB_DIVISIBLE_BY} x tp, as megatron does)"
+    )
+
+
 def format_plan(result: MemoryPlan, proposal: MemoryPlan | None = None, searched: bool = False) -> str:
     p = result.plan
     lines = [
-        f"model: {result.model_params:,} parameters; this rank holds {result.actor.params:,}",
+        f"model: {result.model_params:,} parameters; this rank holds {result.actor.params:,}{_padding_note(p)}",
         f"layout: {describe_layout(result)}",
         f"batch: {p.global_batch_size} sequences x {p.seq_length} tokens per step, micro-batch "
         f"{p.micro_batch_size}, {p.num_microbatches} micro-batches per DP rank",

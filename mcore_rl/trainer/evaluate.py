@@ -196,7 +196,7 @@ def eval_config(
 ) -> RunConfig:
     """The run config of an evaluation: ``recipe`` (else a run checkpoint's saved config, else the schema
     defaults), training switched off (:data:`EVAL_KEYS`), the model and data, then ``overrides``."""
-    from mcore_rl.config import load_config
+    from mcore_rl.config import ConfigError, load_config
 
     source = eval_source(model)
     base = recipe or source.recipe
@@ -206,7 +206,15 @@ def eval_config(
         f"data.train_files=[{','.join(data_files)}]",
         *overrides,
     ]
-    return load_config(base, keys)
+    if base is not None:
+        return load_config(base, keys)
+    try:
+        return load_config(None, keys)
+    except ConfigError as err:  # e.g. the base lengths exceed a small model's max_position_embeddings
+        raise ConfigError(
+            f"{err} (eval read the schema's defaults: pass the recipe the model was trained with, "
+            "--recipe RECIPE, or set the keys named, e.g. data.max_response_length=N)"
+        ) from None
 
 
 def evaluate_model(
@@ -220,7 +228,7 @@ def evaluate_model(
 ) -> EvalReport:
     """Greedy accuracy, sampled mean reward and pass@k of ``model`` on ``data_files`` (see the module
     docstring), on the layout and rollout engine the config names."""
-    from mcore_rl.config import ConfigError
+    from mcore_rl.config import ConfigError, check_paths
     from mcore_rl.data.prompts import PromptDataset
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
@@ -236,6 +244,7 @@ def evaluate_model(
             f"rollout.val_kwargs.n={val.n} with rollout.val_kwargs.temperature=0 draws the greedy answer "
             f"{val.n} times; set a temperature (e.g. rollout.val_kwargs.temperature=1.0) for pass@k"
         )
+    check_paths(cfg)  # a missing model or data file named as itself, not as a tokenizer error
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
     dataset = PromptDataset.from_files(list(data_files), tokenizer, cfg.data)
     # The ranks' console output into a folder of the eval's own, not the log folder of the run that made the

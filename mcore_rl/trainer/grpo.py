@@ -26,6 +26,7 @@ import torch
 
 from mcore_rl.algo.advantages import compute_advantages
 from mcore_rl.algo.agreement import prob_agreement
+from mcore_rl.io.errors import note
 from mcore_rl.trainer.step import StageTimer, StepBase, recompute_old_log_probs
 from mcore_rl.types import PromptBatch, RolloutBatch, StepStats, TrainBatch
 
@@ -33,6 +34,9 @@ from mcore_rl.types import PromptBatch, RolloutBatch, StepStats, TrainBatch
 class GRPOStep(StepBase):
     """The critic-free step (``algorithm.adv_estimator`` grpo, dr_grpo, rloo, reinforce_plus_plus[_baseline]);
     see the module docstring."""
+
+    _noted_no_signal = False
+    """Set once the all-zero advantages note was given (see :meth:`note_no_signal`)."""
 
     def run(self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None) -> StepStats:
         """One RL step on ``prompts`` (the weights are synced for the next step when it returns).
@@ -55,6 +59,7 @@ class GRPOStep(StepBase):
             gamma=cfg.algorithm.gamma,
         )
         advantages, importance = self.lag_correction(advantages, old_log_probs, rollout, lag)
+        self.note_no_signal(advantages, step)
         batch = TrainBatch(rollout.tokens, rollout.response_mask, old_log_probs, advantages, ref_log_probs)
         wait_update = self.submit_update_for(batch, step, recompute)
         wait_sync = self.submit_sync_and_memory()  # queued behind the update (see StepBase)
@@ -73,6 +78,18 @@ class GRPOStep(StepBase):
             synced,
             old_log_probs_recomputed=recompute,
             importance=importance,
+        )
+
+    def note_no_signal(self, advantages: torch.Tensor, step: int) -> None:
+        """Say once per run when a step's advantages are all zero: every prompt's samples scored alike (all
+        right or all wrong), so the policy-gradient term is zero; a run that stays there learns nothing."""
+        if self._noted_no_signal or bool(advantages.abs().amax() > 0):
+            return
+        self._noted_no_signal = True
+        note(
+            f"RL step {step}: every advantage is 0 (each prompt's {self.cfg.rollout.n} samples scored alike), "
+            "so the step cannot move the policy; if it lasts (mixed_groups stays 0 in metrics.jsonl), check "
+            "reward.* against the data's ground truths, or raise rollout.n or rollout.temperature"
         )
 
     def submit_log_probs(

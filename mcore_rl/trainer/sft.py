@@ -55,6 +55,8 @@ class SFTSummary:
     """megatron model checkpoint of the trained model."""
     log_dir: str
     """metrics.jsonl, TensorBoard and the plot."""
+    plot: str | None = None
+    """The plot written at the end (``logging.plot``); None when off."""
 
 
 def sft_config(config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = ()) -> RunConfig:
@@ -81,11 +83,11 @@ def fit_sft(trainer: Trainer) -> SFTSummary:
         after = trainer.test(log, "after_sft")
         checkpoint_dir, model_dir = export_model(trainer)
     finally:
-        log.close()
+        plot = log.close()
         trainer.records = log.records
     losses = [float(r["loss"]) for r in log.records if r["stage"] == "sft"]
     return SFTSummary(
-        steps, losses[0], losses[-1], before, after, model_dir, checkpoint_dir, cfg.logging.log_dir
+        steps, losses[0], losses[-1], before, after, model_dir, checkpoint_dir, cfg.logging.log_dir, plot
     )
 
 

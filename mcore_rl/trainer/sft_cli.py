@@ -22,11 +22,17 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     summary = run_sft(args.recipe, args.overrides, use_ray=not args.in_process)
-    print(
-        f"held-out accuracy: {_pct(summary.test_before)} before, {_pct(summary.test_after)} after "
-        f"{summary.steps} SFT steps (loss {summary.first_loss:.4f} -> {summary.last_loss:.4f})"
-    )
+    loss = f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}"
+    if summary.test_after is None:
+        print(
+            f"{summary.steps} SFT steps ({loss}); held-out accuracy: none (set data.test_files to score one)"
+        )
+    else:
+        print(
+            f"held-out accuracy: {_pct(summary.test_before)} before, {_pct(summary.test_after)} after "
+            f"{summary.steps} SFT steps ({loss})"
+        )
     print(f"model: {summary.model_dir} (megatron checkpoint: {summary.checkpoint_dir})")
     print(f"start RL from it: mcore-rl train {args.recipe} model.path={summary.model_dir} sft.enable=false")
-    print(f"logs: {summary.log_dir} (metrics.jsonl)")
+    print(f"logs: {summary.log_dir} (metrics.jsonl{', reward.png' if summary.plot else ''})")
     return 0

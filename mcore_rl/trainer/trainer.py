@@ -31,7 +31,15 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from mcore_rl.config import ConfigError, RunConfig, check_config, claim_run_folders, load_config, save_config
+from mcore_rl.config import (
+    ConfigError,
+    RunConfig,
+    check_config,
+    check_paths,
+    claim_run_folders,
+    load_config,
+    save_config,
+)
 from mcore_rl.config.run_folder import (
     check_run_folders,
     checkpoint_name,
@@ -121,7 +129,14 @@ def resume_point(cfg: RunConfig, loader: PromptLoader) -> ResumePoint | None:
         return None
     from mcore_rl.engine.trainer_checkpoint import read_trainer_state
 
-    step, _, saved = read_trainer_state(path)
+    step, saved_tp, saved = read_trainer_state(path)
+    tp = cfg.parallel.tensor_model_parallel_size
+    if saved_tp != tp:  # checked here, before any worker starts (the optimizer state is saved per TP shard)
+        raise ConfigError(
+            f"{path}: saved at parallel.tensor_model_parallel_size={saved_tp}, this run sets {tp}; resume at "
+            f"{saved_tp} (data-parallel and pipeline sizes may change), or start a new run in another "
+            f"trainer.default_local_dir with model.path={path} (its weights at any layout, a fresh optimizer)"
+        )
     model = cfg.model.hf_config_dict()
     changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
     if changed:
@@ -142,15 +157,17 @@ class Trainer:
     def __init__(
         self,
         cfg: RunConfig,
-        actors: ActorGroup,
-        step: StepBase,
+        actors: ActorGroup | None,
+        step: StepBase | None,
         data: RunData,
         total_steps: int,
         resume_from: ResumePoint | None = None,
     ) -> None:
+        """``actors`` and ``step`` are None only for a run whose checkpoint is at ``total_steps`` already: it has
+        nothing to train, so :meth:`from_config` starts no workers for it."""
         self.cfg = cfg
-        self.actors = actors
-        self.step = step
+        self._actors = actors
+        self._step = step
         self.data = data
         self.total_steps = total_steps
         self.resume_from = resume_from
@@ -159,6 +176,18 @@ class Trainer:
         self._prefetched: PromptBatch | None = None
         """``trainer.one_step_off``: the next step's prompts, already drawn (their rollout is pending)."""
         self.records: list[dict[str, Any]] = []
+
+    @property
+    def actors(self) -> ActorGroup:
+        if self._actors is None:
+            raise RuntimeError("this run is complete already: no workers were started for it")
+        return self._actors
+
+    @property
+    def step(self) -> StepBase:
+        if self._step is None:
+            raise RuntimeError("this run is complete already: no workers were started for it")
+        return self._step
 
     @classmethod
     def from_config(
@@ -171,12 +200,15 @@ class Trainer:
         cfg = check_config(config) if isinstance(config, RunConfig) else load_config(config, overrides)
         check_run_folders(cfg)  # first: where it writes, before even generated data is written
         prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
+        check_paths(cfg)  # now that generated data exists: each missing input named as itself
         data = load_run_data(cfg)
         check_start(cfg, data.tokenizer, data_sources(data))
         resume_from = resume_point(cfg, data.loader)
+        total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
+        if resume_from is not None and resume_from.step >= total:
+            return cls(cfg, None, None, data, total, resume_from)  # already complete: no workers, no writes
         claim_run_folders(cfg)  # every check passed: now the run folder and its config
         save_config(cfg, cfg.trainer.default_local_dir)
-        total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
         actors = build_actor_group(cfg, worker_spec(cfg, actor_optimizer_steps(cfg, total)), use_ray)
         step = build_step(cfg, actors, data.tokenizer, RewardScorer(cfg.reward), total)
         return cls(cfg, actors, step, data, total, resume_from)
@@ -328,9 +360,11 @@ class Trainer:
         self.step.restore_pending(self._prefetched, RolloutBatch(**load_file(rollout_file)))
 
     def close(self) -> None:
-        self.step.scorer.close()
-        self.step.close()
-        self.actors.shutdown()
+        if self._step is not None:
+            self._step.scorer.close()
+            self._step.close()
+        if self._actors is not None:
+            self._actors.shutdown()
 
     def __enter__(self) -> Trainer:
         return self

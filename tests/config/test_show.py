@@ -29,8 +29,10 @@ def test_show_prints_the_defaults_of_base_and_warns_what_a_run_needs(capsys) -> 
 def test_check_makes_the_warnings_errors(flag: str, capsys) -> None:
     assert main(["config", "show", BASE, flag]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.startswith("mcore-rl config: error: invalid run config:")
-    assert "data.train_files is empty" in captured.err
+    assert captured.out == "" and captured.err.startswith("mcore-rl config: error: invalid run config (")
+    # one line on the console, the problems parted by "; " rather than run together
+    assert len(captured.err.splitlines()) == 1
+    assert "(an inline config.json); data.train_files is empty" in captured.err
 
 
 def test_a_config_that_can_run_prints_no_warning(capsys) -> None:

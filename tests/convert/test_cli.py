@@ -71,3 +71,16 @@ def test_python_dash_m_entry_point(hf_sharded, tmp_path):
         done.returncode == 1
         and "num_attention_heads=4 is not divisible by tensor_model_parallel_size=3" in done.stderr
     )
+
+
+def test_each_direction_says_how_to_use_what_it_wrote(ckpt, hf_sharded, tmp_path, capsys):
+    capsys.readouterr()
+    out = str(tmp_path / "mcore")
+    assert main(["convert", "hf-to-mcore", "--hf-dir", hf_sharded, "--out", out]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {out}",
+        f"use it: mcore-rl train RECIPE model.path={out} (each rank reads only its own shards)",
+    ]
+    hf = str(tmp_path / "hf")
+    assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", hf]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"use it: mcore-rl eval {hf} DATA")

@@ -155,6 +155,19 @@ def test_sft_examples_mask_the_prompt_and_name_bad_rows(tmp_path: Path, hf_tok: 
     assert masked == target  # exactly the response and EOS are predicted
 
 
+def test_sft_rows_without_the_response_key_name_the_key(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    """verl-format RL rows (what `mcore-rl data prepare` writes) keep the answer in extra_info.answer."""
+    path = str(tmp_path / "train.jsonl")
+    prepared = {**row(0), "extra_info": {"answer": "seven #### 7"}}
+    write_rows(path, [prepared])
+    data = DataConfig(max_prompt_length=64, max_response_length=16)
+    with pytest.raises(
+        DataError, match=r"no sft\.response_key='response'; .*sft\.response_key=extra_info\.answer"
+    ):
+        SFTDataset.from_files([path], hf_tok, data)
+    assert len(SFTDataset.from_files([path], hf_tok, data, response_key="extra_info.answer")) == 1
+
+
 def _loader(num: int, batch: int, tmp_path: Path, tok: Tokenizer) -> PromptLoader:
     path = str(tmp_path / "many.jsonl")
     write_rows(path, [row(i, prompt=f"the cat {i}") for i in range(num)])

@@ -45,3 +45,21 @@ def test_without_sft_the_first_held_out_mark_starts_rl_and_no_sft_panel_is_drawn
     assert series["test_sft"] == [] and series["test_rl"] == [(0, 0.0), (4, 0.8)]
     assert reward_plot(_records(sft_steps=0), str(tmp_path)) == str(tmp_path / "reward.png")
     assert (tmp_path / "reward.png").stat().st_size > 1000
+
+
+def test_the_step_axes_tick_whole_steps_only() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mcore_rl.logs.plots import _draw_stage
+
+    series = reward_series(_records(sft_steps=3))
+    for stage in ("sft", "rl"):
+        fig, ax = plt.subplots()
+        _draw_stage(ax, stage, series)
+        fig.canvas.draw()
+        ticks = ax.get_xticks()
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (stage, ticks)
+        plt.close(fig)

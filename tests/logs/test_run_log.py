@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mcore_rl.logs import run_log
 from mcore_rl.logs.config import LoggingConfig
 from mcore_rl.logs.run_log import RunLog, previous_log
 
@@ -67,6 +68,22 @@ def test_each_stage_has_its_own_progress_bar(tmp_path: Path, capsys) -> None:
     assert "2/5" in sft_line and "loss=1.250" in sft_line and "val_accuracy=0.500" in sft_line
     assert "3/3" in rl_line and "reward=0.750" in rl_line
     assert not any(line.startswith("test") for line in lines)
+
+
+def test_each_redraw_shows_its_own_step_and_keeps_the_last_validation(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr(run_log, "BAR_MIN_INTERVAL_S", 0.0)  # redraw at every step
+    log = RunLog(LoggingConfig(log_dir=str(tmp_path), progress_bar=True, plot=False), total_steps=3)
+    log.write("rl", 1, {"reward": 0.25, "val_accuracy": 0.5})
+    log.write("rl", 2, {"reward": 0.5})
+    log.write("rl", 3, {"reward": 0.75})
+    log.close()
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    for step in (1, 2, 3):
+        drawn = [line for line in lines if f" {step}/3 " in line]
+        assert drawn and all(f"reward={step / 4:.3f}" in line for line in drawn), (step, drawn)
+        assert all("val_accuracy=0.500" in line for line in drawn)
 
 
 def test_a_resumed_bar_starts_at_the_resumed_step(tmp_path: Path, capsys) -> None:

@@ -87,3 +87,17 @@ def test_recipe_form_reports_config_errors(tiny_recipe, capsys):
 def test_recipe_form_refuses_layout_flags(tiny_recipe, capsys):
     assert main(["plan", tiny_recipe, "--tp", "2"]) == 2
     assert "--tp cannot be combined with a recipe" in capsys.readouterr().err
+
+
+def test_the_report_names_its_assumptions(capsys):
+    """The assumed GPU, why a rank holds more than the model (vocab padding), and reshard buffers no larger
+    than what a rank moves (a 0.5M-parameter model never fills two 256 MiB buckets)."""
+    assert main(["plan", str(REPO / "recipes" / "demo_cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpu: A100-80 assumed (--gpu names yours: A100-40, A100-80, H100-80, H200-141)\n")
+    assert "(the vocabulary padded from 14 to 128 rows, a multiple of 128 x tp, as megatron does)" in out
+    switch = out.split("switch:")[1].split("rollout:")[0]
+    sizes = {line.rsplit(None, 2)[0].strip(): line.split()[-2:] for line in switch.splitlines()[1:] if line}
+    assert sizes["reshard buffers"] == ["4.1", "MiB"], sizes  # its weights sent + rollout weights received
+    assert main(["plan", str(REPO / "recipes" / "demo_cpu.yaml"), "--gpu", "H100-80"]) == 0
+    assert "assumed" not in capsys.readouterr().out

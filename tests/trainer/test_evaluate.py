@@ -156,3 +156,12 @@ def test_eval_refuses_greedy_pass_at_k(tmp_path: Path) -> None:
         evaluate_model(str(ckpt), ["x.jsonl"], ["rollout.val_kwargs.n=4"])
     with pytest.raises(ConfigError, match="give at least one data file"):
         evaluate_model(str(ckpt), [])
+
+
+def test_schema_defaults_too_long_for_the_model_point_to_the_recipe(tmp_path: Path) -> None:
+    ckpt = _megatron_checkpoint(tmp_path / "ckpt", tiny_hf_config("llama", max_position_embeddings=64), True)
+    with pytest.raises(ConfigError, match="max_position_embeddings=64") as refused:
+        eval_config(str(ckpt), ["x.jsonl"])
+    assert "--recipe RECIPE" in str(refused.value) and "data.max_response_length" in str(refused.value)
+    short = ["data.max_prompt_length=32", "data.max_response_length=32"]
+    assert eval_config(str(ckpt), ["x.jsonl"], short).data.max_response_length == 32

@@ -49,12 +49,32 @@ def test_validate_before_training_then_complete_then_resume(tmp_path: Path, caps
     assert f"already complete at step 2 ({checkpoint}); nothing to train" in captured.out
     assert "held-out" not in captured.out and "resuming" not in captured.err
     assert Path(run, "logs", "metrics.jsonl").read_bytes() == logged  # nothing trained, nothing logged
+    saved = Path(run, "config.yaml").read_bytes()
+    overrides = [*demo_recipe_overrides(data, run), "sft.enable=false", "trainer.test_freq=-1"]
+    with Trainer.from_config(
+        "recipes/demo_cpu.yaml", [*overrides, "trainer.total_training_steps=2", *steps], use_ray=False
+    ) as complete:
+        assert complete._actors is None and complete._step is None  # no workers for a finished run
+        assert complete.fit()["already_complete"] == 2
+    assert Path(run, "config.yaml").read_bytes() == saved
 
     assert _train(data, run, "trainer.total_training_steps=3", *steps) == 0  # one step more: resumes
     captured = capsys.readouterr()
     assert f"resuming from {checkpoint} (step 2)" in captured.err
     assert re.search(r"held-out accuracy: \d+\.\d% after 3 RL steps\n", captured.out), captured.out
     assert [(r["stage"], r["step"]) for r in _records(run)][5:] == [("rl", 3), ("test", 3)]
+
+    logged = Path(run, "logs", "metrics.jsonl").read_bytes()
+    at_tp2 = [
+        "trainer.total_training_steps=4",
+        "parallel.tensor_model_parallel_size=2",
+        "trainer.n_gpus_per_node=2",
+    ]
+    assert _train(data, run, *at_tp2, *steps) == 1  # refused on the driver, before any worker starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mcore-rl train: error: ") and "internal" not in err[0], err
+    assert "saved at parallel.tensor_model_parallel_size=1, this run sets 2" in err[0]
+    assert "model.path=" in err[0] and Path(run, "logs", "metrics.jsonl").read_bytes() == logged
 
 
 def test_no_validation_before_training_and_no_test_files(tmp_path: Path, capsys) -> None:

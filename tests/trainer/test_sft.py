@@ -83,7 +83,8 @@ def test_sft_command_writes_the_model_and_says_how_to_start_rl_from_it(data, tmp
     args = [*_overrides(data, run), "sft.total_steps=2", "sft.test_freq=100", "data.test_files=[]"]
     assert main(["sft", "recipes/demo_cpu.yaml", *args, "--in-process"]) == 0
     out = capsys.readouterr().out
-    assert "after 2 SFT steps" in out and f"model.path={run}/model sft.enable=false" in out
+    assert "2 SFT steps (loss " in out and f"model.path={run}/model sft.enable=false" in out
+    assert "held-out accuracy: none (set data.test_files to score one)" in out and "n/a" not in out
     assert os.path.isfile(os.path.join(run, "model", "model.safetensors"))
     assert os.path.isfile(os.path.join(run, "sft_checkpoint", "metadata.json"))
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -105,7 +106,18 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as err:
         raise ImportError(INSTALL_HINT) from err
+    logging.getLogger(CHAT_WARMUP_LOGGER).addFilter(_drop_chat_warmup_failure)
     return vllm
+
+
+CHAT_WARMUP_LOGGER = "vllm.renderers.base"
+"""Where vLLM (0.32) logs "Chat template warmup failed" with a traceback when the engine starts."""
+
+
+def _drop_chat_warmup_failure(record: logging.LogRecord) -> bool:
+    """Our engine is token in, token out (``skip_tokenizer_init``): vLLM's chat-template warmup has no
+    tokenizer to render with, so its failure (a traceback in every rank's log) says nothing about the run."""
+    return record.getMessage() != "Chat template warmup failed"
 
 
 def platform_name() -> str:
