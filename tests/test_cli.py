@@ -89,7 +89,10 @@ def test_a_missing_model_folder_is_named_as_itself(tmp_path: Path, capsys) -> No
     """Not as the tokenizer error that reading it (model.tokenizer_path defaults to model.path) would give."""
     common = [DEMO, "--in-process", f"trainer.default_local_dir={tmp_path}/run", "model.hf_config={}"]
     common.append("data.generate=null")  # the demo's data may be absent too (a fresh clone): named alike
-    no_model = [f"model.path={tmp_path}/no_model", "model.tokenizer_path=${model.path}"]  # the schema's default
+    no_model = [
+        f"model.path={tmp_path}/no_model",
+        "model.tokenizer_path=${model.path}",
+    ]  # the schema's default
     assert main(["train", *common, *no_model]) == 1
     err = capsys.readouterr().err
     assert f"model.path: {tmp_path}/no_model does not exist" in err and "no such tokenizer" not in err, err
