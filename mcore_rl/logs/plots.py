@@ -67,7 +67,7 @@ def reward_plot(records: list[dict[str, Any]], log_dir: str) -> str | None:
     ]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False)
     for ax, name in zip(axes[0], panels, strict=True):
         _draw_stage(ax, name, series)
     fig.tight_layout()
@@ -101,8 +101,8 @@ def _draw_stage(ax: Any, stage: str, series: dict[str, list[tuple[float, float]]
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("SFT warm start" if stage == "sft" else "RL")
     ax.grid(alpha=0.3)
-    if handles:
-        ax.legend(handles, labels, loc="center right", bbox_to_anchor=(1.0, 0.65), fontsize=8)
+    if handles:  # below the axes: inside, it hid the held-out mark at the end of RL
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
 
 
 def dpo_plot(records: list[dict[str, Any]], log_dir: str) -> str | None:
@@ -141,7 +141,7 @@ def _whole_steps(ax: Any) -> None:
     """Steps are counted: no 0.5 tick on a 3-step run's axis."""
     from matplotlib.ticker import MaxNLocator
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
 
 
 def _save(plt: Any, fig: Any, path: str) -> str:

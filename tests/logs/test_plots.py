@@ -63,3 +63,22 @@ def test_the_step_axes_tick_whole_steps_only() -> None:
         ticks = ax.get_xticks()
         assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (stage, ticks)
         plt.close(fig)
+
+
+def test_the_legend_sits_outside_the_data() -> None:
+    """Inside the axes it hid the held-out mark that ends the RL panel (seen in a demo run's plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mcore_rl.logs.plots import _draw_stage
+
+    series = reward_series(_records(sft_steps=3))
+    for stage in ("sft", "rl"):
+        fig, ax = plt.subplots()
+        _draw_stage(ax, stage, series)
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.y1 <= ax.get_window_extent().y0, stage  # wholly below the axes
+        plt.close(fig)
