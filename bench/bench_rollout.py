@@ -45,8 +45,9 @@ each source tree (from a directory outside both), back to back.
 Measured 2026-12-01 on the 2-core CI machine, ``--vllm-grid``, 2 threads, ours / vLLM and ours / HF at
 8 / 32 / 128 sequences x 32 new tokens, then x 256: tiny 3.79 / 2.73 / 2.23x and 4.75 / 3.23 / 1.96x vs vLLM
 (2.84 / 2.43 / 1.96x, 3.47 / 3.26 / 2.47x vs HF); realistic 1.44 / 1.52 / 1.45x, 1.62 / 1.56 / 1.59x vs
-vLLM (2.23-3.04x vs HF); qwen05b (``--engines ours,vllm --repeats 2``, 32 new tokens only, machine shared):
-1.30 / 1.10 / 0.86x vs vLLM.
+vLLM (2.23-3.04x vs HF); qwen05b (``--engines ours,vllm``): 1.30 / 1.10 / 0.86x vs vLLM at 32 new tokens
+(``--repeats 2``, machine shared) and 1.19 / 1.19 / 1.29x at 256 (2026-12-02, one cell per invocation,
+``--batch 8|32|128 --n 1 --new-tokens 256 --repeats 1``, quiet: ours 59 / 127 / 204 tok/s, vLLM 49 / 106 / 159).
 
 Measured 2026-11-30 on the 2-core CI machine (AVX-512), ``--grid --grid-threads 1 --kv-heads 8``, ours / HF:
 2.74x at 8 sequences, 2.49x at 32, 2.13x at 128 (64 new tokens); 2.40x at 16 new tokens, 2.85x at 256

@@ -10,7 +10,12 @@ import torch
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.train_engine import MicroBatch
 
-_FAMILY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_FAMILY_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def tiny_hf_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
@@ -35,6 +40,8 @@ def tiny_hf_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
         cfg["tie_word_embeddings"] = True
     if family == "mistral":
         cfg["sliding_window"] = 8
+    if family == "qwen3":  # head_dim independent of hidden / heads (4 x 24 = 96 query rows, hidden 64)
+        cfg.update(head_dim=24, attention_bias=False)
     cfg.update(overrides)
     return cfg
 

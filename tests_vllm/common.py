@@ -16,6 +16,8 @@ from tests.models import tiny_arch
 CASES = {
     "llama": dict(hidden_size=128, num_key_value_heads=4),  # untied; kv 4 so that TP 4 splits whole KV heads
     "qwen2": dict(hidden_size=128, num_key_value_heads=4),  # tied, with a qkv bias
+    # q/k norms, head_dim 32 apart from hidden / heads = 16
+    "qwen3": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32),
 }
 """Tiny configs of both layouts (head_dim 32, the smallest vLLM's CPU attention takes); each splits at TP 1,
 2 and 4."""

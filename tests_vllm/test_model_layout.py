@@ -25,7 +25,11 @@ pytest.importorskip("vllm")
 
 WORLD = 4
 TP_SIZES = (1, 2, 4)
-_CLASSES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+_CLASSES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
 
 
 def _model_shapes(family: str, tp: int, directory: str) -> tuple[int, dict[str, tuple[int, ...]]]:

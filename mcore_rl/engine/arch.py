@@ -1,4 +1,5 @@
-"""Model architecture read from a Hugging Face ``config.json``: the Llama family (Llama 2/3, Qwen2, Mistral).
+"""Model architecture read from a Hugging Face ``config.json``: the Llama family (Llama 2/3, Qwen2, Qwen3,
+Mistral).
 
 This module is pure (no megatron, no process groups): it turns the HF config into one typed record and
 computes the rotary frequencies exactly as ``transformers`` does, so that converted checkpoints reproduce
@@ -20,6 +21,7 @@ from mcore_rl.io.errors import ConfigError
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -30,7 +32,7 @@ class ModelArch:
     """Decoder-only transformer with RMSNorm, SwiGLU MLP, rotary embeddings and grouped-query attention."""
 
     family: str
-    """'llama', 'qwen2' or 'mistral' (the HF architecture the weights come from)."""
+    """'llama', 'qwen2', 'qwen3' or 'mistral' (the HF architecture the weights come from)."""
     vocab_size: int
     """Real vocabulary size (megatron pads it to a multiple of ``divisible_by * tp``)."""
     hidden_size: int
@@ -49,7 +51,10 @@ class ModelArch:
     partial_rotary_factor: float = 1.0
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    """Bias on the q/k/v projections (Qwen2 always; Llama with ``attention_bias``)."""
+    """Bias on the q/k/v projections (Qwen2 always; Llama and Qwen3 with ``attention_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's ``head_dim`` on queries and keys before rotary (Qwen3's ``q_norm``/``k_norm``;
+    megatron's ``qk_layernorm``), with the model's ``norm_eps``."""
     sliding_window: int | None = None
     """Mistral's attention window in tokens (query i sees keys i-W+1..i); None = full causal attention."""
     initializer_range: float = 0.02
@@ -127,8 +132,9 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         raise ConfigError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
     if _bool(cfg, "mlp_bias", False):
         raise ConfigError("mlp_bias=true is not supported")
-    if family == "qwen2" and _bool(cfg, "use_sliding_window", False):
-        raise ConfigError("use_sliding_window=true is not supported for Qwen2")
+    if family in ("qwen2", "qwen3") and _bool(cfg, "use_sliding_window", False):
+        # refused, not ignored: HF would window some layers (max_window_layers), we would not
+        raise ConfigError(f"use_sliding_window=true is not supported for {family.capitalize()}")
     for key in ("dtype", "torch_dtype"):
         if cfg.get(key) is not None and not isinstance(cfg[key], str):
             raise ConfigError(f"{key} must be a dtype name such as 'bfloat16', got {cfg[key]!r}")
@@ -156,6 +162,7 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         partial_rotary_factor=partial,
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
         qkv_bias=family == "qwen2" or _bool(cfg, "attention_bias", False),
+        qk_norm=family == "qwen3",
         sliding_window=window,
         initializer_range=_float(cfg, "initializer_range", 0.02, positive=False),
         extra=dict(cfg),

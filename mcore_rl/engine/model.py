@@ -85,6 +85,7 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,  # Qwen3: RMSNorm over head_dim on q and k before rotary
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.initializer_range,
@@ -147,7 +148,7 @@ def build_model_chunks(
 
     options = options or ModelOptions()
     config = transformer_config(arch, ctx, options)
-    spec = _layer_spec(options)
+    spec = _layer_spec(options, arch)
     vocab = padded_vocab_size(arch.vocab_size, ctx.tp_size, options.make_vocab_size_divisible_by)
     max_len = options.max_sequence_length or arch.max_position_embeddings
     inv_freq = rope_inv_freq(arch)
@@ -182,7 +183,7 @@ def _uses_te(options: ModelOptions) -> bool:
     return transformer_engine_available() if use_te is None else use_te
 
 
-def _layer_spec(options: ModelOptions) -> Any:
+def _layer_spec(options: ModelOptions, arch: ModelArch) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -191,6 +192,6 @@ def _layer_spec(options: ModelOptions) -> Any:
     from mcore_rl.compat.cpu_layers import local_spec
 
     if _uses_te(options):
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     # The local spec with torch's fused attention: fewer elementwise passes (compat/cpu_layers.py)
-    return local_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    return local_spec(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm))

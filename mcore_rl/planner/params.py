@@ -5,6 +5,7 @@ Per transformer layer, with ``q = heads * head_dim``, ``kv = kv_heads * head_dim
 
     input_layernorm        h                      replicated over TP
     linear_qkv             (q + 2 kv) * h / t     (+ (q + 2 kv) / t bias for Qwen2)
+    q/k_layernorm          2 head_dim             replicated (Qwen3)
     linear_proj            h * q / t
     pre_mlp_layernorm      h                      replicated
     linear_fc1             2 f * h / t            gate and up, fused
@@ -30,7 +31,8 @@ def layer_params(arch: ModelArch, tp: int = 1) -> int:
     kv = arch.num_query_groups * arch.head_dim
     qkv = (q + 2 * kv) * hidden + ((q + 2 * kv) if arch.qkv_bias else 0)
     sharded = qkv + hidden * q + 3 * arch.ffn_hidden_size * hidden
-    return sharded // tp + 2 * hidden
+    qk_norms = 2 * arch.head_dim if arch.qk_norm else 0  # Qwen3: replicated over TP
+    return sharded // tp + 2 * hidden + qk_norms
 
 
 def model_params(arch: ModelArch) -> int:

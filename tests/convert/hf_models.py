@@ -25,6 +25,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "qwen2-tied-bias": ("qwen2", {}),
     "mistral-window": ("mistral", {}),
+    "qwen3-qk-norm": ("qwen3", {}),  # q/k RMSNorm per head, head_dim 24 (not hidden / heads = 16)
 }
 
 

@@ -155,6 +155,7 @@ def _all_tensors(directory: str) -> dict[str, torch.Tensor]:
         ("llama3-rope", torch.bfloat16, "60KB"),
         ("qwen2-tied-bias", torch.float32, None),
         ("mistral-window", torch.float32, None),
+        ("qwen3-qk-norm", torch.bfloat16, None),
     ],
 )
 def test_hf_mcore_hf_is_bit_exact(run_distributed, tmp_path, variant, dtype, shard):
@@ -195,7 +196,7 @@ def _train_save_export(hf_dir: str, tmp: str, tokens: torch.Tensor) -> dict:
     return {"logits": logits, "losses": losses, "exported": exported}
 
 
-@pytest.mark.parametrize("variant", ["llama3-rope", "qwen2-tied-bias"])
+@pytest.mark.parametrize("variant", ["llama3-rope", "qwen2-tied-bias", "qwen3-qk-norm"])
 def test_trained_checkpoint_exports_to_hf(run_distributed, tmp_path, variant):
     family, overrides = VARIANTS[variant]
     hf_dir = save_hf_model(str(tmp_path / "hf"), family, **overrides)

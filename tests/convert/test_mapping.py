@@ -34,7 +34,7 @@ from mcore_rl.parallel.sharding import ShardKind, shard_kind, tp_shard
 from tests.models import tiny_arch
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_every_transform_round_trips_bit_exactly(family):
     arch = tiny_arch(family)
     generator = torch.Generator().manual_seed(0)

@@ -28,6 +28,16 @@ def test_qwen2_has_qkv_bias_and_mistral_keeps_window():
     assert ModelArch.from_hf_config(tiny_hf_config("mistral")).sliding_window == 8
 
 
+def test_qwen3_has_qk_norms_and_its_own_head_dim():
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen3"))
+    assert arch.family == "qwen3" and arch.qk_norm and not arch.qkv_bias
+    assert (arch.head_dim, arch.hidden_size // arch.num_attention_heads) == (24, 16)
+    assert ModelArch.from_hf_config(tiny_hf_config("qwen3", attention_bias=True)).qkv_bias
+    assert not ModelArch.from_hf_config(tiny_hf_config("qwen2")).qk_norm
+    with pytest.raises(ConfigError, match="use_sliding_window=true is not supported for Qwen3"):
+        ModelArch.from_hf_config(tiny_hf_config("qwen3", use_sliding_window=True))
+
+
 def test_reads_a_checkpoint_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen2", vocab_size=300)))
     assert ModelArch.from_hf_config(tmp_path).vocab_size == 300
@@ -38,7 +48,7 @@ def test_reads_a_checkpoint_folder(tmp_path):
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "supported: \\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM'\\]",
+            "supported: \\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\\]",
         ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),

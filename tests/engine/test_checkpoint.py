@@ -72,7 +72,7 @@ def _save_then_load_everywhere(family: str, directory: str) -> dict[str, bool]:
     return same
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_saved_at_tp2_loads_at_other_layouts(run_distributed, tmp_path, family):
     for per_rank in run_distributed(_save_then_load_everywhere, family, str(tmp_path / "ckpt")):
         assert per_rank == dict.fromkeys([*LOAD_LAYOUTS, "saved-at-pp2-vpp2"], True)

@@ -119,7 +119,8 @@ def test_local_spec_is_used_without_transformer_engine():
     from mcore_rl.engine.model import _layer_spec, transformer_engine_available
 
     assert not transformer_engine_available()
-    spec = _layer_spec(ModelOptions())
+    spec = _layer_spec(ModelOptions(), tiny_arch("qwen3"))
+    assert "Norm" in repr(spec.submodules.self_attention.submodules.q_layernorm)  # Qwen3's q/k norms
     assert "TE" not in repr(spec.submodules.self_attention.submodules.linear_qkv)
 
 

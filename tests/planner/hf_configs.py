@@ -56,3 +56,32 @@ QWEN25_7B: dict[str, Any] = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "vocab_size": 151936,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+    }
+
+
+QWEN3_0_6B = _qwen3(
+    hidden=1024, intermediate=3072, layers=28, heads=16, tied=True
+)  # head_dim 128 != 1024 / 16
+QWEN3_8B = _qwen3(hidden=4096, intermediate=12288, layers=36, heads=32, tied=False)

@@ -9,20 +9,27 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.planner import layer_params, model_params, rank_params, stage_params
 from tests.models import tiny_hf_config
-from tests.planner.hf_configs import LLAMA31_8B, LLAMA31_70B, QWEN25_7B
+from tests.planner.hf_configs import LLAMA31_8B, LLAMA31_70B, QWEN3_0_6B, QWEN3_8B, QWEN25_7B
 
 
 @pytest.mark.parametrize(
     ("config", "expected"),
-    [(LLAMA31_8B, 8_030_261_248), (LLAMA31_70B, 70_553_706_496), (QWEN25_7B, 7_615_616_512)],
-    ids=["llama3.1-8b", "llama3.1-70b", "qwen2.5-7b"],
+    [
+        (LLAMA31_8B, 8_030_261_248),
+        (LLAMA31_70B, 70_553_706_496),
+        (QWEN25_7B, 7_615_616_512),
+        # Qwen3's model cards: 0.6B (0.44B without the embedding) and 8.2B (6.95B)
+        (QWEN3_0_6B, 596_049_920),
+        (QWEN3_8B, 8_190_735_360),
+    ],
+    ids=["llama3.1-8b", "llama3.1-70b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b"],
 )
 def test_model_params_match_the_published_counts(config, expected):
     # The counts the HF model cards / safetensors indexes give for these checkpoints.
     assert model_params(ModelArch.from_hf_config(config)) == expected
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_model_params_match_transformers_on_the_tiny_models(family):
     import transformers
 

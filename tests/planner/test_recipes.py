@@ -100,3 +100,19 @@ def test_qwen25_7b_ppo_recipe_plans_a_critic_and_the_numbers_in_its_comments():
     # The rejected alternative: TP2 (DP4) does not fit the train phase.
     tp2 = plan_memory(plan.with_layout(tp=2))
     assert not tp2.train.fits and round(tp2.train.total_bytes / GIB) == 91
+
+
+def test_qwen3_8b_recipe_fits_an_h100_80_with_the_numbers_in_its_comments(tmp_path):
+    from tests.planner.hf_configs import QWEN3_8B
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    cfg = load_config("recipes/qwen3_8b_grpo_h100.yaml", [f"model.path={tmp_path}"])
+    plan = plan_input_from_config(cfg, gpu="H100-80")
+    assert (plan.world_size, plan.tp, plan.pp, plan.dp, plan.rollout_tp) == (8, 2, 1, 4, 2)
+    assert plan.arch.qk_norm and plan.arch.head_dim == 128 and plan.sp and plan.reference
+    result = plan_memory(plan)
+    assert result.fits, result.problems
+    assert round(result.actor.params / 1e9, 1) == 4.1
+    assert round(result.train.total_bytes / GIB, 1) == 65.3
+    assert 11 * GIB < result.train.capacity_bytes - result.peak_bytes < 12 * GIB
+    assert round(result.kv_cache_tokens, -4) == 460_000 and result.kv_bytes_per_token == 73_728

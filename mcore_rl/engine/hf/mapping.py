@@ -1,8 +1,9 @@
 """Hugging Face <-> megatron "full state" names and tensor transforms for the Llama family.
 
 Pure tensor code (no files, no process groups). The full state is defined in ``mcore_rl.engine.weights``:
-TP=1 megatron tensors with global layer numbers and the real vocabulary. Llama 2/3, Qwen2 and Mistral
-share HF's Llama naming; they differ only in the q/k/v biases (Qwen2) and tied embeddings, which
+TP=1 megatron tensors with global layer numbers and the real vocabulary. Llama 2/3, Qwen2, Qwen3 and
+Mistral share HF's Llama naming; they differ only in the q/k/v biases (Qwen2), the per-head q/k norms
+(Qwen3's ``q_norm``/``k_norm``, megatron's ``q_layernorm``/``k_layernorm``) and tied embeddings, which
 :class:`~mcore_rl.engine.arch.ModelArch` already records. Every transform is a reshape/concatenation,
 so HF -> full -> HF is bit-exact.
 
@@ -74,6 +75,11 @@ def _layer_maps(arch: ModelArch, i: int) -> list[TensorMap]:
                 QKV,
             )
         )
+    if arch.qk_norm:
+        maps += [
+            TensorMap(f"{full}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), COPY),
+            TensorMap(f"{full}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), COPY),
+        ]
     maps += [
         TensorMap(f"{full}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), COPY),
         TensorMap(f"{full}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",), COPY),
@@ -90,10 +96,11 @@ def _layer_maps(arch: ModelArch, i: int) -> list[TensorMap]:
 def check_convertible(arch: ModelArch) -> None:
     """Raise :class:`ConvertError` for configs ``ModelArch`` accepts but the weight mapping cannot carry."""
     cfg = arch.extra
-    if arch.family == "llama" and cfg.get("attention_bias"):
-        # HF Llama then also has an o_proj bias, which megatron's add_qkv_bias does not model.
+    if arch.family in ("llama", "qwen3") and cfg.get("attention_bias"):
+        # HF Llama and Qwen3 then also have an o_proj bias, which megatron's add_qkv_bias does not model.
         raise ConvertError(
-            "attention_bias=true is not supported for Llama (o_proj bias has no megatron slot)"
+            f"attention_bias=true is not supported for {arch.family.capitalize()} (o_proj bias has no "
+            "megatron slot)"
         )
 
 
@@ -107,6 +114,8 @@ def hf_shapes(arch: ModelArch, tensor_map: TensorMap) -> list[tuple[int, ...]]:
         return [(q_rows, *tail), (kv_rows, *tail), (kv_rows, *tail)]
     if tensor_map.kind == GATE_UP:
         return [(arch.ffn_hidden_size, h)] * 2
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return [(d,)]  # one norm over head_dim, shared by every head
     if name.endswith("layernorm.weight"):
         return [(h,)]
     if name.endswith("linear_proj.weight"):

@@ -1,4 +1,4 @@
-"""A lean tensor-parallel Llama-family decoder (Llama, Qwen2, Mistral) with a KV cache, for rollout.
+"""A lean tensor-parallel Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) with a KV cache, for rollout.
 
 It computes the same function as megatron-core's GPTModel with the local layer spec, operation by operation,
 so that rollout log-probs match the actor's recomputation in fp32: RMSNorm as ``torch.nn.RMSNorm`` computes
@@ -55,6 +55,8 @@ class _LayerWeights(NamedTuple):
     input_norm: Tensor
     qkv: Projection
     qkv_bias: Tensor | None
+    q_norm: Tensor | None  # Qwen3: RMSNorm weight [head_dim] of each query head, before rotary
+    k_norm: Tensor | None
     o_proj: Projection
     post_norm: Tensor
     gate_up: Projection
@@ -322,6 +324,8 @@ class RolloutDecoder:
             if keys.shape[0] != b:  # rows [0, b) of the cache hold the batch
                 keys, values = keys.narrow(0, 0, b), values.narrow(0, 0, b)
             qkv = linear(ops.rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias, True)
+            if layer.q_norm is not None:
+                qkv = self._norm_qk(qkv, layer)
             context = ops.attention(qkv, cos, sin, keys, values, column, first, heads, scale)
             x = self._project_add(x, context, layer.o_proj, decoding=True)
             gate_up = linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
@@ -330,8 +334,10 @@ class RolloutDecoder:
 
     def _native_step(self, ops: _DecodeOps) -> bool:
         """Whether a decode step runs its layers in one ``decode_layers`` call: the compiled kernels apply
-        and there is no tensor parallelism (whose all-reduces sit between the kernels)."""
-        return self.tp_size == 1 and ops.attention is getattr(torch.ops.mcore_rl, "decode_attention", None)
+        and there is no tensor parallelism (whose all-reduces sit between the kernels) nor Qwen3's q/k norms
+        (which the native loop does not run)."""
+        native = ops.attention is getattr(torch.ops.mcore_rl, "decode_attention", None)
+        return self.tp_size == 1 and not self.arch.qk_norm and native
 
     def _flat_layers(self, rows: int) -> list[Tensor]:
         """``decode_layers``' weights for ``rows`` rows: per layer the norms, the QKV bias and each projection's
@@ -378,6 +384,8 @@ class RolloutDecoder:
                     input_norm=w[f"layers.{i}.input_layernorm.weight"],
                     qkv=self._projection(w[f"layers.{i}.self_attn.qkv_proj.weight"].t()),
                     qkv_bias=w.get(f"layers.{i}.self_attn.qkv_proj.bias"),
+                    q_norm=w.get(f"layers.{i}.self_attn.q_norm.weight"),
+                    k_norm=w.get(f"layers.{i}.self_attn.k_norm.weight"),
                     o_proj=self._projection(w[f"layers.{i}.self_attn.o_proj.weight"].t()),
                     post_norm=w[f"layers.{i}.post_attention_layernorm.weight"],
                     gate_up=self._projection(w[f"layers.{i}.mlp.gate_up_proj.weight"].t()),
@@ -445,6 +453,8 @@ class RolloutDecoder:
         b, s, column, first_row = step.batch, step.seq, step.column, step.rows.start
         h = _rms_norm(x, layer.input_norm, self.arch.norm_eps)
         qkv = linear(h, layer.qkv, layer.qkv_bias, decoding=False)
+        if layer.q_norm is not None:
+            qkv = self._norm_qk(qkv, layer)
         qk = rotate_signed_halves(
             qkv.narrow(1, 0, (nh + nkv) * hd).view(b, s, nh + nkv, hd), step.cos, step.sin
         )
@@ -459,6 +469,19 @@ class RolloutDecoder:
         else:
             context = self._attend(qk.narrow(2, 0, nh), keys, values, step.masked)
         return self._project_add(x, context, layer.o_proj, decoding=False)
+
+    def _norm_qk(self, qkv: Tensor, layer: _LayerWeights) -> Tensor:
+        """Qwen3's RMSNorm of each query and key head over ``head_dim`` (megatron's ``q_layernorm`` /
+        ``k_layernorm``, applied where it applies them: after the projection, before rotary); values as
+        they are. qkv [n, (heads + 2 kv) * hd] -> the same layout."""
+        assert layer.q_norm is not None and layer.k_norm is not None
+        nh, nkv, hd, eps = self.num_heads, self.num_kv_heads, self.arch.head_dim, self.arch.norm_eps
+        n = qkv.shape[0]
+        q = _rms_norm(qkv.narrow(1, 0, nh * hd).reshape(n, nh, hd), layer.q_norm, eps)
+        k = _rms_norm(qkv.narrow(1, nh * hd, nkv * hd).reshape(n, nkv, hd), layer.k_norm, eps)
+        return torch.cat(
+            [q.reshape(n, nh * hd), k.reshape(n, nkv * hd), qkv.narrow(1, (nh + nkv) * hd, nkv * hd)], 1
+        )
 
     def _attend_causal(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """:meth:`_attend` for whole unpadded rows from column 0 without a window: torch's fused causal

@@ -18,6 +18,8 @@ from mcore_rl.engine.arch import ModelArch
 _RENAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",

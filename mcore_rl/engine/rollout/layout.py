@@ -7,6 +7,8 @@ Rollout layout (vLLM's, one TP rank)::
     layers.{i}.self_attn.qkv_proj.weight        [(h + 2 kv) * head_dim, hidden], h = heads / tp,
                                                 kv = kv_heads / tp, rows [q_shard; k_shard; v_shard]
     layers.{i}.self_attn.qkv_proj.bias          [(h + 2 kv) * head_dim]     (Qwen2 / attention_bias)
+    layers.{i}.self_attn.q_norm.weight          [head_dim]                  (Qwen3: RMSNorm of each head,
+    layers.{i}.self_attn.k_norm.weight          [head_dim]                  before rotary; replicated)
     layers.{i}.self_attn.o_proj.weight          [hidden, h * head_dim]      row-parallel (all-reduce)
     layers.{i}.post_attention_layernorm.weight  [hidden]
     layers.{i}.mlp.gate_up_proj.weight          [2 * ffn / tp, hidden]      rows [gate_shard; up_shard]
@@ -61,6 +63,9 @@ def rollout_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]
         shapes[p + "self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
         if arch.qkv_bias:
             shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+        if arch.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (hidden, arch.num_attention_heads // tp * hd)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
         shapes[p + "mlp.gate_up_proj.weight"] = (2 * arch.ffn_hidden_size // tp, hidden)
@@ -109,6 +114,9 @@ def rollout_shards_from_full(
             out[dst + "self_attn.qkv_proj.bias"] = _qkv_shard(
                 full[src + "self_attention.linear_qkv.bias"], arch, tp_g, tp_rank
             )
+        if arch.qk_norm:
+            out[dst + "self_attn.q_norm.weight"] = full[src + "self_attention.q_layernorm.weight"]
+            out[dst + "self_attn.k_norm.weight"] = full[src + "self_attention.k_layernorm.weight"]
         out[dst + "self_attn.o_proj.weight"] = full[src + "self_attention.linear_proj.weight"].chunk(tp_g, 1)[
             tp_rank
         ]

@@ -72,6 +72,7 @@ def model_param_specs(
     head_dim: int,
     qkv_bias: bool,
     tie_word_embeddings: bool,
+    qk_norm: bool = False,
 ) -> list[ParamSpec]:
     """Every parameter of a Llama-family GPT in megatron's full-state naming."""
     qkv_unit = (num_attention_heads // num_query_groups + 2) * head_dim
@@ -116,6 +117,11 @@ def model_param_specs(
                     unit_rows=qkv_unit,
                 )
             )
+        if qk_norm:  # Qwen3's per-head q/k RMSNorm weights: one vector of head_dim, the same on every rank
+            specs += [
+                ParamSpec(p + f"self_attention.{n}_layernorm.weight", (head_dim,), ShardKind.REPLICATED, i)
+                for n in ("q", "k")
+            ]
     specs.append(ParamSpec("decoder.final_layernorm.weight", (hidden_size,), ShardKind.REPLICATED, None))
     if not tie_word_embeddings:
         specs.append(ParamSpec(OUTPUT_KEY, (vocab_size, hidden_size), ShardKind.VOCAB, None))
@@ -134,6 +140,7 @@ def arch_param_specs(arch: Any) -> list[ParamSpec]:
         head_dim=arch.head_dim,
         qkv_bias=arch.qkv_bias,
         tie_word_embeddings=arch.tie_word_embeddings,
+        qk_norm=getattr(arch, "qk_norm", False),
     )
 
 

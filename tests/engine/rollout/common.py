@@ -36,6 +36,9 @@ def random_full_state(
         full[p + "self_attention.linear_qkv.weight"] = rand(qkv_rows, hidden)
         if arch.qkv_bias:
             full[p + "self_attention.linear_qkv.bias"] = rand(qkv_rows)
+        if arch.qk_norm:  # Qwen3's per-head norms over head_dim
+            full[p + "self_attention.q_layernorm.weight"] = 1 + rand(hd)
+            full[p + "self_attention.k_layernorm.weight"] = 1 + rand(hd)
         full[p + "self_attention.linear_proj.weight"] = rand(hidden, arch.num_attention_heads * hd)
         full[p + "pre_mlp_layernorm.weight"] = 1 + rand(hidden)
         full[p + "mlp.linear_fc1.weight"] = rand(2 * arch.ffn_hidden_size, hidden)

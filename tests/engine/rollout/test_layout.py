@@ -11,7 +11,7 @@ from tests.engine.rollout.common import random_full_state
 from tests.models import tiny_arch
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_shards_have_the_declared_shapes(family, tp):
     arch = tiny_arch(family)

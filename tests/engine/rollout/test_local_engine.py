@@ -24,7 +24,7 @@ from tests.models import tiny_arch
 PROMPTS = [[3, 17, 42, 8, 99, 5, 61, 7, 23, 11, 2], [5], [200, 13, 77, 40], [9, 9, 9, 9, 9, 9, 9]]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
 def family_engine(request) -> tuple[str, LocalRolloutEngine]:
     arch = tiny_arch(request.param)
     return request.param, make_engine(arch, random_full_state(arch, seed=1))

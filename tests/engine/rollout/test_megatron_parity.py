@@ -104,7 +104,7 @@ def _parity_body(family: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_rollout_matches_megatron_at_tp1_and_tp2(run_distributed, family):
     results = run_distributed(_parity_body, family)
     # At TP1 the decoder's full forward is the trainer's, operation by operation (causal attention included:

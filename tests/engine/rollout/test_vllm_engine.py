@@ -47,6 +47,9 @@ needs_vllm = pytest.mark.skipif(
 ARCHS = {  # head_dim 32: vLLM's CPU attention has no smaller head size; kv heads 2 split at TP 2
     family: tiny_arch(family, hidden_size=128, num_key_value_heads=2) for family in ("llama", "qwen2")
 }
+ARCHS["qwen3"] = tiny_arch(  # q/k norms; head_dim 32 apart from hidden / heads = 16
+    "qwen3", hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32
+)
 ROLLOUT = VLLMRolloutConfig(
     dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=16 << 20, enforce_eager=True
 )
@@ -319,8 +322,8 @@ def vllm_ranks() -> Iterator[Any]:
 @needs_vllm
 @pytest.mark.parametrize(
     ("train_tp", "tp_g", "family"),
-    [(1, 2, "qwen2"), (2, 1, "llama"), (2, 2, "llama"), (1, 1, "qwen2")],
-    ids=["tp1dp2-to-tp2-tied", "tp2-to-tp1", "tp2-to-tp2", "tp1dp2-to-tp1-tied"],
+    [(1, 2, "qwen2"), (2, 1, "llama"), (2, 2, "llama"), (1, 1, "qwen2"), (2, 1, "qwen3")],
+    ids=["tp1dp2-to-tp2-tied", "tp2-to-tp1", "tp2-to-tp2", "tp1dp2-to-tp1-tied", "qwen3-tp2-to-tp1"],
 )
 def test_vllm_follows_the_actor_in_place(vllm_ranks: Any, train_tp: int, tp_g: int, family: str) -> None:
     _check(vllm_ranks(_hybrid_body, train_tp, tp_g, family), tp_g, family)
