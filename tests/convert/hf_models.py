@@ -26,6 +26,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied-bias": ("qwen2", {}),
     "mistral-window": ("mistral", {}),
     "qwen3-qk-norm": ("qwen3", {}),  # q/k RMSNorm per head, head_dim 24 (not hidden / heads = 16)
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),  # as Qwen3-0.6B to 4B ship
 }
 
 

@@ -64,8 +64,17 @@ def test_qkv_is_grouped_per_query_group_as_megatron_expects():
 def test_names_cover_families():
     assert len(tensor_maps(tiny_arch("llama"))) == 1 + 4 * 6 + 2
     assert len(tensor_maps(tiny_arch("qwen2"))) == 1 + 4 * 7 + 1  # qkv bias; tied: no output layer
-    with pytest.raises(ConvertError, match="attention_bias"):
-        check_convertible(tiny_arch("llama", attention_bias=True))
+    qwen3 = tensor_maps(tiny_arch("qwen3"))
+    assert len(qwen3) == 1 + 4 * 8 + 2  # q_norm and k_norm per layer; untied
+    norms = [m for m in qwen3 if "q_norm" in m.hf_names[0] or "k_norm" in m.hf_names[0]]
+    assert [m.full_name for m in norms[:2]] == [
+        "decoder.layers.0.self_attention.q_layernorm.weight",
+        "decoder.layers.0.self_attention.k_layernorm.weight",
+    ]
+    assert hf_shapes(tiny_arch("qwen3"), norms[0]) == [(24,)]  # head_dim, not hidden
+    for family in ("llama", "qwen3"):
+        with pytest.raises(ConvertError, match="attention_bias=true is not supported"):
+            check_convertible(tiny_arch(family, attention_bias=True))
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (4, 1)])

@@ -141,6 +141,7 @@ def test_auto_equals_always_at_dp1(tmp_path, extra: list[str]) -> None:
     _assert_same_run(auto, always)
 
 
+@pytest.mark.sweep  # 27 s: `make test-sweep` (CI time); auto == always at DP1 stays in `make test`
 @pytest.mark.usefixtures("ray_session")
 def test_auto_equals_always_at_dp2_with_token_budget(tmp_path) -> None:
     """Two DP shards, rows dealt to the ranks by tokens: the update's log-probs must come back in the

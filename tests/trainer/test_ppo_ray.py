@@ -55,6 +55,7 @@ def _numbers(record: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # 54 s: `make test-sweep` (CI time); the colocated critic runs stay in `make test`
 def test_critic_on_its_own_pool_matches_the_colocated_critic(tmp_path) -> None:
     data = str(tmp_path / "data")
     colocated = tiny_run_config(data, [*OVERRIDES, f"trainer.default_local_dir={tmp_path / 'a'}"])

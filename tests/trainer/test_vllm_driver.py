@@ -81,6 +81,7 @@ def test_ppo_with_vllm_at_actor_tp2_and_rollout_tp1(tmp_path) -> None:
     _assert_agreement(_rl_steps(cfg))
 
 
+@pytest.mark.sweep  # 37 s: `make test-sweep`; the colocated vLLM runs above stay in `make test`
 def test_a_vllm_pool_of_its_own_samples_the_next_step_while_the_actor_updates(tmp_path) -> None:
     """GRPO with vLLM on a rollout pool of its own and one-step-off: policy lag 1 after the first step (the
     agreement is then the lag's, not 1)."""
