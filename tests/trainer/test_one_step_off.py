@@ -68,6 +68,7 @@ def test_lagged_rollouts_are_importance_weighted_unless_switched_off(tmp_path) -
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # 29 s of CI: `make test-sweep`; the colocated one-step-off runs stay in `make test`
 def test_a_rollout_pool_of_its_own_reproduces_the_colocated_one_step_off_run(tmp_path) -> None:
     """rollout.colocate=false on Ray: the next rollout samples on the pool while the actor updates, from the
     weights sent after the previous update; the numbers are the colocated in-process run's (same seeds, one

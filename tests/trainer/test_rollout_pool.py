@@ -109,6 +109,7 @@ def test_pool_samples_the_colocated_rollout_before_and_after_an_update(setup: tu
         pools.shutdown()
 
 
+@pytest.mark.sweep  # 22 s of CI: `make test-sweep`
 def test_a_tp2_pool_samples_what_the_tp1_pool_samples(setup: tuple) -> None:
     folder, actors, request, params = setup
     tp1 = build_rollout_group(pool_config(folder, 1, 1), actors)

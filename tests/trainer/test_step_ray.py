@@ -36,7 +36,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2_sp_rollout_tp2", pytest.param("pp2", marks=pytest.mark.slow)])
+# DP2 and PP2 in the sweep tier (CI time): the in-process step and the hybrid parity tests cover both layouts
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("dp2", marks=pytest.mark.sweep),
+        "tp2_sp_rollout_tp2",
+        pytest.param("pp2", marks=[pytest.mark.slow, pytest.mark.sweep]),
+    ],
+)
 def test_rl_step_at_layout(layout: str, tmp_path) -> None:
     cfg = tiny_run_config(
         str(tmp_path), [*LAYOUTS[layout], MIXED_REWARD, "algorithm.ppo_micro_batch_size_per_gpu=4"]
