@@ -72,7 +72,6 @@ def test_mcore_rl_train_with_vllm_at_actor_tp1xdp2_and_rollout_tp2(tmp_path) -> 
     assert len({s["pg_loss"] for s in steps}) == 3  # three different batches, trained on
 
 
-@pytest.mark.sweep  # 41 s of CI: `make test-sweep`; vLLM at actor TP2 -> rollout TP1 stays in the engine tests
 def test_ppo_with_vllm_at_actor_tp2_and_rollout_tp1(tmp_path) -> None:
     """PPO's step (a critic beside the actor) with each TP2 actor's two shards resharded into a TP1 engine."""
     layout = ["trainer.n_gpus_per_node=2", "parallel.tensor_model_parallel_size=2"]
