@@ -20,6 +20,7 @@ from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
 from mcore_rl.engine.workers.critic import CriticSpec, CriticWorker
 from mcore_rl.engine.workers.reward_model import RewardModelSpec
 from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
+from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.scoring.registry import check_scorers
@@ -127,18 +128,7 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
         return critic
     if not isinstance(actors.backend, RayBackend):
         raise ConfigError("critic.colocate=false: a critic on its own pool needs the Ray driver (use_ray)")
-    parallel = cfg.critic.parallel or cfg.parallel
-    ranks = cfg.critic.num_ranks
-    pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    group = WorkerGroup.spawn(
-        CriticWorker,
-        ranks,
-        parallel,
-        pool=pool,
-        take_pool=True,
-        seed=cfg.trainer.seed,
-        output_dir=worker_output_dir(cfg),
-    )
+    group = _spawn_group(cfg, CriticWorker, cfg.critic.num_ranks, cfg.critic.parallel or cfg.parallel)
     try:
         group.infos = group.run("build", spec)
         critic = CriticGroup(RayBackend(group), actors=actors.backend)
@@ -171,16 +161,7 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
         virtual_pipeline_model_parallel_size=None,
         sequence_parallel=False,
     )
-    pool = ResourcePool(rollout.num_ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    group = WorkerGroup.spawn(
-        RolloutWorker,
-        rollout.num_ranks,
-        parallel,
-        pool=pool,
-        take_pool=True,
-        seed=cfg.trainer.seed,
-        output_dir=worker_output_dir(cfg),
-    )
+    group = _spawn_group(cfg, RolloutWorker, rollout.num_ranks, parallel)
     try:
         group.infos = group.run("build", spec)
         rollouts = RolloutGroup(RayBackend(group))
@@ -189,6 +170,21 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
         group.shutdown()
         raise
     return rollouts
+
+
+def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelConfig) -> WorkerGroup:
+    """``ranks`` Ray workers of class ``worker`` on a placement group of their own (each rank its share of
+    the cluster's CPUs, a GPU when the run uses them), console output to :func:`worker_output_dir`."""
+    pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
+    return WorkerGroup.spawn(
+        worker,
+        ranks,
+        parallel,
+        pool=pool,
+        take_pool=True,
+        seed=cfg.trainer.seed,
+        output_dir=worker_output_dir(cfg),
+    )
 
 
 def _cpus_per_rank(cfg: RunConfig) -> float:
@@ -223,16 +219,7 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
     if use_ray:
         started_ray = init_ray(RayConfig(address=cfg.trainer.ray_address, num_cpus=cfg.trainer.num_cpus))
         with ray_shut_down_on_failure(started_ray):
-            pool = ResourcePool(cfg.world_size, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-            group = WorkerGroup.spawn(
-                HybridWorker,
-                cfg.world_size,
-                parallel,
-                pool=pool,
-                take_pool=True,
-                seed=cfg.trainer.seed,
-                output_dir=worker_output_dir(cfg),
-            )
+            group = _spawn_group(cfg, HybridWorker, cfg.world_size, parallel)
             try:
                 group.infos = group.run("build", spec)  # now with the rollout coordinates
             except BaseException:
