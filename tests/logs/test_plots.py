@@ -3,6 +3,9 @@ not an SFT step), greedy validation apart from the sampled training reward, the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from mcore_rl.logs.plots import reward_plot, reward_series
 
 
@@ -47,7 +50,8 @@ def test_without_sft_the_first_held_out_mark_starts_rl_and_no_sft_panel_is_drawn
     assert (tmp_path / "reward.png").stat().st_size > 1000
 
 
-def test_the_step_axes_tick_whole_steps_only() -> None:
+def _drawn_panels() -> Iterator[tuple[str, Any]]:
+    """Each stage's panel of a small run, drawn (Agg) as ``reward_plot`` draws it: ``(stage, axes)``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,25 +64,18 @@ def test_the_step_axes_tick_whole_steps_only() -> None:
         fig, ax = plt.subplots()
         _draw_stage(ax, stage, series)
         fig.canvas.draw()
+        yield stage, ax
+        plt.close(fig)
+
+
+def test_the_step_axes_tick_whole_steps_only() -> None:
+    for stage, ax in _drawn_panels():
         ticks = ax.get_xticks()
         assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), (stage, ticks)
-        plt.close(fig)
 
 
 def test_the_legend_sits_outside_the_data() -> None:
     """Inside the axes it hid the held-out mark that ends the RL panel (seen in a demo run's plot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from mcore_rl.logs.plots import _draw_stage
-
-    series = reward_series(_records(sft_steps=3))
-    for stage in ("sft", "rl"):
-        fig, ax = plt.subplots()
-        _draw_stage(ax, stage, series)
-        fig.canvas.draw()
+    for stage, ax in _drawn_panels():
         legend = ax.get_legend().get_window_extent()
         assert legend.y1 <= ax.get_window_extent().y0, stage  # wholly below the axes
-        plt.close(fig)
