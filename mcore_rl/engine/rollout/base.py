@@ -157,3 +157,54 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-acquire memory: ``tags`` among ``'weights'``, ``'kv_cache'``; None = both."""
         ...
+
+
+@runtime_checkable
+class ConversationEngine(Protocol):
+    """Token in, token out generation for multi-turn rollouts (``mcore_rl/agent/rollout.py``), beside
+    :class:`RolloutEngine`'s ``generate``.
+
+    Each call names its conversations (ids unique within the call) and gives each one's *whole* context: the
+    prompt, the model's earlier turns and what tools or environments answered. The engine samples one turn per
+    conversation (``params.n`` must be 1) of at most ``max_new_tokens[i]`` tokens (``params.max_new_tokens``
+    is not read), ending at a stop id. What it already computed of a context is reused: the embedded engine
+    keeps each conversation's KV cache between calls (``rollout/session.py``), vLLM finds it in its prefix
+    cache. Reuse never changes the result beyond fp32 rounding: a context that does not extend what was
+    cached for its id is computed from its first token.
+    """
+
+    def continue_conversations(
+        self,
+        conversations: Sequence[int],
+        contexts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        max_new_tokens: Sequence[int],
+    ) -> GenerationOutput:
+        """One turn per conversation -> ``GenerationOutput`` in request order (``prompt_index[i] == i``),
+        ``token_ids`` [A, max(max_new_tokens)]."""
+        ...
+
+    def end_conversations(self) -> None:
+        """Forget every conversation (frees the embedded engine's cache; a no-op for vLLM)."""
+        ...
+
+
+def check_turn_request(
+    conversations: Sequence[int],
+    contexts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    max_new_tokens: Sequence[int],
+) -> None:
+    """What :meth:`ConversationEngine.continue_conversations` refuses, naming the argument."""
+    if params.n != 1:
+        raise SamplingParamsError(f"continue_conversations samples one turn per conversation: n={params.n}")
+    if not len(conversations) == len(contexts) == len(max_new_tokens):
+        raise ValueError(
+            f"conversations ({len(conversations)}), contexts ({len(contexts)}) and max_new_tokens "
+            f"({len(max_new_tokens)}) must have one entry per conversation"
+        )
+    if len(set(conversations)) != len(conversations):
+        raise ValueError("conversations: each id may appear once per call")
+    for i, n in enumerate(max_new_tokens):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"max_new_tokens[{i}] must be a positive integer, got {n!r}")

@@ -27,10 +27,17 @@ from torch import Tensor
 
 from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
+from mcore_rl.engine.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    SamplingParams,
+    check_turn_request,
+)
 from mcore_rl.engine.rollout.decoder import RolloutDecoder
 from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.sampling import sample_tokens
+from mcore_rl.engine.rollout.session import ConversationCache
 
 _TAGS = ("weights", "kv_cache")
 
@@ -98,6 +105,8 @@ class LocalRolloutEngine:
         self._asleep: set[str] = set()
         self._weights_released = False
         self._cache: KVCache | None = None
+        self._conversations = ConversationCache(self.decoder, self.config.dtype, self.device)
+        """Multi-turn rollouts: each conversation's KV cache between turns (``continue_conversations``)."""
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     @property
@@ -112,6 +121,7 @@ class LocalRolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         if "weights" in self._asleep:
             raise RuntimeError("load_weights() while the weights are asleep; call wake_up() first")
+        self._conversations.clear()  # keys and values of the old weights
         for name, tensor in named_tensors:
             self.decoder.load(name, tensor)
             self._loaded.add(name)
@@ -122,6 +132,7 @@ class LocalRolloutEngine:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         self._cache = None
+        self._conversations.clear()
         if level == 2:
             self.decoder.release()
             self._loaded.clear()
@@ -196,6 +207,68 @@ class LocalRolloutEngine:
             lengths=out.lengths.cpu(),
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in out.stopped.tolist()],
         )
+
+    @torch.inference_mode()
+    @megatron_cpu.suspended()
+    def continue_conversations(
+        self,
+        conversations: Sequence[int],
+        contexts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        max_new_tokens: Sequence[int],
+    ) -> GenerationOutput:
+        """Token in, token out: one turn of each conversation from its whole context (the protocol:
+        ``base.ConversationEngine``), reusing each one's KV cache of the last call where its context extends
+        what was cached (``session.py``), so a multi-turn rollout's next turn computes only the tool's answer.
+        Conversations that do not fit ``max_cache_tokens`` together run in waves (the last wave's stay
+        cached)."""
+        self._check_ready()
+        self._check_prompts(contexts)
+        check_turn_request(conversations, contexts, params, max_new_tokens)
+        generator = torch.Generator(device=self.device).manual_seed(self._resolve_seed(params.seed))
+        num, width = len(contexts), max(max_new_tokens, default=1)
+        token_ids = torch.full((num, width), params.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(num, width)
+        lengths = torch.zeros(num, dtype=torch.long)
+        stopped = torch.zeros(num, dtype=torch.bool)
+        interval = self._stop_check_interval()
+        for first, last in self._turn_waves(conversations, contexts, max_new_tokens):
+            part = slice(first, last)
+            out = self._conversations.turn(
+                conversations[part], contexts[part], max_new_tokens[part], params, generator, interval
+            )
+            token_ids[part, : out.token_ids.shape[1]] = out.token_ids.cpu()
+            log_probs[part, : out.log_probs.shape[1]] = out.log_probs.cpu()
+            lengths[part], stopped[part] = out.lengths.cpu(), out.stopped.cpu()
+        return GenerationOutput(
+            prompt_index=torch.arange(num),
+            token_ids=token_ids,
+            log_probs=log_probs,
+            lengths=lengths,
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
+        )
+
+    def end_conversations(self) -> None:
+        """Free the conversations' KV cache (a rollout is complete)."""
+        self._conversations.clear()
+
+    def _turn_waves(
+        self, ids: Sequence[int], contexts: Sequence[Sequence[int]], max_new: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """[first, last) request ranges whose turn fits ``max_cache_tokens`` (at least one each): rows x
+        (longest cached part + longest new part + longest turn), the columns a turn's aligned rows span."""
+        reuse = self._conversations.plan_reuse(ids, contexts)
+        waves, first = [], 0
+        cached = new = longest = 0
+        for i, context in enumerate(contexts):
+            grown = (max(cached, reuse[i]), max(new, len(context) - reuse[i]), max(longest, max_new[i]))
+            if i > first and (i - first + 1) * sum(grown) > self.config.max_cache_tokens:
+                waves.append((first, i))
+                first, grown = i, (reuse[i], len(context) - reuse[i], max_new[i])
+            cached, new, longest = grown
+        if contexts:
+            waves.append((first, len(contexts)))
+        return waves
 
     def _waves(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[tuple[int, int]]:
         """[first, last) prompt ranges whose n samples fit ``max_cache_tokens`` together (at least one)."""
