@@ -15,6 +15,8 @@ _FAMILY_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -42,6 +44,20 @@ def tiny_hf_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
         cfg["sliding_window"] = 8
     if family == "qwen3":  # head_dim independent of hidden / heads (4 x 24 = 96 query rows, hidden 64)
         cfg.update(head_dim=24, attention_bias=False)
+    if family == "qwen3_moe":  # 4 experts of 32, top-2 renormalised; layer 1 dense (mlp_only_layers)
+        cfg.update(
+            head_dim=24,
+            attention_bias=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            router_aux_loss_coef=0.001,
+        )
+    if family == "mixtral":  # 4 experts of intermediate_size 48, top-2, a sliding window as Mistral's
+        cfg.update(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
     cfg.update(overrides)
     return cfg
 

@@ -327,6 +327,9 @@ def apply() -> bool:
     _patch_distopt_step_entry()
     _patch_single_rank_param_gather()
     _patch_wgrad_accumulation()
+    from mcore_rl.compat import moe
+
+    moe.patch_cpu_dispatcher()  # MoE: megatron's all-to-all dispatcher without its CUDA stream
     mode = MegatronCudaToCpuMode()
     mode.__enter__()
     _state.update(applied=True, mode=mode)

@@ -1,6 +1,6 @@
 """``mcore-rl convert``: HF <-> megatron-core checkpoint conversion.
 
-    mcore-rl convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp M] [--dtype bf16|fp16|fp32]
+    mcore-rl convert hf-to-mcore --hf-dir DIR --out DIR [--tp N] [--pp M] [--ep E] [--etp T] [--dtype bf16|fp16|fp32]
                                  [--overwrite] [--allow-nonfinite]
     mcore-rl convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--dtype bf16|fp16|fp32]
                                  [--max-shard-size 5GB] [--overwrite] [--allow-nonfinite]
@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     to_mcore.add_argument(
         "--pp", type=positive_int, default=1, help="pipeline stages (splits writing under torchrun)"
+    )
+    to_mcore.add_argument(
+        "--ep", type=positive_int, default=1, help="MoE: expert-parallel chunking (loads at any EP)"
+    )
+    to_mcore.add_argument(
+        "--etp", type=positive_int, default=None, help="MoE: expert tensor-parallel chunking (default: --tp)"
     )
     to_hf = sub.add_parser("mcore-to-hf", help="megatron distributed checkpoint -> HF safetensors folder")
     to_hf.add_argument("--ckpt", required=True, help="megatron distributed checkpoint folder")
@@ -98,7 +104,15 @@ def _convert(args: argparse.Namespace) -> str:
 
         return convert_hf_to_mcore(
             HfToMcoreOptions(
-                args.hf_dir, args.out, args.tp, args.pp, dtype, args.overwrite, args.allow_nonfinite
+                args.hf_dir,
+                args.out,
+                tp=args.tp,
+                pp=args.pp,
+                ep=args.ep,
+                etp=args.etp,
+                dtype=dtype,
+                overwrite=args.overwrite,
+                allow_nonfinite=args.allow_nonfinite,
             )
         )
     from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf

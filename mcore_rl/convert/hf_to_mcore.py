@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import WriteItem
 
 from mcore_rl.convert.dcp_io import bytes_write_item, save_lazily, tensor_write_item
-from mcore_rl.convert.dist_layout import Chunk, checkpoint_plan
+from mcore_rl.convert.dist_layout import Chunk, checkpoint_plan, writer_layout
 from mcore_rl.convert.memory import release_freed_memory
 from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.engine.arch import ModelArch
@@ -42,7 +42,6 @@ from mcore_rl.engine.hf.state import check_hf_weights
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
 from mcore_rl.io.inputs import input_file
 from mcore_rl.io.output import OutputFolder
-from mcore_rl.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,10 @@ class HfToMcoreOptions:
     """Tensor-parallel chunking of the written checkpoint (it loads at any TP)."""
     pp: int = 1
     """Pipeline stages whose ranks split the writing under torchrun."""
+    ep: int = 1
+    """Mixture-of-experts models: expert-parallel chunking (experts split into this many blocks)."""
+    etp: int | None = None
+    """Mixture-of-experts models: expert tensor-parallel chunking; None = ``tp``."""
     dtype: torch.dtype | None = None
     """Stored dtype; None keeps the HF weights' dtype."""
     overwrite: bool = False
@@ -69,11 +72,13 @@ def prepare(options: HfToMcoreOptions) -> tuple[ModelArch, SafetensorsReader, to
         raise ConvertError(f"--hf-dir {options.hf_dir!r} is not a folder")
     arch = arch_of_file(str(input_file(options.hf_dir, "config.json")))  # a causal LM or a classifier
     check_convertible(arch)
-    layout = ParallelLayout(world_size=options.tp * options.pp, tp=options.tp, pp=options.pp)
+    layout = writer_layout(arch, options.tp, options.pp, options.ep, options.etp)
     layout.check_model(
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
         num_layers=arch.num_layers,
+        num_experts=arch.moe.num_experts if arch.moe else None,
+        moe_ffn_hidden_size=arch.moe.ffn_hidden_size if arch.moe else None,
     )
     reader = SafetensorsReader(options.hf_dir)
     dtype = check_hf_weights(arch, reader, options.dtype)
@@ -132,11 +137,11 @@ def _extra_state_bytes() -> io.BytesIO:
 
 
 def write_checkpoint(
-    directory: str, arch: ModelArch, source: _ChunkSource, dtype: torch.dtype, tp: int, pp: int
+    directory: str, arch: ModelArch, source: _ChunkSource, dtype: torch.dtype, options: HfToMcoreOptions
 ) -> None:
     """Collective over the default process group: each rank writes its part of the plan into ``directory``."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    chunks, extra_states = checkpoint_plan(arch, tp, pp)
+    chunks, extra_states = checkpoint_plan(arch, options.tp, options.pp, options.ep, options.etp)
     mine = [c for c in chunks if c.writer % world == rank]
     by_index = {}
     items = []
@@ -176,12 +181,23 @@ def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
     with ParallelContext.initialize(ParallelConfig()) as ctx:  # world from torchrun, or a world of one
         _, staging = begin_collective(lambda: output, ctx.rank)
         try:
-            write_checkpoint(staging, arch, source, dtype, options.tp, options.pp)
-        except BaseException:
-            abort_collective(output, ctx.rank)
-            raise
-        commit_collective(output, ctx.rank, lambda: finish_checkpoint(staging, arch, dtype, options.hf_dir))
+            try:
+                write_checkpoint(staging, arch, source, dtype, options)
+            except BaseException:
+                abort_collective(output, ctx.rank)
+                raise
+            finish = lambda: finish_checkpoint(staging, arch, dtype, options.hf_dir)  # noqa: E731
+            commit_collective(output, ctx.rank, finish)  # aborts on failure
+        except OSError as err:  # a full disk, a quota: the partial output is gone, the cause is named
+            raise _write_failed(options, err) from None
     return output.path
+
+
+def _write_failed(options: HfToMcoreOptions, err: OSError) -> ConvertError:
+    reason = err.strerror or str(err)
+    return ConvertError(
+        f"--out {options.out}: {reason} while writing the checkpoint; the partial output was removed"
+    )
 
 
 def convert_in_this_process(options: HfToMcoreOptions) -> str:
@@ -193,9 +209,12 @@ def convert_in_this_process(options: HfToMcoreOptions) -> str:
     source = _ChunkSource(arch, reader, dtype, options.allow_nonfinite)
     staging = output.begin()
     try:
-        write_checkpoint(staging, arch, source, dtype, options.tp, options.pp)
+        write_checkpoint(staging, arch, source, dtype, options)
         finish_checkpoint(staging, arch, dtype, options.hf_dir)
         output.commit()
+    except OSError as err:
+        output.abort()
+        raise _write_failed(options, err) from None
     except BaseException:
         output.abort()
         raise

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mcore_rl.convert.dcp_io import DistCheckpointReader, Region
-from mcore_rl.convert.dist_layout import checkpoint_key
+from mcore_rl.convert.dist_layout import checkpoint_location
 from mcore_rl.convert.memory import release_freed_memory
 from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.engine.arch import ModelArch
@@ -101,14 +101,15 @@ def _open_checkpoint(options: McoreToHfOptions) -> _Source:
 
 def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader) -> Region:
     """The stored box holding ``tensor_map``'s full-state tensor, checked against the config."""
-    key, layer = checkpoint_key(tensor_map.full_name)
+    where = checkpoint_location(arch, tensor_map.full_name)
+    key = where.key
     stored = reader.tensors.get(key)
     if stored is None:
         raise ConvertError(
             f"{reader.directory}: checkpoint has no tensor {key} (needed for {tensor_map.full_name})"
         )
     shape = full_shape(arch, tensor_map)
-    expected = (arch.num_layers, *shape) if layer is not None else shape
+    expected = (*where.prefix_shape, *shape)
     size = tuple(stored.size)
     vocab_ok = key.endswith("word_embeddings.weight") or key == "output_layer.weight"
     fits = len(size) == len(expected) and all(
@@ -120,9 +121,8 @@ def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader
             f"{reader.directory}: {key} has shape {list(size)}, the config implies {list(expected)}"
             + (" (rows may be padded)" if vocab_ok else "")
         )
-    if layer is None:
-        return Region(key, (0,) * len(shape), shape)
-    return Region(key, (layer,) + (0,) * len(shape), (1, *shape))
+    prefix = len(where.prefix_shape)
+    return Region(key, where.prefix_offsets + (0,) * len(shape), (1,) * prefix + tuple(shape))
 
 
 def _output_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

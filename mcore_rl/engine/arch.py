@@ -1,5 +1,5 @@
 """Model architecture read from a Hugging Face ``config.json``: the Llama family (Llama 2/3, Qwen2, Qwen3,
-Mistral).
+Mistral) and its mixture-of-experts members (Qwen3-MoE, Mixtral).
 
 This module is pure (no megatron, no process groups): it turns the HF config into one typed record and
 computes the rotary frequencies exactly as ``transformers`` does, so that converted checkpoints reproduce
@@ -23,8 +23,53 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts MLP of Qwen3-MoE and Mixtral: a softmax router picks ``top_k`` of ``num_experts``
+    SwiGLU experts per token; layers not in :attr:`layers` keep a dense MLP of ``ModelArch.ffn_hidden_size``."""
+
+    num_experts: int
+    """Routed experts per MoE layer (HF ``num_experts`` / ``num_local_experts``; megatron ``num_moe_experts``)."""
+    top_k: int
+    """Experts each token is sent to (HF ``num_experts_per_tok``; megatron ``moe_router_topk``)."""
+    ffn_hidden_size: int
+    """Intermediate size of one expert (HF ``moe_intermediate_size``, Mixtral ``intermediate_size``)."""
+    layers: tuple[int, ...]
+    """Global indices of the MoE layers (Qwen3-MoE: every ``decoder_sparse_step``-th, minus ``mlp_only_layers``)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k probabilities to sum to 1 (Mixtral always; Qwen3-MoE's ``norm_topk_prob``). False
+    keeps the softmax over all experts (megatron ``moe_router_pre_softmax``)."""
+    router_aux_loss_coef: float = 0.0
+    """The checkpoint's load-balancing loss coefficient (HF ``router_aux_loss_coef``); the run decides whether
+    to use it (``model.moe_aux_loss_coeff``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{_MOE_FIELD[name]} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.top_k} is larger than the number of experts ({self.num_experts})"
+            )
+        if not self.layers:
+            raise ConfigError(
+                "no layer is a mixture-of-experts layer (decoder_sparse_step / mlp_only_layers)"
+            )
+
+
+_MOE_FIELD = {
+    "num_experts": "num_experts",
+    "top_k": "num_experts_per_tok",
+    "ffn_hidden_size": "moe_intermediate_size",
+}
 
 
 @dataclass(frozen=True)
@@ -32,7 +77,8 @@ class ModelArch:
     """Decoder-only transformer with RMSNorm, SwiGLU MLP, rotary embeddings and grouped-query attention."""
 
     family: str
-    """'llama', 'qwen2', 'qwen3' or 'mistral' (the HF architecture the weights come from)."""
+    """'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe' or 'mixtral' (the HF architecture the weights come
+    from)."""
     vocab_size: int
     """Real vocabulary size (megatron pads it to a multiple of ``divisible_by * tp``)."""
     hidden_size: int
@@ -58,6 +104,8 @@ class ModelArch:
     sliding_window: int | None = None
     """Mistral's attention window in tokens (query i sees keys i-W+1..i); None = full causal attention."""
     initializer_range: float = 0.02
+    moe: MoESpec | None = None
+    """The mixture-of-experts MLP (Qwen3-MoE, Mixtral); None for a dense model."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """The untouched HF config, kept for writing ``config.json`` back out."""
 
@@ -85,6 +133,14 @@ class ModelArch:
             raise ConfigError(
                 f"rope_scaling.rope_type={rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has the mixture-of-experts MLP."""
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def rotary_dim(self) -> int:
@@ -132,7 +188,7 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         raise ConfigError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
     if _bool(cfg, "mlp_bias", False):
         raise ConfigError("mlp_bias=true is not supported")
-    if family in ("qwen2", "qwen3") and _bool(cfg, "use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and _bool(cfg, "use_sliding_window", False):
         # refused, not ignored: HF would window some layers (max_window_layers), we would not
         raise ConfigError(f"use_sliding_window=true is not supported for {family.capitalize()}")
     for key in ("dtype", "torch_dtype"):
@@ -145,13 +201,14 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         raise ConfigError(
             f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (no head_dim)"
         )
-    window = _int(cfg, "sliding_window", None) if family == "mistral" else None
+    window = _int(cfg, "sliding_window", None) if family in ("mistral", "mixtral") else None
+    num_layers = _int(cfg, "num_hidden_layers")
     return ModelArch(
         family=family,
         vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
         ffn_hidden_size=_int(cfg, "intermediate_size"),
-        num_layers=_int(cfg, "num_hidden_layers"),
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_query_groups=_int(cfg, "num_key_value_heads", heads),
         head_dim=_int(cfg, "head_dim", hidden // heads),
@@ -162,10 +219,57 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         partial_rotary_factor=partial,
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
         qkv_bias=family == "qwen2" or _bool(cfg, "attention_bias", False),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         sliding_window=window,
         initializer_range=_float(cfg, "initializer_range", 0.02, positive=False),
+        moe=_moe(cfg, family, num_layers) if family in MOE_FAMILIES else None,
         extra=dict(cfg),
+    )
+
+
+def _moe(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec:
+    """The MoE fields of a Qwen3-MoE or Mixtral config, each type-checked and named when wrong."""
+    if family == "mixtral":
+        if _float(cfg, "router_jitter_noise", 0.0, positive=False) > 0:
+            # training-time noise on the router input: the rollout and the trainer would route differently
+            raise ConfigError(
+                "router_jitter_noise > 0 is not supported (it makes routing random in training)"
+            )
+        num_experts = _int(cfg, "num_local_experts")
+        return MoESpec(
+            num_experts=num_experts,
+            top_k=_int(cfg, "num_experts_per_tok"),
+            ffn_hidden_size=_int(cfg, "intermediate_size"),
+            layers=tuple(range(num_layers)),
+            norm_topk_prob=True,
+            router_aux_loss_coef=_float(cfg, "router_aux_loss_coef", 0.0, positive=False),
+        )
+    # Qwen3-MoE: hub configs say num_experts; transformers 5 saves num_local_experts (its attribute map)
+    experts = {k: _int(cfg, k, None) for k in ("num_experts", "num_local_experts")}
+    if None not in experts.values() and len(set(experts.values())) > 1:
+        raise ConfigError(
+            f"num_experts={experts['num_experts']} and num_local_experts={experts['num_local_experts']} differ"
+        )
+    num_experts = experts["num_experts"] or experts["num_local_experts"]
+    if num_experts is None:
+        raise ConfigError("missing field 'num_experts'")
+    step = _int(cfg, "decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense
+    ):
+        raise ConfigError(
+            f"mlp_only_layers must be a list of layer indices below {num_layers}, got {dense!r}"
+        )
+    if _int(cfg, "shared_expert_intermediate_size", None):
+        raise ConfigError("shared_expert_intermediate_size is not supported (Qwen3-MoE has no shared expert)")
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=_int(cfg, "num_experts_per_tok"),
+        ffn_hidden_size=_int(cfg, "moe_intermediate_size"),
+        layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob", False),
+        router_aux_loss_coef=_float(cfg, "router_aux_loss_coef", 0.0, positive=False),
     )
 
 

@@ -1,9 +1,15 @@
-"""megatron-core GPTModel builders for :class:`~mcore_rl.engine.arch.ModelArch` (Llama, Qwen2, Mistral).
+"""megatron-core GPTModel builders for :class:`~mcore_rl.engine.arch.ModelArch` (Llama, Qwen2, Qwen3, Mistral;
+Qwen3-MoE and Mixtral with megatron's MoE layer).
 
 One builder serves the actor, the reference policy, the critic and a reward model (``value_head=True``
 swaps the vocab projection for a scalar head). The layer spec is Transformer-Engine's when TE imports and
 CUDA is present, megatron's local spec otherwise (the CPU path). With virtual pipeline parallelism a rank
 holds several model chunks, so builders always return a list (megatron's convention).
+
+Mixture-of-experts layers are megatron's ``MoELayer``: a ``TopKRouter`` (gating in fp32, as verl recommends, so
+the rollout engine can reproduce its choices), the all-to-all token dispatcher (expert parallelism over the
+ranks of ``ParallelContext``'s expert mesh; on CPU its stream-free variant, ``compat/moe.py``) and the experts as
+megatron's ``SequentialMLP`` on the local spec, grouped GEMM with Transformer Engine.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ class ModelOptions:
     scaled_output_init: bool = True
     """megatron's random init of the attention and MLP output projections at ``std / sqrt(2 x layers)``;
     False: at ``std`` like every other linear layer (transformers' Llama init)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE models: weight of megatron's load-balancing loss (``aux_loss``: per layer, the switch-transformer
+    loss over each micro-batch's tokens); 0 disables it (it is still measured and logged)."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE models: weight of the router z-loss (megatron ``moe_z_loss_coeff``); 0 disables it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -55,6 +66,8 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         num_query_groups=arch.num_query_groups,
         num_layers=arch.num_layers,
         vocab_size=arch.vocab_size,
+        num_experts=arch.moe.num_experts if arch.moe else None,
+        moe_ffn_hidden_size=arch.moe.ffn_hidden_size if arch.moe else None,
     )
     fused = torch.cuda.is_available()  # megatron's fused kernels are CUDA-only
     bf16 = options.dtype == torch.bfloat16
@@ -72,6 +85,10 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         from megatron.core.utils import init_method_normal
 
         extra["output_layer_init_method"] = init_method_normal(arch.initializer_range)
+    if arch.moe is not None:
+        extra.update(_moe_config(arch, ctx, options))
+    else:
+        extra["moe_token_dispatcher_type"] = "alltoall"  # dense; megatron rejects its default without experts
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -106,9 +123,35 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,  # RL batches change length every step; PP must exchange shapes
-        moe_token_dispatcher_type="alltoall",  # dense model; megatron rejects its default with the line above
         **extra,
     )
+
+
+def _moe_config(arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> dict[str, Any]:
+    """megatron's MoE fields for ``arch.moe``: routing as HF's (softmax, top-k, renormalised when
+    ``norm_topk_prob``: megatron's top-k-then-softmax is the same function), the router in fp32, no token
+    dropping, the all-to-all dispatcher."""
+    moe = arch.moe
+    assert moe is not None
+    balancing = "aux_loss" if options.moe_aux_loss_coeff > 0 else "none"
+    grouped = _uses_te(options)  # TE's grouped GEMM; megatron's SequentialMLP (one GEMM per expert) otherwise
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.top_k,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_layer_freq": [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)],
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": balancing,
+        "moe_aux_loss_coeff": options.moe_aux_loss_coeff,
+        "moe_z_loss_coeff": options.moe_z_loss_coeff or None,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": grouped,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "expert_model_parallel_size": ctx.layout.ep,
+        "expert_tensor_parallel_size": ctx.layout.expert_tp,
+    }
 
 
 class ValueHead(torch.nn.Module):
@@ -148,7 +191,10 @@ def build_model_chunks(
 
     options = options or ModelOptions()
     config = transformer_config(arch, ctx, options)
-    spec = _layer_spec(options, arch)
+    if arch.moe is not None and not _uses_te(options):
+        from mcore_rl.compat import moe as moe_compat
+
+        moe_compat.fix_router_gemm_without_te()
     vocab = padded_vocab_size(arch.vocab_size, ctx.tp_size, options.make_vocab_size_divisible_by)
     max_len = options.max_sequence_length or arch.max_position_embeddings
     inv_freq = rope_inv_freq(arch)
@@ -158,7 +204,7 @@ def build_model_chunks(
         post_process = ctx.holds_last_layers(vp)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_layer_spec(options, arch, config, ctx, vp),
             vocab_size=vocab,
             max_sequence_length=max_len,
             pre_process=ctx.holds_first_layers(vp),
@@ -183,14 +229,28 @@ def _uses_te(options: ModelOptions) -> bool:
     return transformer_engine_available() if use_te is None else use_te
 
 
-def _layer_spec(options: ModelOptions, arch: ModelArch) -> Any:
+def _layer_spec(
+    options: ModelOptions, arch: ModelArch, config: Any, ctx: ParallelContext, vp: int | None
+) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     from mcore_rl.compat.cpu_layers import local_spec
 
+    if arch.moe is not None:  # per-layer specs: MoE layers and dense ones (Qwen3-MoE's mlp_only_layers)
+        block = get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=_uses_te(options),
+            normalization="RMSNorm",
+            vp_stage=vp,
+            pp_rank=ctx.pp_rank,
+        )
+        if not _uses_te(options):
+            block.layer_specs = [local_spec(layer) for layer in block.layer_specs]
+        return block
     if _uses_te(options):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     # The local spec with torch's fused attention: fewer elementwise passes (compat/cpu_layers.py)

@@ -25,6 +25,12 @@ class ParallelConfig:
     """Model chunks per stage (interleaved 1F1B); None disables interleaving. Needs pipeline size >= 2."""
     sequence_parallel: bool = False
     """Split norm/dropout activations by sequence over the TP group (needs TP >= 2)."""
+    expert_model_parallel_size: int = 1
+    """Mixture-of-experts models: ranks the experts of each MoE layer are split over (megatron EP). EP is
+    folded into data parallelism: EP ranks hold the same attention weights and different data and experts;
+    ``expert_tensor_parallel_size * expert_model_parallel_size`` must divide ``world / pipeline size``."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks each expert's matrices are split over (megatron ETP); None = the tensor-parallel size."""
     data_parallel_size: int | None = None
     """Replicas; None derives it (world size / (TP * PP)). When set it must equal the derived value."""
     backend: str | None = None
@@ -39,6 +45,8 @@ class ParallelConfig:
                 "tensor_model_parallel_size": POSITIVE,
                 "pipeline_model_parallel_size": POSITIVE,
                 "virtual_pipeline_model_parallel_size": OPTIONAL_POSITIVE,
+                "expert_model_parallel_size": POSITIVE,
+                "expert_tensor_parallel_size": OPTIONAL_POSITIVE,
                 "data_parallel_size": OPTIONAL_POSITIVE,
                 "backend": one_of(None, "nccl", "gloo"),
                 "timeout_minutes": POSITIVE,
@@ -52,6 +60,8 @@ class ParallelConfig:
             pp=self.pipeline_model_parallel_size,
             vpp=self.virtual_pipeline_model_parallel_size,
             sp=self.sequence_parallel,
+            ep=self.expert_model_parallel_size,
+            etp=self.expert_tensor_parallel_size,
         )
 
 

@@ -87,6 +87,8 @@ class ParallelContext:
         self.rank = rank
         self.device = device
         self.coords = layout.coords(rank)
+        self.expert_coords = layout.expert_coords(rank)
+        """This rank's place in the experts' mesh (etp, ep, edp, pp); see ``parallel/layout.py``."""
         self._live = True
         self._subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
         self._megatron_groups: list[dist.ProcessGroup] = []
@@ -115,6 +117,8 @@ class ParallelContext:
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.expert_tp,
             distributed_timeout_minutes=config.timeout_minutes,
             create_gloo_process_groups=backend == "gloo",
         )
@@ -219,6 +223,34 @@ class ParallelContext:
         return self._ps.get_model_parallel_group()
 
     @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_coords.ep
+
+    @property
+    def expert_tp_size(self) -> int:
+        return self.layout.expert_tp
+
+    @property
+    def expert_tp_rank(self) -> int:
+        return self.expert_coords.etp
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self._ps.get_expert_model_parallel_group()
+
+    @property
+    def expert_tp_group(self) -> dist.ProcessGroup:
+        return self._ps.get_expert_tensor_parallel_group()
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        return self._ps.get_expert_data_parallel_group()
+
+    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
@@ -267,5 +299,10 @@ class ParallelContext:
         c = self.coords
         return (
             f"ParallelContext(rank={self.rank}/{self.world_size}, tp={c.tp}/{self.tp_size}, "
-            f"pp={c.pp}/{self.pp_size}, dp={c.dp}/{self.dp_size}, vpp={self.layout.vpp}, sp={self.layout.sp})"
+            f"pp={c.pp}/{self.pp_size}, dp={c.dp}/{self.dp_size}, vpp={self.layout.vpp}, sp={self.layout.sp}"
+            + (
+                f", ep={self.ep_rank}/{self.ep_size}, etp={self.expert_tp_rank}/{self.expert_tp_size})"
+                if self.ep_size > 1 or self.expert_tp_size != self.tp_size
+                else ")"
+            )
         )

@@ -1,13 +1,23 @@
 """Pure rank arithmetic for the training layout: no torch.distributed, no megatron.
 
 Ranks are laid out the way megatron-core's ``RankGenerator`` does with its default order ``tp-cp-ep-dp-pp``
-(context and expert parallelism are 1 here): tensor-parallel ranks are adjacent, then data parallel, then
+(context parallelism is 1 here): tensor-parallel ranks are adjacent, then data parallel, then
 pipeline stages outermost::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-so a TP group never straddles a node boundary when ``tp`` divides the GPUs per node. ``tests/parallel``
-checks these lists against the groups megatron actually builds.
+so a TP group never straddles a node boundary when ``tp`` divides the GPUs per node.
+
+The experts of a mixture-of-experts model have a mesh of their own over the same ranks, megatron's second
+``RankGenerator`` (expert tensor parallel ``etp``, expert parallel ``ep``, expert data parallel ``edp``, the
+same pipeline stages): expert parallelism is folded into data parallelism, since the ranks of one stage
+(``tp * dp`` of them) are re-split as ``etp * ep * edp``::
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))
+
+Attention and the other dense weights follow the first mesh; the experts of EP rank ``e`` are the e-th slice
+of every MoE layer's experts, split again over ``etp``. ``tests/parallel`` checks these lists against the
+groups megatron actually builds.
 """
 
 from __future__ import annotations
@@ -25,6 +35,16 @@ class RankCoords:
 
     tp: int
     dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class ExpertCoords:
+    """Where one rank sits in the expert mesh (etp, ep, edp, pp)."""
+
+    etp: int
+    ep: int
+    edp: int
     pp: int
 
 
@@ -48,9 +68,17 @@ class ParallelLayout:
     """Virtual pipeline (interleaved 1F1B) chunks per stage; None disables interleaving."""
     sp: bool = False
     """Sequence parallelism: activations outside attention/MLP are split over the TP group by sequence."""
+    ep: int = 1
+    """Expert-parallel size (megatron ``expert_model_parallel_size``): each MoE layer's experts are split into
+    this many groups; EP ranks are data-parallel ranks of the dense weights."""
+    etp: int | None = None
+    """Expert tensor-parallel size (``expert_tensor_parallel_size``): each expert's matrices split over this
+    many ranks; None = ``tp`` (megatron's default)."""
 
     def __post_init__(self) -> None:
-        _require_positive(world_size=self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp)
+        _require_positive(
+            world_size=self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp
+        )
         if self.world_size % (self.tp * self.pp) != 0:
             raise LayoutError(
                 f"world_size={self.world_size} is not divisible by tp*pp={self.tp}*{self.pp}; "
@@ -62,6 +90,22 @@ class ParallelLayout:
             )
         if self.sp and self.tp < 2:
             raise LayoutError("sequence_parallel=True needs tensor_model_parallel_size >= 2")
+        stage = self.world_size // self.pp  # ranks per pipeline stage: tp * dp = etp * ep * edp
+        if stage % (self.expert_tp * self.ep):
+            raise LayoutError(
+                f"expert_tensor_parallel_size*expert_model_parallel_size={self.expert_tp}*{self.ep} must divide "
+                f"the {stage} ranks of a pipeline stage (world_size / pipeline_model_parallel_size)"
+            )
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size (``etp``, defaulting to ``tp``)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: replicas of each expert shard (megatron's ``expert_data_parallel_size``)."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     @property
     def dp(self) -> int:
@@ -86,6 +130,49 @@ class ParallelLayout:
             if not 0 <= value < size:
                 raise LayoutError(f"{name} coordinate {value} is outside size {size}")
         return coords.tp + self.tp * (coords.dp + self.dp * coords.pp)
+
+    def expert_coords(self, rank: int) -> ExpertCoords:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside world_size={self.world_size}")
+        etp, ep, edp = self.expert_tp, self.ep, self.expert_dp
+        return ExpertCoords(
+            etp=rank % etp, ep=(rank // etp) % ep, edp=(rank // (etp * ep)) % edp, pp=rank // (etp * ep * edp)
+        )
+
+    def expert_rank(self, coords: ExpertCoords) -> int:
+        etp, ep, edp = self.expert_tp, self.ep, self.expert_dp
+        return coords.etp + etp * (coords.ep + ep * (coords.edp + edp * coords.pp))
+
+    def _expert_groups(self, varying: str) -> list[list[int]]:
+        """Partition of the ranks into groups whose expert coordinates differ only in ``varying``."""
+        sizes = {"etp": self.expert_tp, "ep": self.ep, "edp": self.expert_dp, "pp": self.pp}
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.expert_coords(rank)
+            key = tuple(getattr(c, n) for n in sizes if n != varying)
+            groups.setdefault(key, []).append(rank)
+        for group in groups.values():  # ordered by the varying coordinate, as megatron's groups
+            group.sort(key=lambda r: getattr(self.expert_coords(r), varying))
+        assert all(len(g) == sizes[varying] for g in groups.values())
+        return sorted(groups.values(), key=lambda g: min(g))
+
+    def ep_groups(self) -> list[list[int]]:
+        """Ranks holding different experts of one expert-TP shard: tokens are exchanged here (all-to-all)."""
+        return self._expert_groups("ep")
+
+    def expert_tp_groups(self) -> list[list[int]]:
+        """Ranks splitting the same experts' matrices."""
+        return self._expert_groups("etp")
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same expert shard: expert gradients are reduced here."""
+        return self._expert_groups("edp")
+
+    def local_experts(self, rank: int, num_experts: int) -> range:
+        """Global indices of the experts rank ``rank`` holds (megatron: EP rank e holds the e-th block)."""
+        per = num_experts // self.ep
+        start = self.expert_coords(rank).ep * per
+        return range(start, start + per)
 
     def tp_groups(self) -> list[list[int]]:
         """Ranks sharing one model replica's stage, split by tensor parallelism."""
@@ -152,8 +239,28 @@ class ParallelLayout:
         vocab_size: int | None = None,
         pad_vocab: bool = True,
         seq_length: int | None = None,
+        num_experts: int | None = None,
+        moe_ffn_hidden_size: int | None = None,
     ) -> None:
         """Raise :class:`LayoutError` naming the field when the model cannot be split this way."""
+        if num_experts is None and (self.ep > 1 or self.etp is not None):
+            raise LayoutError(
+                "expert_model_parallel_size / expert_tensor_parallel_size are set but the model has no experts"
+            )
+        if num_experts is not None and num_experts % self.ep:
+            raise LayoutError(
+                f"num_experts={num_experts} is not divisible by expert_model_parallel_size={self.ep}"
+            )
+        if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % self.expert_tp:
+            raise LayoutError(
+                f"moe_intermediate_size={moe_ffn_hidden_size} is not divisible by "
+                f"expert_tensor_parallel_size={self.expert_tp}"
+            )
+        if num_experts is not None and self.tp > 1 and not self.sp:
+            # megatron-LM's rule: without SP every TP rank would route and dispatch the same tokens
+            raise LayoutError(
+                "a mixture-of-experts model with tensor_model_parallel_size > 1 needs sequence_parallel=true"
+            )
         if num_attention_heads % self.tp:
             raise LayoutError(
                 f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={self.tp}"

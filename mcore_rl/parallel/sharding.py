@@ -7,6 +7,12 @@ Pure tensor slicing; no process groups. The "full" form of a parameter is its TP
   groups, so a contiguous split of dim 0 is exact.
 - ``linear_fc1`` of a gated MLP is ``[gate; up]`` and each TP rank holds ``[gate_r; up_r]``, so gate and
   up are split separately.
+
+Mixture-of-experts layers add a router (replicated) and experts, whose ``linear_fc1`` / ``linear_fc2`` split
+like the dense MLP's but over the *expert* tensor-parallel group (``parallel/layout.py``'s expert mesh); an
+expert parallel rank holds a contiguous block of the experts. The full state names expert ``e`` (global index)
+``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight``, megatron's ``SequentialMLP`` name at
+EP1; Transformer Engine's grouped GEMM names the same weight ``mlp.experts.linear_fc1.weight{j}``.
 """
 
 from __future__ import annotations
@@ -26,10 +32,34 @@ class ShardKind(Enum):
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+EXPERT_MARK = ".mlp.experts."
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether ``name`` is a routed expert's weight (split over the expert mesh, not the dense one)."""
+    return EXPERT_MARK in name
+
+
+def expert_param_name(layer: int, expert: int, suffix: str) -> str:
+    """Full-state name of global expert ``expert``'s ``suffix`` (``linear_fc1.weight`` / ``linear_fc2.weight``)."""
+    return f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{suffix}"
+
+
+def expert_index(name: str) -> int | None:
+    """The global expert index of a full-state expert name; None for every other parameter."""
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    expert = _SEQUENTIAL_EXPERT.match(match.group(2))
+    return int(expert.group(1)) if expert else None
 
 
 def shard_kind(name: str, value_head: bool = False) -> ShardKind:
     """The TP split of megatron parameter ``name`` (local or global layer numbering alike)."""
+    if name.endswith("mlp.router.weight"):
+        return ShardKind.REPLICATED
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return ShardKind.REPLICATED if value_head and name.startswith("output_layer") else ShardKind.VOCAB
     if "layernorm" in name or "layer_norm" in name or name.endswith("norm.weight"):
@@ -94,10 +124,18 @@ _TE_TO_CANONICAL = {
 }
 
 
-def global_param_name(local_name: str, layer_offset: int) -> str:
-    """Canonical full-state name of a chunk-local parameter: global layer number, local-spec naming."""
+def global_param_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """Canonical full-state name of a chunk-local parameter: global layer number, local-spec naming, global
+    expert index (``expert_offset`` = this rank's first expert)."""
     match = _LAYER.match(local_name)
     if match is None:
         return local_name
-    suffix = _TE_TO_CANONICAL.get(match.group(2), match.group(2))
-    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{suffix}"
+    layer, suffix = int(match.group(1)) + layer_offset, match.group(2)
+    sequential = _SEQUENTIAL_EXPERT.match(suffix)
+    if sequential:
+        return expert_param_name(layer, int(sequential.group(1)) + expert_offset, sequential.group(2))
+    grouped = _GROUPED_EXPERT.match(suffix)
+    if grouped:
+        fc, kind, local = grouped.groups()
+        return expert_param_name(layer, int(local) + expert_offset, f"{fc}.{kind}")
+    return f"decoder.layers.{layer}.{_TE_TO_CANONICAL.get(suffix, suffix)}"

@@ -28,6 +28,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-qk-norm": ("qwen3", {}),  # q/k RMSNorm per head, head_dim 24 (not hidden / heads = 16)
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),  # as Qwen3-0.6B to 4B ship
 }
+# The mixture-of-experts variants (routing, per-expert names); tests/convert/test_moe.py covers them.
+MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-moe": ("qwen3_moe", {}),  # top-2 of 4 renormalised, layer 1 dense (mlp_only_layers)
+    "qwen3-moe-unnormed": ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": []}),
+    "mixtral": ("mixtral", {}),  # sliding window 8 honoured
+}
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides: Any) -> Any:

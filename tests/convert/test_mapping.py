@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from mcore_rl.convert.cli import parse_dtype, parse_size
-from mcore_rl.convert.dist_layout import checkpoint_key, checkpoint_plan
+from mcore_rl.convert.dist_layout import checkpoint_location, checkpoint_plan
 from mcore_rl.engine.hf.mapping import (
     ConvertError,
     check_convertible,
@@ -91,9 +91,11 @@ def test_plan_tiles_every_global_tensor_once(tp, pp):
     assert shapes["embedding.word_embeddings.weight"][0] == padded_vocab_size(250, tp)
     assert {c.writer for c in chunks} == set(range(tp * pp))  # every (tp, pp) position writes
     assert len(extra) == 4 * arch.num_layers
-    assert checkpoint_key("decoder.layers.3.input_layernorm.weight") == (
+    where = checkpoint_location(arch, "decoder.layers.3.input_layernorm.weight")
+    assert (where.key, where.layer, where.prefix_offsets) == (
         "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
         3,
+        (3,),
     )
     assert shard_kind("decoder.layers.0.mlp.linear_fc1.weight") is ShardKind.GATED_COLUMN
 

@@ -48,7 +48,8 @@ def test_reads_a_checkpoint_folder(tmp_path):
     [
         (
             {"architectures": ["GPT2LMHeadModel"]},
-            "supported: \\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\\]",
+            "supported: \\['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', "
+            "'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\\]",
         ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
@@ -112,3 +113,41 @@ def test_rope_inv_freq_matches_transformers(name):
                 ModelArch.from_hf_config(tiny_hf_config("llama", head_dim=64, rope_theta=500000.0))
             ),
         )
+
+
+def test_moe_fields_read_from_qwen3_moe_and_mixtral():
+    qwen = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert qwen.moe is not None and qwen.qk_norm and qwen.head_dim == 24
+    # HF: layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    assert qwen.moe.layers == (1,)
+    assert (qwen.moe.num_experts, qwen.moe.top_k, qwen.moe.ffn_hidden_size) == (4, 2, 32)
+    assert qwen.moe.norm_topk_prob and qwen.moe.router_aux_loss_coef == 0.001
+    assert qwen.ffn_hidden_size == 96  # the dense layers' MLP
+    saved = tiny_hf_config("qwen3_moe")  # the hub's config.json says num_experts; transformers 5 saves
+    saved["num_local_experts"] = saved.pop("num_experts")  # num_local_experts (its attribute map)
+    assert ModelArch.from_hf_config(saved).moe.num_experts == 4
+    mixtral = ModelArch.from_hf_config(tiny_hf_config("mixtral"))
+    assert mixtral.moe is not None and mixtral.moe.layers == (0, 1, 2, 3)
+    assert mixtral.moe.ffn_hidden_size == 48 and mixtral.moe.norm_topk_prob and mixtral.sliding_window == 8
+    assert not ModelArch.from_hf_config(tiny_hf_config("qwen3")).is_moe
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "message"),
+    [
+        ("qwen3_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is larger than the number of experts"),
+        ("qwen3_moe", {"num_experts": "4"}, "num_experts must be a positive integer, got '4'"),
+        ("qwen3_moe", {"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
+        ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        ("qwen3_moe", {"mlp_only_layers": [0, 9]}, "mlp_only_layers must be a list of layer indices below 4"),
+        ("qwen3_moe", {"mlp_only_layers": [0, 1, 2, 3]}, "no layer is a mixture-of-experts layer"),
+        ("qwen3_moe", {"num_experts": 8, "num_local_experts": 4}, "num_experts=8 and num_local_experts=4 differ"),
+        ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true is not supported for Qwen3_moe"),
+        ("mixtral", {"num_local_experts": None}, "missing field 'num_local_experts'"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise > 0 is not supported"),
+        ("mixtral", {"num_experts_per_tok": True}, "num_experts_per_tok must be a positive integer, got True"),
+    ],
+)
+def test_bad_moe_configs_name_the_field(family, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelArch.from_hf_config(tiny_hf_config(family, **overrides))

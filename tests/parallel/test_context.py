@@ -10,12 +10,17 @@ from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.layout import LayoutError
 
 
-def _groups_match_layout(tp: int, pp: int, vpp: int | None = None) -> dict:
+def _groups_match_layout(
+    tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None
+) -> dict:
     with ParallelContext.initialize(
         ParallelConfig(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            sequence_parallel=tp > 1 and ep > 1,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
     ) as ctx:
         layout = ctx.layout
@@ -36,6 +41,19 @@ def _groups_match_layout(tp: int, pp: int, vpp: int | None = None) -> dict:
                 ),
                 (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank),
             ),
+            "ep": (dist.get_process_group_ranks(ctx.ep_group), layout.group_of(layout.ep_groups(), rank)),
+            "etp": (
+                dist.get_process_group_ranks(ctx.expert_tp_group),
+                layout.group_of(layout.expert_tp_groups(), rank),
+            ),
+            "edp": (
+                dist.get_process_group_ranks(ctx.expert_dp_group),
+                layout.group_of(layout.expert_dp_groups(), rank),
+            ),
+            "expert_coords": (
+                (ctx._ps.get_expert_model_parallel_rank(), ctx._ps.get_expert_tensor_parallel_rank()),
+                (ctx.ep_rank, ctx.expert_tp_rank),
+            ),
         }
 
 
@@ -44,6 +62,18 @@ def _groups_match_layout(tp: int, pp: int, vpp: int | None = None) -> dict:
 )
 def test_megatron_groups_equal_layout_groups(run_distributed, world_size, tp, pp):
     for per_rank in run_distributed(_groups_match_layout, tp, pp, world_size=world_size):
+        for name, (megatron_view, ours) in per_rank.items():
+            assert list(megatron_view) == list(ours), name
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "ep", "etp"),
+    [(1, 1, 2, None), (1, 1, 4, None), (2, 1, 2, None), (2, 1, 2, 1), (1, 2, 2, None), (2, 1, 1, 1)],
+    ids=["ep2", "ep4", "tp2-ep2", "tp2-ep2-etp1", "pp2-ep2", "tp2-etp1"],
+)
+def test_megatron_expert_groups_equal_layout_groups(run_distributed, tp, pp, ep, etp):
+    # world 4: expert parallelism folded into data parallelism, megatron's expert RankGenerator
+    for per_rank in run_distributed(_groups_match_layout, tp, pp, None, ep, etp, world_size=4):
         for name, (megatron_view, ours) in per_rank.items():
             assert list(megatron_view) == list(ours), name
 

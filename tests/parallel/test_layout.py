@@ -122,3 +122,56 @@ def test_padded_vocab_size():
     assert padded_vocab_size(257, 2) == 512
     assert padded_vocab_size(32000, 8) == 32768
     assert padded_vocab_size(128256, 4, divisible_by=128) == 128512
+
+
+def test_expert_mesh_is_megatrons_worked_example():
+    # 8 ranks, TP2 x DP4 for the dense weights; experts at ETP1 x EP4 x EDP2 (EP folded into DP).
+    layout = ParallelLayout(8, tp=2, sp=True, ep=4, etp=1)
+    assert layout.expert_dp == 2
+    assert layout.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.expert_dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.expert_tp_groups() == [[r] for r in range(8)]
+    assert layout.local_experts(5, num_experts=8) == range(2, 4)
+    # ETP defaults to TP: expert shards follow the dense TP split
+    default = ParallelLayout(8, tp=2, sp=True, ep=2)
+    assert default.expert_tp_groups() == default.tp_groups()
+    assert default.ep_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [ParallelLayout(8, tp=2, ep=4, etp=1), ParallelLayout(8, tp=2, pp=2, ep=2), ParallelLayout(4, ep=4)],
+)
+def test_expert_coords_round_trip_and_groups_partition(layout):
+    for rank in range(layout.world_size):
+        assert layout.expert_rank(layout.expert_coords(rank)) == rank
+        assert layout.expert_coords(rank).pp == layout.coords(rank).pp  # the same pipeline stages
+    for groups in (layout.ep_groups(), layout.expert_tp_groups(), layout.expert_dp_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 4, "ep": 3}, "expert_tensor_parallel_size\\*expert_model_parallel_size=1\\*3"),
+        ({"world_size": 4, "tp": 2, "ep": 4}, "=2\\*4 must divide the 4 ranks"),
+        ({"world_size": 4, "ep": 0}, "ep must be a positive integer"),
+    ],
+)
+def test_bad_expert_sizes_name_the_field(kwargs, message):
+    with pytest.raises(LayoutError, match=message):
+        ParallelLayout(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("layout", "kwargs", "message"),
+    [
+        (ParallelLayout(4, ep=4), {"num_experts": 6}, "num_experts=6 is not divisible by expert_model_parallel"),
+        (ParallelLayout(4, ep=2), {}, "the model has no experts"),
+        (ParallelLayout(4, tp=2, etp=2, sp=True), {"num_experts": 4, "moe_ffn_hidden_size": 33}, "moe_intermediate_size=33"),
+        (ParallelLayout(4, tp=2), {"num_experts": 4}, "needs sequence_parallel=true"),
+    ],
+)
+def test_moe_model_that_does_not_split_is_named(layout, kwargs, message):
+    with pytest.raises(LayoutError, match=message):
+        layout.check_model(num_attention_heads=4, num_query_groups=2, num_layers=2, **kwargs)

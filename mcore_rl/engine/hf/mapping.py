@@ -7,6 +7,17 @@ Mistral share HF's Llama naming; they differ only in the q/k/v biases (Qwen2), t
 :class:`~mcore_rl.engine.arch.ModelArch` already records. Every transform is a reshape/concatenation,
 so HF -> full -> HF is bit-exact.
 
+Mixture-of-experts layers (Qwen3-MoE, Mixtral) hold a router and one SwiGLU MLP per expert, named per expert
+in HF checkpoints as the hub ships them (transformers 5 fuses the experts in memory and splits them again on
+save)::
+
+    Qwen3-MoE  model.layers.{i}.mlp.gate.weight               -> decoder.layers.{i}.mlp.router.weight
+               model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj.weight
+                                                              -> ...mlp.experts.local_experts.{e}.linear_fc1
+               model.layers.{i}.mlp.experts.{e}.down_proj.weight -> ...local_experts.{e}.linear_fc2.weight
+    Mixtral    model.layers.{i}.block_sparse_moe.gate.weight  -> decoder.layers.{i}.mlp.router.weight
+               ...block_sparse_moe.experts.{e}.w1 (gate), w3 (up) / w2 (down)
+
 One :class:`TensorMap` ties a full-state tensor to the HF tensors it is made of; :func:`tensor_maps`
 lists them in checkpoint order (embedding, layers in order, final norm, output layer), which is also the
 order the streaming converters read and write.
@@ -21,6 +32,7 @@ import torch
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.hf.score_head import has_score_head
 from mcore_rl.io.errors import InputError
+from mcore_rl.parallel.sharding import expert_param_name, is_expert_param
 
 
 class ConvertError(InputError):
@@ -83,6 +95,11 @@ def _layer_maps(arch: ModelArch, i: int) -> list[TensorMap]:
     maps += [
         TensorMap(f"{full}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), COPY),
         TensorMap(f"{full}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",), COPY),
+    ]
+    if arch.is_moe_layer(i):
+        return maps + _moe_maps(arch, i)
+    return [
+        *maps,
         TensorMap(
             f"{full}.mlp.linear_fc1.weight",
             (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"),
@@ -90,6 +107,31 @@ def _layer_maps(arch: ModelArch, i: int) -> list[TensorMap]:
         ),
         TensorMap(f"{full}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",), COPY),
     ]
+
+
+# HF's names of a MoE block: (block, router, gate, up, down) per family
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+}
+
+
+def _moe_maps(arch: ModelArch, i: int) -> list[TensorMap]:
+    """Router, then each expert's fc1 and fc2, in expert order (see the module docstring)."""
+    assert arch.moe is not None
+    block, router, gate, up, down = _MOE_NAMES[arch.family]
+    hf = f"model.layers.{i}.{block}"
+    maps = [TensorMap(f"decoder.layers.{i}.mlp.router.weight", (f"{hf}.{router}.weight",), COPY)]
+    for e in range(arch.moe.num_experts):
+        expert = f"{hf}.experts.{e}"
+        maps += [
+            TensorMap(
+                expert_param_name(i, e, "linear_fc1.weight"),
+                (f"{expert}.{gate}.weight", f"{expert}.{up}.weight"),
+                GATE_UP,
+            ),
+            TensorMap(expert_param_name(i, e, "linear_fc2.weight"), (f"{expert}.{down}.weight",), COPY),
+        ]
     return maps
 
 
@@ -109,11 +151,15 @@ def hf_shapes(arch: ModelArch, tensor_map: TensorMap) -> list[tuple[int, ...]]:
     h, d = arch.hidden_size, arch.head_dim
     q_rows, kv_rows = arch.num_attention_heads * d, arch.num_query_groups * d
     name = tensor_map.full_name
+    ffn = arch.moe.ffn_hidden_size if arch.moe is not None and is_expert_param(name) else arch.ffn_hidden_size
+    if name.endswith("mlp.router.weight"):
+        assert arch.moe is not None
+        return [(arch.moe.num_experts, h)]
     if tensor_map.kind == QKV:
         tail = (h,) if name.endswith("weight") else ()
         return [(q_rows, *tail), (kv_rows, *tail), (kv_rows, *tail)]
     if tensor_map.kind == GATE_UP:
-        return [(arch.ffn_hidden_size, h)] * 2
+        return [(ffn, h)] * 2
     if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
         return [(d,)]  # one norm over head_dim, shared by every head
     if name.endswith("layernorm.weight"):
@@ -121,7 +167,7 @@ def hf_shapes(arch: ModelArch, tensor_map: TensorMap) -> list[tuple[int, ...]]:
     if name.endswith("linear_proj.weight"):
         return [(h, q_rows)]
     if name.endswith("linear_fc2.weight"):
-        return [(h, arch.ffn_hidden_size)]
+        return [(h, ffn)]
     if name == "output_layer.weight" and has_score_head(arch):
         return [(1, h)]
     return [(arch.vocab_size, h)]  # embedding / output layer

@@ -65,9 +65,12 @@ def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dt
 
 
 def _shape_fields(arch: ModelArch) -> str:
-    return (
+    fields = (
         f"num_hidden_layers={arch.num_layers}, hidden_size={arch.hidden_size}, "
         f"intermediate_size={arch.ffn_hidden_size}, num_attention_heads={arch.num_attention_heads}, "
         f"num_key_value_heads={arch.num_query_groups}, head_dim={arch.head_dim}, vocab_size={arch.vocab_size}, "
         f"tie_word_embeddings={arch.tie_word_embeddings}"
     )
+    if arch.moe is not None:
+        fields += f", num_experts={arch.moe.num_experts}, moe_intermediate_size={arch.moe.ffn_hidden_size}"
+    return fields

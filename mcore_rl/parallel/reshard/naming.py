@@ -22,14 +22,15 @@ EMBEDDING_KEY = "embedding.word_embeddings.weight"
 OUTPUT_KEY = "output_layer.weight"
 
 
-def canonical_key(local_name: str, layer_offset: int, *, tied: bool) -> str:
+def canonical_key(local_name: str, layer_offset: int, *, tied: bool, expert_offset: int = 0) -> str:
     """The key of chunk-local parameter ``local_name`` whose chunk starts at global layer ``layer_offset``.
 
     ``tied``: the model shares its embedding with the output layer (``tie_word_embeddings`` and no value
     head). megatron then allocates no output weight where the embedding lives (pipeline size 1, or the first
     stage) and a synchronised copy named ``output_layer.weight`` on the last stage: that copy is the embedding.
+    ``expert_offset``: the global index of this rank's first expert (MoE; ``ParallelLayout.local_experts``).
     """
-    name = global_param_name(local_name, layer_offset)
+    name = global_param_name(local_name, layer_offset, expert_offset)
     return EMBEDDING_KEY if tied and name == OUTPUT_KEY else name
 
 
