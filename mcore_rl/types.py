@@ -72,6 +72,18 @@ class RolloutRequest:
 
 
 @dataclass
+class TurnRequest:
+    """One turn of a rollout replica's open conversations (multi-turn rollouts: token in, token out)."""
+
+    conversations: list[int]
+    """[M] the conversations' ids (their rows in the rollout)."""
+    contexts: list[list[int]]
+    """[M][len_m] each conversation's whole context: prompt, earlier turns, tool answers."""
+    max_new_tokens: list[int]
+    """[M] the most tokens each may sample this turn (what is left of its response budget)."""
+
+
+@dataclass
 class RolloutBatch:
     """Sampled sequences, prompt-major (the ``n`` samples of a prompt are adjacent), position-aligned."""
 
@@ -299,6 +311,9 @@ class StepStats:
     """``kl_in_reward/{coef, mean_kl}`` with ``algorithm.use_kl_in_reward``."""
     actor_frozen: bool | None = None
     """PPO: the actor did not train this step (``critic.warmup_steps``)."""
+    multi_turn: dict[str, float] = field(default_factory=dict)
+    """``multi_turn/*`` of a multi-turn rollout: turns and tool calls per sample, errors, timeouts, how the
+    conversations ended, model vs tool tokens (``agent/records.py``)."""
 
     @property
     def step_s(self) -> float:
@@ -322,6 +337,7 @@ class StepStats:
             **self.critic,
             **self.kl_in_reward,
             **self.importance,
+            **self.multi_turn,
         }
         if self.old_log_probs_recomputed is not None:
             out["old_log_probs_recomputed"] = float(self.old_log_probs_recomputed)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from omegaconf import II
 
+from mcore_rl.agent.config import MultiTurnConfig
 from mcore_rl.algo.settings import (
     ADV_ESTIMATOR_ALIASES,
     AdvEstimator,
@@ -198,6 +199,8 @@ class RolloutConfig:
     utilization would be a fraction of host RAM)."""
     val_kwargs: ValSampling = field(default_factory=ValSampling)
     """Sampling for validation and the held-out test."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-calling rollouts (``mcore_rl/agent``); off by default."""
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     """Memory handling of the train <-> rollout switch."""
     colocate: bool = True

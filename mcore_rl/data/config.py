@@ -9,9 +9,10 @@ from omegaconf import II
 
 from mcore_rl.io.fields import OPTIONAL_POSITIVE, POSITIVE, check_section, one_of
 
-GENERATED_TASKS = {"arithmetic": False, "arithmetic_reversed": True}
+GENERATED_TASKS = {"arithmetic": False, "arithmetic_reversed": True, "tool_calc": False}
 """``data.generate`` names -> whether the answers are written least-significant digit first
-(:mod:`mcore_rl.data.demo_task` writes them)."""
+(:mod:`mcore_rl.data.demo_task` writes them; ``tool_calc``, the tool demo's products with calculator traces,
+:mod:`mcore_rl.data.tool_task`)."""
 
 
 @dataclass

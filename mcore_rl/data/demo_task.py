@@ -122,6 +122,11 @@ def prepare_data(
         return os.path.isfile(os.path.join(path, "tokenizer.json") if split == "tokenizer" else path)
 
     missing = {split: paths[0] for split, paths in wanted.items() if paths and not present(split, paths[0])}
+    if data.generate == "tool_calc":
+        from mcore_rl.data.tool_task import write_tool_dataset
+
+        write_tool_dataset(missing, data.seed)
+        return list(missing.values())
     for split in ("test", "sft"):  # files kept from an earlier run must hold this task's answers
         if wanted[split] and split not in missing:
             check_task(wanted[split][0], data.generate, reverse)

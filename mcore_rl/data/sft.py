@@ -1,12 +1,16 @@
 """Labelled examples for supervised fine-tuning: a prompt (as in RL data) plus the target response.
 
 Tokens are ``prompt + response + EOS``; the loss mask covers the positions that predict the response and
-EOS only (prompt tokens are never a target).
+EOS only (prompt tokens are never a target). A response may also be a multi-turn trace, a list of chat
+messages after the prompt (``assistant`` turns, with tool calls as the model writes them, and the ``tool``
+or ``user`` turns that answer them): its tokens are those a multi-turn rollout of the same turns holds
+(``chat_format.conversation_ids``) and only the assistant's tokens and stop tokens are targets.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +22,7 @@ from mcore_rl.data.prompts import encode_prompt
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.io.errors import InputError
 from mcore_rl.types import SFTBatch
 
 log = logging.getLogger(__name__)
@@ -28,6 +33,9 @@ class SFTRecord:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     """Target tokens, EOS included."""
+    target_mask: tuple[int, ...] | None = None
+    """Multi-turn traces: 1 on the response tokens that are targets (the assistant's), 0 on the rest (tool
+    answers, turn markers); None: every response token is a target."""
 
 
 def sft_batch(records: Sequence[SFTRecord], pad_token_id: int) -> SFTBatch:
@@ -40,7 +48,8 @@ def sft_batch(records: Sequence[SFTRecord], pad_token_id: int) -> SFTBatch:
         seq = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
         tokens[i, : len(seq)] = seq
         labels[i, : len(seq) - 1] = seq[1:]
-        mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = 1.0
+        targets = torch.ones(len(r.response_ids)) if r.target_mask is None else torch.tensor(r.target_mask)
+        mask[i, len(r.prompt_ids) - 1 : len(seq) - 1] = targets.float()
     return SFTBatch(tokens, labels, mask)
 
 
@@ -109,13 +118,56 @@ def _record(
 ) -> SFTRecord:
     prompt = prompt_messages(column(raw, data.prompt_key, where), data.prompt_key, where)
     response = column(raw, response_key, where)
-    if not isinstance(response, str) or not response:
-        raise BadRowError(RowProblem(*where, response_key, f"expected non-empty text, got {response!r:.60}"))
     prompt_ids = encode_prompt(prompt, tokenizer, data.apply_chat_template)
-    response_ids = [*tokenizer.encode(response), tokenizer.eos_token_id]
+    target_mask = None
+    if _is_trace(response):
+        response_ids, target_mask = _trace_ids(response, prompt_ids, tokenizer, (*where, response_key))
+    elif not isinstance(response, str) or not response:
+        raise BadRowError(RowProblem(*where, response_key, f"expected non-empty text, got {response!r:.60}"))
+    else:
+        response_ids = [*tokenizer.encode(response), tokenizer.eos_token_id]
     total = len(prompt_ids) + len(response_ids)
     if total > max_length:
         raise BadRowError(
             RowProblem(*where, response_key, f"example has {total} tokens, more than {max_length}")
         )
-    return SFTRecord(tuple(prompt_ids), tuple(response_ids))
+    return SFTRecord(
+        tuple(prompt_ids), tuple(response_ids), None if target_mask is None else tuple(target_mask)
+    )
+
+
+def _is_trace(response: Any) -> bool:
+    """A multi-turn trace: a list of chat messages (parquet may hand back a numpy array of them)."""
+    return hasattr(response, "__len__") and not isinstance(response, str | dict) and len(response) > 0
+
+
+def _trace_ids(
+    response: Any, prompt_ids: list[int], tokenizer: Tokenizer, where: tuple[str, int, str]
+) -> tuple[list[int], list[int]]:
+    from mcore_rl.data.chat_format import conversation_ids
+
+    turns = []
+    for turn in response:
+        if not isinstance(turn, dict) or turn.get("role") not in ("assistant", "tool", "user"):
+            raise BadRowError(
+                RowProblem(*where, f"expected messages with role assistant, tool or user, got {turn!r:.60}")
+            )
+        turns.append({"role": str(turn["role"]), "content": str(turn.get("content", ""))})
+    if turns[0]["role"] != "assistant":
+        raise BadRowError(RowProblem(*where, "a multi-turn response starts with an assistant turn"))
+    try:
+        return conversation_ids(tokenizer, _chat_format(tokenizer), prompt_ids, turns)
+    except InputError as err:
+        raise BadRowError(RowProblem(*where, str(err))) from None
+
+
+_CHAT_FORMATS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _chat_format(tokenizer: Tokenizer) -> Any:
+    """One :class:`~mcore_rl.data.chat_format.ChatFormat` per tokenizer (it renders the template to build)."""
+    from mcore_rl.data.chat_format import ChatFormat
+
+    if tokenizer not in _CHAT_FORMATS:
+        _CHAT_FORMATS[tokenizer] = ChatFormat(tokenizer)
+    return _CHAT_FORMATS[tokenizer]

@@ -29,6 +29,7 @@ from mcore_rl.trainer.groups.critic import CriticGroup
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup, reward_model_checkpoint
 from mcore_rl.trainer.groups.rollout import RolloutGroup
 from mcore_rl.trainer.grpo import GRPOStep
+from mcore_rl.trainer.multi_turn import check_multi_turn
 from mcore_rl.trainer.ppo import PPOStep
 from mcore_rl.trainer.rollout_source import ColocatedRollout, PoolRollout, RolloutSource
 from mcore_rl.trainer.step import StepBase, update_plan
@@ -37,9 +38,11 @@ from mcore_rl.trainer.step import StepBase, update_plan
 def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, str]) -> None:
     """What refuses a run before anything is written or started, beyond the config's own rules: a tokenizer
     with ids the model has no embedding for, a ``data_source`` with no scorer (``data_sources``: each one of
-    the training, validation and test data -> where a row of it is)."""
+    the training, validation and test data -> where a row of it is), tools or a chat template a multi-turn
+    rollout cannot use."""
     check_vocab(cfg, tokenizer)
     check_scorers(cfg.reward, data_sources)
+    check_multi_turn(cfg, tokenizer)
 
 
 def check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:

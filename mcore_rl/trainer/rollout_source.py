@@ -18,6 +18,7 @@ from typing import Protocol
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.rollout import RolloutGroup
+from mcore_rl.trainer.multi_turn import GroupTurns
 from mcore_rl.types import RolloutBatch, RolloutRequest
 
 SyncAndMemory = Callable[[], tuple[dict[str, float], dict[str, float]]]
@@ -29,6 +30,10 @@ class RolloutSource(Protocol):
 
     def submit_generate(self, request: RolloutRequest, params: SamplingParams) -> Callable[[], RolloutBatch]:
         """Start sampling ``request``; the result waits for the samples in prompt order."""
+        ...
+
+    def turns(self, num_conversations: int) -> GroupTurns:
+        """The engines as a token-in/token-out engine for one multi-turn rollout of ``num_conversations``."""
         ...
 
     def submit_sync_and_memory(self, generation_pending: bool) -> SyncAndMemory:
@@ -56,6 +61,9 @@ class ColocatedRollout:
         rollout = self.actors.generate(request, params)  # the engines are the actor's: sample now
         return lambda: rollout
 
+    def turns(self, num_conversations: int) -> GroupTurns:
+        return GroupTurns(self.actors.backend, num_conversations)
+
     def submit_sync_and_memory(self, generation_pending: bool) -> SyncAndMemory:
         # Queued right behind the update (an actor runs its calls in order): no driver round trip between.
         sync, memory = self.actors.submit_sync_weights(), self.actors.submit_phase_memory()
@@ -80,6 +88,9 @@ class PoolRollout:
 
     def submit_generate(self, request: RolloutRequest, params: SamplingParams) -> Callable[[], RolloutBatch]:
         return self.pool.submit_generate(request, params)
+
+    def turns(self, num_conversations: int) -> GroupTurns:
+        return GroupTurns(self.pool.backend, num_conversations)
 
     def submit_sync_and_memory(self, generation_pending: bool) -> SyncAndMemory:
         # The pool's sync starts when awaited (after the update's wait); the memory read follows the actor's

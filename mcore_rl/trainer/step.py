@@ -33,6 +33,7 @@ from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
+from mcore_rl.trainer.multi_turn import MultiTurnOutput, build_multi_turn, conversation_samples
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
 from mcore_rl.trainer.validation import generate_scored, generation_samples
 from mcore_rl.types import (
@@ -91,7 +92,14 @@ class StepBase:
         self.policy_lag = 0
         """Steps between the weights that generated the last rollout and the actor's when it was trained."""
         self._val_samples: list[dict[str, Any]] = []
-        """``logging.log_val_generations``: samples of the validations since :meth:`take_val_samples`."""
+        """``logging.log_val_generations``: samples of the validations since :meth:`take_val_samples` (and with
+        multi-turn rollouts, every ``rollout.multi_turn.log_conversation_freq`` steps, one conversation)."""
+        self.multi_turn = build_multi_turn(cfg, tokenizer)
+        """``rollout.multi_turn.enable``: the agent loop that samples every rollout turn by turn; None: one
+        response per sample."""
+        self.last_turns: MultiTurnOutput | None = None
+        """The conversations of the last multi-turn rollout (what its scores and metrics read)."""
+        self._step = 0
 
     def run(self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None) -> StepStats:
         """One RL step on ``prompts``; the weights are synced for the next step when it returns.
@@ -104,6 +112,7 @@ class StepBase:
     ) -> tuple[RolloutBatch, int]:
         """This step's rollout and its policy lag in steps: generated now (0), or by the previous step before
         its update (1). With ``next_prompts`` the next step's rollout is generated now, before the update."""
+        self._step = step
         if self._pending is not None and self._pending[0] is prompts:
             with timer("generate_wait"):  # a rollout pool may still be sampling it
                 rollout, lag = self._pending[1](), 1
@@ -118,6 +127,12 @@ class StepBase:
 
     def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
         """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
+        if self.multi_turn is not None:  # driven turn by turn from here: done when it returns
+            params = self.sampling(step)
+            turns = self.rollout.turns(len(prompts) * params.n)
+            self.last_turns = self.multi_turn.run(turns, prompts, params)
+            batch = self.last_turns.batch
+            return lambda: batch
         request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
         return self.rollout.submit_generate(request, self.sampling(step))
 
@@ -137,10 +152,23 @@ class StepBase:
         return self.cfg.rollout.sampling_params(tok.eos_token_id, tok.pad_token_id, seed, validation)
 
     # --- scores ---------------------------------------------------------------------------------------------
-    def score(self, rollout: RolloutBatch, prompts: PromptBatch) -> ScoredBatch:
-        """The rules' rewards of the decoded responses; the ground truths never leave the driver."""
+    def turns_of(self, rollout: RolloutBatch) -> MultiTurnOutput | None:
+        """The conversations ``rollout`` was built from, when it is the last multi-turn rollout."""
+        turns = self.last_turns
+        return turns if turns is not None and turns.batch is rollout else None
+
+    def score(
+        self, rollout: RolloutBatch, prompts: PromptBatch, turns: MultiTurnOutput | None = None
+    ) -> ScoredBatch:
+        """The rules' rewards of the decoded responses; the ground truths never leave the driver. A multi-turn
+        rollout's (``turns``): the rules read ``rollout.multi_turn.score_text``, and the rewards its tools and
+        environment returned are added."""
         index = rollout.prompt_index.tolist()
-        texts = [self.tokenizer.decode(r) for r in rollout.responses()]
+        turns = turns if turns is not None else self.turns_of(rollout)
+        if turns is not None:
+            texts = turns.score_texts
+        else:
+            texts = [self.tokenizer.decode(r) for r in rollout.responses()]
         requests = [
             ScoreRequest(prompts.data_sources[i], text, prompts.ground_truths[i], prompts.extra_infos[i])
             for i, text in zip(index, texts, strict=True)
@@ -148,7 +176,7 @@ class StepBase:
         out = self.scorer.score(requests)
         rules = out.scores.float()
         return ScoredBatch(
-            scores=rules,
+            scores=rules if turns is None else rules + turns.tool_rewards,
             rule_scores=rules,
             extras=dict(out.extra),
             num_errors=out.num_errors,
@@ -257,6 +285,9 @@ class StepBase:
         """The step's record: the rollout's figures (mean reward, prompts with mixed rewards, response length,
         generation throughput) with the algorithm's own fields (``algorithm``: see :class:`StepStats`)."""
         groups = scored.scores.view(-1, self.cfg.rollout.n)
+        turns = self.turns_of(rollout)
+        if turns is not None:
+            self._sample_conversation(turns, scored)
         tokens = int(rollout.response_lengths.sum())
         # one-step-off: this step generated the next rollout, of about as many tokens
         generate_s = timer.seconds.get("generate", 0.0) or timer.seconds.get("generate_next", 0.0)
@@ -272,8 +303,16 @@ class StepBase:
             sync=sync_and_memory[0],
             memory=sync_and_memory[1],
             policy_lag=self.policy_lag if self.cfg.trainer.one_step_off else None,
+            multi_turn={} if turns is None else turns.metrics(),
             **algorithm,
         )
+
+    def _sample_conversation(self, turns: MultiTurnOutput, scored: ScoredBatch) -> None:
+        """Every ``rollout.multi_turn.log_conversation_freq`` steps, the step's first conversation for the run
+        log's ``generations.jsonl`` (written with this step's record)."""
+        freq = self.cfg.rollout.multi_turn.log_conversation_freq
+        if freq and self._step % freq == 0:
+            self._val_samples += conversation_samples(self.tokenizer, turns, scored.scores, 1)
 
     # --- hooks of the run around the step -------------------------------------------------------------------
     def warm_started(self) -> None:
@@ -293,7 +332,10 @@ class StepBase:
         """Restore :meth:`save_models`."""
 
     def close(self) -> None:
-        """Stop worker groups of the step beside the actor's (a rollout pool; PPO's critic pool)."""
+        """Stop worker groups of the step beside the actor's (a rollout pool; PPO's critic pool) and the tool
+        workers of multi-turn rollouts."""
+        if self.multi_turn is not None:
+            self.multi_turn.executor.close()
         self.rollout.close()
 
 

@@ -17,6 +17,7 @@ import torch
 from mcore_rl.types import PromptBatch, RolloutBatch, RolloutRequest
 
 if TYPE_CHECKING:
+    from mcore_rl.agent.rollout import MultiTurnOutput
     from mcore_rl.data.tokenizer import Tokenizer
     from mcore_rl.engine.rollout.base import SamplingParams
     from mcore_rl.trainer.step import StepBase
@@ -30,6 +31,8 @@ class ScoredRollout:
     """[P * n] rows, prompt-major (``rollout.prompt_index`` names each row's prompt)."""
     scores: torch.Tensor
     """[P * n] float32: each response's reward (the rules', as the step scores them)."""
+    turns: MultiTurnOutput | None = None
+    """The conversations of a multi-turn rollout (``rollout.multi_turn.enable``)."""
 
     @property
     def mean(self) -> float:
@@ -37,7 +40,18 @@ class ScoredRollout:
 
 
 def generate_scored(step: StepBase, prompts: PromptBatch, sampling: SamplingParams) -> ScoredRollout:
-    """Sample ``prompts`` on the actor's own engines (current weights) and score every response."""
+    """Sample ``prompts`` on the actor's own engines (current weights) and score every response; with
+    ``rollout.multi_turn`` every prompt's conversations, routed to the replicas by row (no padding needed)."""
+    if step.multi_turn is not None:
+        from mcore_rl.trainer.multi_turn import GroupTurns
+
+        step.actors.sync_weights()
+        turns = step.multi_turn.run(
+            GroupTurns(step.actors.backend, len(prompts) * sampling.n), prompts, sampling
+        )
+        scores = step.score(turns.batch, prompts, turns).scores
+        step.actors.phase_memory()
+        return ScoredRollout(turns.batch, scores, turns)
     # Repeat the last prompt so that every rollout replica gets as many; the repeats are not scored.
     extra = -len(prompts) % step.actors.num_rollout_shards
     ids = prompts.prompt_ids + [prompts.prompt_ids[-1]] * extra
@@ -54,11 +68,17 @@ def generation_samples(
     tokenizer: Tokenizer, prompts: PromptBatch, scored: ScoredRollout, limit: int
 ) -> list[dict[str, Any]]:
     """The first sample of each of the first ``limit`` prompts as ``{data_source, prompt, response,
-    ground_truth, score}`` (``logging.log_val_generations``)."""
+    ground_truth, score}`` (``logging.log_val_generations``); a multi-turn sample also holds its
+    ``conversation``."""
     first: dict[int, int] = {}
     for row, p in enumerate(scored.rollout.prompt_index.tolist()):
         if p < limit:
             first.setdefault(p, row)
+    if scored.turns is not None:
+        from mcore_rl.trainer.multi_turn import conversation_samples
+
+        rows = [row for _, row in sorted(first.items())]
+        return conversation_samples(tokenizer, scored.turns, scored.scores, limit, rows)
     responses = scored.rollout.responses()
     return [
         {

@@ -57,6 +57,7 @@ from mcore_rl.engine.rollout.base import (
     GenerationOutput,
     SamplingParams,
     SamplingParamsError,
+    check_turn_request,
 )
 from mcore_rl.engine.rollout.vllm_layout import (
     VLLMWeightError,
@@ -157,6 +158,9 @@ def engine_args(config_dir: str, config: VLLMRolloutConfig, tensor_parallel_size
         enforce_eager=on_cpu if config.enforce_eager is None else config.enforce_eager,
         seed=config.seed,
         logprobs_mode="processed_logprobs",
+        # multi-turn rollouts resend each conversation's whole context every turn (token in, token out): the
+        # prefix cache finds what it computed before (vLLM's default where supported; said, not assumed)
+        enable_prefix_caching=True,
         **vllm_compat.memory_args(config.kv_cache_memory_bytes, config.gpu_memory_utilization),
         **vllm_compat.platform_args(),
     )
@@ -349,6 +353,40 @@ class VLLMRolloutEngine:
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vllm_params, use_tqdm=False
         )
         return _to_generation_output(outputs, params)
+
+    @megatron_cpu.suspended()
+    def continue_conversations(
+        self,
+        conversations: Sequence[int],
+        contexts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        max_new_tokens: Sequence[int],
+    ) -> GenerationOutput:
+        """Token in, token out: one turn of each conversation from its whole context
+        (``base.ConversationEngine``); vLLM's prefix cache holds what earlier turns computed, so a next turn
+        computes the appended tokens only. Each request draws from its own seed: the call's plus its
+        conversation id."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_open()
+        if self._asleep:
+            raise RuntimeError(f"generate() while {sorted(self._asleep)} asleep; call wake_up() first")
+        check_covered(self._unloaded)
+        check_turn_request(conversations, contexts, params, max_new_tokens)
+        widest = replace(params, max_new_tokens=max(max_new_tokens, default=1))
+        self._check_sampling(contexts, widest)
+        seed = shared_seed(params.seed, self.tp_group)
+        requests = [
+            VLLMSamplingParams(**sampling_kwargs(replace(params, max_new_tokens=n), (seed + c) % 2**63))
+            for c, n in zip(conversations, max_new_tokens, strict=True)
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
+        outputs = self.llm.generate(prompts, requests, use_tqdm=False)
+        return _to_generation_output(outputs, widest)
+
+    def end_conversations(self) -> None:
+        """Nothing to free: vLLM's prefix cache evicts by itself."""
 
     def _check_sampling(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         check_vllm_sampling(params)

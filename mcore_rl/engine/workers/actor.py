@@ -37,7 +37,7 @@ from mcore_rl.engine.packing.micro_batches import (
     row_chunks,
     slice_rows,
 )
-from mcore_rl.engine.rollout.base import GenerationOutput, SamplingParams
+from mcore_rl.engine.rollout.base import ConversationEngine, GenerationOutput, RolloutEngine, SamplingParams
 from mcore_rl.engine.rollout.batch import rollout_batch
 from mcore_rl.engine.rollout.local import LocalRolloutEngine
 from mcore_rl.engine.rollout.vllm_engine import (
@@ -72,6 +72,7 @@ from mcore_rl.types import (
     RolloutRequest,
     SFTBatch,
     TrainBatch,
+    TurnRequest,
     UpdateStats,
 )
 
@@ -172,6 +173,21 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         return replica_rollout(
             self.hybrid.generate, request, params, self.rank_info(), self.spec.pad_token_id
         )
+
+    @measured("generate")
+    def generate_turn(self, request: TurnRequest, params: SamplingParams) -> GenerationOutput | None:
+        """One turn of this replica's open conversations (multi-turn rollouts, ``agent/rollout.py``); the
+        engine keeps what it computed of each context for the next turn. The replica's TP rank 0 returns it."""
+        if self.hybrid.phase is not Phase.ROLLOUT:
+            raise RuntimeError(
+                "generate_turn() before sync_weights(): the rollout engine holds stale weights"
+            )
+        with self.ctx.guard("rollout"):  # a rank that fails while sampling stops its TP peers within seconds
+            return replica_turn(self.rollout, request, params, self.rank_info())
+
+    def end_conversations(self) -> None:
+        """A multi-turn rollout is complete: the engine may free what it kept of its conversations."""
+        self.rollout.end_conversations()
 
     # --- training -------------------------------------------------------------------------------------------
     @measured("log_probs")
@@ -425,6 +441,26 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
         return step, extra
+
+
+def replica_turn(
+    engine: LocalRolloutEngine | VLLMRolloutEngine | RolloutEngine,
+    request: TurnRequest,
+    params: SamplingParams,
+    info: RankInfo,
+) -> GenerationOutput | None:
+    """One rollout replica's share of a multi-turn rollout's turn (the hybrid worker's and a rollout pool's):
+    the replica's own seed stream, as :func:`replica_rollout`; nothing to sample when none of its
+    conversations is open (every rank of the replica gets the same request)."""
+    if not request.conversations:
+        return None
+    if params.seed is not None:
+        params = dataclasses.replace(params, seed=params.seed + 1_000_003 * info.rollout_replica)
+    assert isinstance(engine, ConversationEngine), f"{type(engine).__name__} cannot continue conversations"
+    out = engine.continue_conversations(
+        request.conversations, request.contexts, params, request.max_new_tokens
+    )
+    return out if info.rollout_tp_rank == 0 else None
 
 
 def replica_rollout(

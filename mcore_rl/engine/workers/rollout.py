@@ -26,15 +26,15 @@ from typing import Any
 import torch
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.rollout.base import RolloutEngine, SamplingParams
+from mcore_rl.engine.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from mcore_rl.engine.rollout.layout import rollout_shards_from_full
 from mcore_rl.engine.rollout.local import LocalRolloutConfig, LocalRolloutEngine
 from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutConfig, VLLMRolloutEngine
 from mcore_rl.engine.rollout.vllm_layout import vllm_vocab_divisible_by
-from mcore_rl.engine.workers.actor import replica_rollout
+from mcore_rl.engine.workers.actor import replica_rollout, replica_turn
 from mcore_rl.engine.workers.base import Worker
 from mcore_rl.engine.workers.memory import measured, phase_memory
-from mcore_rl.types import RankInfo, RolloutBatch, RolloutRequest
+from mcore_rl.types import RankInfo, RolloutBatch, RolloutRequest, TurnRequest
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,20 @@ class RolloutWorker(Worker):
                 return self.engine.generate(prompts, params)
 
         return replica_rollout(sample, request, params, self.rank_info(), self.spec.pad_token_id)
+
+    @measured("generate")
+    def generate_turn(self, request: TurnRequest, params: SamplingParams) -> GenerationOutput | None:
+        """One turn of this replica's open conversations (as the hybrid worker's ``generate_turn``)."""
+        if self.num_loads == 0:
+            raise RuntimeError("generate_turn() before load_full_state(): the rollout pool holds no weights")
+        with self.ctx.guard("rollout"):
+            return replica_turn(self.engine, request, params, self.rank_info())
+
+    def end_conversations(self) -> None:
+        """A multi-turn rollout is complete: the engine may free what it kept of its conversations."""
+        engine = self.engine
+        if isinstance(engine, LocalRolloutEngine | VLLMRolloutEngine):
+            engine.end_conversations()
 
     def take_phase_memory(self) -> dict[str, float]:
         """This rank's per-phase memory peaks since the last call (``engine/workers/memory.py``)."""

@@ -2,6 +2,7 @@
 with megatron's ``PackedSeqParams``, so no padding column is computed.
 
 The packing arithmetic against hand-made cases; then the real actor worker at TP2 with sequence parallelism
+(rows of one turn and multi-turn rows whose tool tokens are off the mask)
 (the packed length is filled up to a multiple of TP) against the padded path from the same weights: log-probs,
 entropy, the update's metrics and gradients and the SFT loss within 1e-5 (fp32); and the driver's step with
 the switch on against the step with it off, GRPO and PPO (the critic packs too). The DP2 token-budget parity test (``test_token_batching.py``)
@@ -38,6 +39,8 @@ def _rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
     mask = torch.zeros(len(lengths), width)
     for row, n in enumerate(lengths):
         mask[row, prompt - 1 : prompt - 1 + n] = 1.0
+        if n >= 7:  # a multi-turn row: two tool tokens between two model turns are context, off the mask
+            mask[row, prompt + 1 : prompt + 3] = 0.0
         tokens[row, prompt + n :] = 0
     old = (-2.0 + 0.3 * torch.randn(mask.shape, generator=generator)) * mask
     advantages = torch.randn(len(lengths), 1, generator=generator) * mask

@@ -45,7 +45,8 @@ def test_rows_sharing_a_prompt_pack_it_once() -> None:
 
 
 def _grpo_rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
-    """3 prompts of different lengths x 3 samples of different lengths, right-padded, groups interleaved."""
+    """3 prompts of different lengths x 3 samples of different lengths, right-padded, groups interleaved; the
+    longer samples multi-turn (two context tokens between model turns)."""
     width, vocab = 16, 14
     prompts = [torch.randint(1, vocab, (n,), generator=generator) for n in (4, 6, 3)]
     response_lengths = [5, 2, 8, 3, 9, 4, 6, 1, 7]
@@ -57,6 +58,8 @@ def _grpo_rows(generator: torch.Generator) -> tuple[RolloutBatch, TrainBatch]:
         tokens[row, :p] = prompt
         tokens[row, p : p + n] = torch.randint(1, vocab, (n,), generator=generator)
         mask[row, p - 1 : p - 1 + n] = 1.0
+        if n >= 6:  # a multi-turn row: tool tokens between the model's turns are context, off the mask
+            mask[row, p + 1 : p + 3] = 0.0
     old = (-2.0 + 0.3 * torch.randn(mask.shape, generator=generator)) * mask
     advantages = torch.randn(9, 1, generator=generator) * mask
     rollout = RolloutBatch(tokens, mask, old, tokens, torch.tensor(response_lengths), torch.arange(9) % 3)

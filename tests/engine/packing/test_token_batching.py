@@ -75,6 +75,8 @@ def _train_batch() -> TrainBatch:
     mask = torch.zeros(ROWS, WIDTH)
     for row, n in enumerate(LENGTHS):
         mask[row, PROMPT - 1 : PROMPT - 1 + n] = 1.0
+        if n >= 6:  # a multi-turn row: tool tokens between the model's turns, off the mask
+            mask[row, PROMPT + 1 : PROMPT + 3] = 0.0
         tokens[row, PROMPT + n :] = 0  # right padding
     old = -2.5 + 0.3 * torch.randn(ROWS, WIDTH, generator=generator)
     advantages = torch.randn(ROWS, 1, generator=generator).expand(ROWS, WIDTH).contiguous()

@@ -1,0 +1,86 @@
+"""The tokens between a model's turns, as the tokenizer's chat template renders them (no template of our own):
+what a multi-turn rollout appends after a model turn (tool answers, an environment's message, the next
+assistant prompt) and what a multi-turn SFT example is made of, the same tokens in both.
+
+They are taken as a difference of two renderings: a conversation ending with an assistant turn, and the same
+conversation with the tool answers and the next assistant prompt. The difference starts where the template
+closes the assistant turn; the model's turn already ended with its stop token (ChatML's ``<|im_end|>``), so
+the tokens appended are the rest of the close (ChatML: ``\\n``), the tool turn (Qwen: ``<|im_start|>user\\n
+<tool_response>...</tool_response><|im_end|>\\n``) and the generation prompt (``<|im_start|>assistant\\n``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mcore_rl.data.tokenizer import Message, Tokenizer, TokenizerError
+
+_ASSISTANT = "MCORE_RL_ASSISTANT_TURN"
+"""A content no template rewrites, marking where the assistant's text sits in a rendering."""
+
+
+class ChatFormat:
+    """The tokens between a model turn that ended with its stop token and the next model turn."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        where = getattr(tokenizer, "path", "the tokenizer")
+        opening = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT}]
+        base = tokenizer.chat_text(opening, add_generation_prompt=False)
+        if _ASSISTANT not in base:
+            raise TokenizerError(f"{where}: its chat template drops an assistant turn's content")
+        self._opening = opening
+        self._base = base
+        close = base.split(_ASSISTANT)[-1]
+        stop = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
+        # What follows the stop token the model ended its turn with; all of the close when the template
+        # does not end an assistant turn with that token (the stop token then stays as written).
+        self._after_stop = close[len(stop) :] if stop and close.startswith(stop) else close
+        self._where = where
+
+    def next_turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Tokens that follow a model turn (ended by its stop token) when ``messages`` (tool answers as
+        ``{"role": "tool", "content": ...}``, or an environment's ``user`` message) come next, up to and
+        including the next assistant turn's generation prompt."""
+        full = self.tokenizer.chat_text([*self._opening, *messages], add_generation_prompt=True)
+        if not full.startswith(self._base):
+            raise TokenizerError(
+                f"{self._where}: its chat template renders an assistant turn differently when a tool turn follows "
+                "it; a tool turn cannot be appended to a conversation token by token"
+            )
+        return self.tokenizer.encode(self._after_stop + full[len(self._base) :])
+
+    def turn_text(self, ids: list[int]) -> str:
+        """A model turn's text as the parser reads it: special tokens kept (``<tool_call>`` may be one), the
+        stop token that ended it left out."""
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def answer_text(self, ids: list[int]) -> str:
+        """A model turn's text without special tokens (what a reward rule reads)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def conversation_ids(
+    tokenizer: Tokenizer, chat: ChatFormat, prompt_ids: Sequence[int], turns: Sequence[Message]
+) -> tuple[list[int], list[int]]:
+    """The tokens after ``prompt_ids`` of a conversation whose ``turns`` alternate between the assistant (text as
+    the model writes it, tool calls included, then its stop token) and what answers it (``tool`` or ``user``
+    messages, grouped as one turn) -> (tokens, mask: 1 on the assistant's tokens and stop tokens, 0 elsewhere):
+    exactly what a multi-turn rollout of the same turns holds."""
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[Message] = []
+    for turn in turns:
+        if turn["role"] != "assistant":
+            pending.append(turn)
+            continue
+        if pending:
+            follow = chat.next_turn_ids(pending)
+            ids, mask, pending = ids + follow, mask + [0] * len(follow), []
+        own = [*tokenizer.encode(turn["content"]), tokenizer.eos_token_id]
+        ids, mask = ids + own, mask + [1] * len(own)
+    if pending or not ids:
+        raise TokenizerError("a multi-turn example must end with an assistant turn")
+    return ids, mask

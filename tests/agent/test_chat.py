@@ -1,0 +1,73 @@
+"""Reading tool calls (Hermes) and writing the turns after a model turn through the tokenizer's template; the
+tokens of a multi-turn SFT example are those a rollout of the same turns holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.agent.chat import HermesParser, load_parser
+from mcore_rl.agent.tools import ToolCall, ToolError
+from mcore_rl.data.chat_format import ChatFormat, conversation_ids
+from mcore_rl.data.tokenizer import TokenizerError, load_tokenizer, write_tokenizer_config
+from mcore_rl.data.tool_task import Product
+from tests.agent.common import chatml_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return chatml_tokenizer(str(tmp_path_factory.mktemp("chatml")))
+
+
+def test_hermes_calls_and_malformed_ones() -> None:
+    parse = HermesParser().parse
+    turn = parse(
+        'Let me.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "g"}</tool_call>'
+    )
+    assert (
+        turn.content == "Let me."
+        and turn.calls == [ToolCall("f", {"x": 1}), ToolCall("g", {})]
+        and not turn.errors
+    )
+    assert parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>').calls == [
+        ToolCall("f", {"x": 2})
+    ]
+    assert parse("just text").calls == [] and parse("just text").content == "just text"
+    bad = parse(
+        '<tool_call>{"name": </tool_call><tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "f"}'
+    )
+    assert bad.errors == [
+        "tool call 1 is not valid JSON (Expecting value at character 8)",
+        'tool call 2 must be a JSON object with a "name" (and "arguments")',
+        "a <tool_call> was not closed with </tool_call>",
+    ]
+    assert isinstance(load_parser("hermes"), HermesParser)
+    with pytest.raises(ToolError, match="choose one of hermes or module:Class"):
+        load_parser("mistral")
+
+
+def test_the_appended_turns_are_the_templates_own_rendering(tokenizer) -> None:
+    chat = ChatFormat(tokenizer)
+    problem = Product(123, 45)
+    prompt = tokenizer.encode(tokenizer.chat_text([{"role": "user", "content": problem.prompt}]))
+    ids, mask = conversation_ids(tokenizer, chat, prompt, problem.trace())
+    whole = tokenizer.chat_text([{"role": "user", "content": problem.prompt}, *problem.trace()], False)
+    assert tokenizer.encode(whole) == prompt + ids + tokenizer.encode("\n")  # the template's last newline
+    assert sum(mask) == len(tokenizer.encode(problem.trace()[0]["content"])) + len(problem.answer) + 2
+    two_tools = chat.next_turn_ids([{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}])
+    assert tokenizer.decode(two_tools, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with pytest.raises(TokenizerError, match="must end with an assistant turn"):
+        conversation_ids(tokenizer, chat, prompt, problem.trace()[:2])
+
+
+def test_a_tokenizer_without_template_uses_the_fallback(tmp_path) -> None:
+    from mcore_rl.data.tool_task import write_tokenizer
+
+    write_tokenizer(str(tmp_path))
+    write_tokenizer_config(str(tmp_path), eos_token="<|im_end|>", pad_token="<pad>")
+    with pytest.warns(UserWarning, match="no chat template"):
+        plain = load_tokenizer(str(tmp_path))
+        ids = ChatFormat(plain).next_turn_ids([{"role": "tool", "content": "7"}])
+    assert plain.decode(ids) == "\ntool: 7\nassistant: "

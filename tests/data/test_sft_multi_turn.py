@@ -1,0 +1,55 @@
+"""Multi-turn SFT traces (the tool demo's): the tokens are a rollout's of the same turns and only the
+assistant's tokens are targets; a malformed trace names its row."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mcore_rl.data.config import DataConfig
+from mcore_rl.data.rows import DataError, write_rows
+from mcore_rl.data.sft import SFTDataset
+from mcore_rl.data.tokenizer import load_tokenizer
+from mcore_rl.data.tool_task import Product, rows, write_tokenizer
+
+
+def test_tool_traces_train_on_the_assistant_turns_only(tmp_path) -> None:
+    write_tokenizer(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    problems = [Product(123, 45), Product(700, 10)]
+    write_rows(str(tmp_path / "sft.jsonl"), rows(problems, "sft", with_response=True))
+    data = DataConfig(train_files=[str(tmp_path / "sft.jsonl")], max_prompt_length=16, max_response_length=48)
+    dataset = SFTDataset.from_files(data.train_files, tokenizer, data)
+    batch = dataset.batch([0, 1])
+    for row, problem in enumerate(problems):
+        targets = batch.labels[row][batch.loss_mask[row] > 0].tolist()
+        call = problem.trace()[0]["content"]
+        assert (
+            tokenizer.decode(targets, skip_special_tokens=False)
+            == f"{call}<|im_end|>{problem.answer}<|im_end|>"
+        )
+        context = batch.tokens[row][: int((batch.tokens[row] != tokenizer.pad_token_id).sum())]
+        assert "<tool_response>\n" + problem.answer in tokenizer.decode(
+            context.tolist(), skip_special_tokens=False
+        )
+    # the direct answer of the no-tool baseline from the same rows
+    direct = SFTDataset.from_files(
+        data.train_files, tokenizer, data, response_key="reward_model.ground_truth"
+    )
+    assert (
+        direct.records[0].target_mask is None and direct.records[0].response_ids[-1] == tokenizer.eos_token_id
+    )
+
+
+def test_a_trace_that_does_not_start_with_the_assistant_is_named(tmp_path) -> None:
+    write_tokenizer(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    bad = rows([Product(123, 45)], "sft", with_response=True)
+    bad[0]["response"] = bad[0]["response"][1:]
+    write_rows(os.path.join(tmp_path, "bad.jsonl"), bad)
+    data = DataConfig(train_files=[str(tmp_path / "bad.jsonl")], max_prompt_length=16, max_response_length=48)
+    with pytest.raises(
+        DataError, match="row 0: column 'response': a multi-turn response starts with an assistant"
+    ):
+        SFTDataset.from_files(data.train_files, tokenizer, data)

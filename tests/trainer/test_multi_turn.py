@@ -1,0 +1,127 @@
+"""Multi-turn rollouts through the driver (in-process rank): the steps train on the model's tokens only (the
+log-prob agreement reads 1 on them, while the tool and environment tokens carry no rollout log-prob), GRPO and
+PPO, validation and the held-out test run multi-turn, the metrics and a sample conversation reach the run log,
+and packed rows, shared prompts and a token budget equal the padded path within 1e-5."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from mcore_rl.config import RunConfig, check_config
+from mcore_rl.config.loader import ConfigError
+from mcore_rl.data.tool_task import write_tool_dataset
+from tests.models import tiny_hf_config
+from tests.trainer.common import QUIET
+
+ENV = "rollout.multi_turn.environment=tests.agent.user_tools:CountdownEnv"
+
+
+def tool_run_config(folder: str, overrides: list[str]) -> RunConfig:
+    """4 prompts x 4 conversations per step of the tool demo's task, on a tiny Llama with its ChatML tokenizer;
+    the CountdownEnv keeps every conversation going for three model turns whatever the untrained model says
+    (its turns kept short by stop ids)."""
+    paths = {s: os.path.join(folder, f"{s}.jsonl") for s in ("train", "val", "test", "sft")}
+    if not os.path.exists(paths["train"]):
+        sizes = {"train": 32, "val": 8, "test": 8, "sft": 32}
+        write_tool_dataset({**paths, "tokenizer": os.path.join(folder, "tokenizer")}, seed=1, sizes=sizes)
+    hf = tiny_hf_config("llama", vocab_size=128, max_position_embeddings=128)
+    base = [
+        f"data.train_files=[{paths['train']}]",
+        f"data.val_files=[{paths['val']}]",
+        f"data.test_files=[{paths['test']}]",
+        f"model.tokenizer_path={os.path.join(folder, 'tokenizer')}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=16",
+        "data.max_response_length=64",
+        "rollout.stop_token_ids=[" + ",".join(map(str, range(40, 128, 3))) + "]",  # short turns, untrained
+        "rollout.n=4",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tools=[mcore_rl.agent.calculator:calculator]",
+        "rollout.multi_turn.num_workers=0",
+        "rollout.multi_turn.log_conversation_freq=1",
+        "reward.sources={mcore_rl/tool_calc: exact_match}",
+        "algorithm.ppo_micro_batch_size_per_gpu=16",
+        "algorithm.recompute_old_log_probs=always",
+        "optim.lr=1e-3",
+        "trainer.num_cpus=2",
+        "trainer.total_training_steps=2",
+        *QUIET,
+    ]
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
+    return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist(base + overrides)))
+
+
+def _records(tmp_path, name: str, overrides: list[str]) -> tuple[list[dict], str]:
+    from mcore_rl.trainer.trainer import Trainer
+
+    cfg = tool_run_config(
+        str(tmp_path / "data"), [*overrides, f"trainer.default_local_dir={tmp_path / name}"]
+    )
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        trainer.fit()
+        return trainer.records, cfg.logging.log_dir
+
+
+def test_grpo_steps_on_multi_turn_rollouts_train_on_the_model_tokens(tmp_path) -> None:
+    records, log_dir = _records(
+        tmp_path, "grpo", [ENV, "trainer.val_before_train=true", "logging.log_val_generations=1"]
+    )
+    steps = [r for r in records if r["stage"] == "rl" and "reward" in r]
+    assert len(steps) == 2
+    for m in steps:
+        assert abs(m["token_mult_prob_error"] - 1.0) < 1e-5  # on the model's tokens, none of the env's
+        assert m["multi_turn/turns_mean"] > 1 and m["multi_turn/context_tokens_mean"] > 0
+        assert m["multi_turn/tool_reward_mean"] > 0  # the environment's rewards reach the score
+        assert m["reward"] >= m["multi_turn/tool_reward_mean"] and m["num_optimizer_steps"] == 1
+    assert [r["when"] for r in records if r["stage"] == "test"] == ["before", "after_rl"]
+    with open(os.path.join(log_dir, "generations.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    conversations = [s for s in samples if s["stage"] == "rl" and s["step"] > 0]
+    assert [s["step"] for s in conversations] == [1, 2]  # log_conversation_freq=1
+    messages = conversations[0]["conversation"]["messages"]
+    assert [m["role"] for m in messages[:4]] == ["user", "assistant", "user", "assistant"]
+    assert messages[2]["content"].startswith("go on ")
+    assert any(s["stage"] == "test" and "conversation" in s for s in samples)  # the held-out test, multi-turn
+
+
+def test_ppo_on_multi_turn_rollouts(tmp_path) -> None:
+    records, _ = _records(tmp_path, "ppo", [ENV, "algorithm.adv_estimator=gae", "critic.warmup_steps=0"])
+    for m in (r for r in records if r["stage"] == "rl" and "reward" in r):
+        assert abs(m["token_mult_prob_error"] - 1.0) < 1e-5 and m["multi_turn/turns_mean"] > 1
+        assert m["critic/vf_loss"] > 0 and m["num_optimizer_steps"] == 1
+
+
+def test_packing_shared_prompts_and_a_token_budget_equal_the_padded_path(tmp_path) -> None:
+    base = [ENV, "algorithm.ppo_micro_batch_size_per_gpu=4"]
+    padded, _ = _records(tmp_path, "padded", base)
+    packed, _ = _records(
+        tmp_path,
+        "packed",
+        [*base, "model.use_remove_padding=true", "algorithm.ppo_max_token_len_per_gpu=200"],
+    )
+    shared, _ = _records(tmp_path, "shared", [*base, "model.share_prompt_prefix=true"])
+    keys = (
+        "reward",
+        "pg_loss",
+        "entropy",
+        "grad_norm",
+        "token_mult_prob_error",
+        "multi_turn/context_tokens_mean",
+    )
+    for want, *others in zip(padded, packed, shared, strict=True):
+        if want["stage"] != "rl" or "reward" not in want:
+            continue
+        for have in others:
+            for key in keys:
+                assert have[key] == pytest.approx(want[key], abs=1e-5), key
+
+
+def test_multi_turn_refuses_one_step_off(tmp_path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"rollout\.multi_turn\.enable=true with trainer\.one_step_off=true"
+    ):
+        tool_run_config(str(tmp_path / "data"), ["trainer.one_step_off=true"])
