@@ -32,6 +32,7 @@ from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.moe import RouterLosses, read_router_losses, router_loss_scope
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.weights import load_full_state, unwrap
 from mcore_rl.ops import linear_logprob_entropy
@@ -179,6 +180,8 @@ class TrainEngine:
         self.config = config
         self.options = options or ModelOptions()
         """How the chunks were built (dtype, value head, ...): a copy is built alike."""
+        self.router_losses = RouterLosses()
+        """MoE models: the router's auxiliary losses of the last training forward-backward (engine/moe.py)."""
 
     @classmethod
     def forward_only(cls, arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> TrainEngine:
@@ -322,8 +325,10 @@ class TrainEngine:
         iterators = [iter(micro_batches) for _ in self.chunks]
         # Guarded: a rank that raises mid-schedule stops its peers' pipeline waits (mcore_rl.parallel.failure).
         no_grad = torch.no_grad() if forward_only else nullcontext()
-        with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad:
-            return get_forward_backward_func()(
+        tokens = [_model_input(mb)[0].numel() for mb in micro_batches]
+        router = router_loss_scope(self.arch, self.ctx, self.config, tokens, forward_only)
+        with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad, router:
+            records = get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, self.ctx, loss_fn),
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
@@ -332,6 +337,9 @@ class TrainEngine:
                 micro_batch_size=micro_batches[0].tokens.shape[0],
                 forward_only=forward_only,
             )
+            if not forward_only:
+                self.router_losses = read_router_losses(self.arch, self.ctx, self.config, len(micro_batches))
+        return records
 
     def finite_or_skip(self, local_metrics: torch.Tensor, on_nonfinite: str, what: str) -> bool:
         """Collective, before the optimizer step: True when every rank's ``local_metrics`` (its loss terms) are

@@ -256,6 +256,14 @@ class ParallelLayout:
                 f"moe_intermediate_size={moe_ffn_hidden_size} is not divisible by "
                 f"expert_tensor_parallel_size={self.expert_tp}"
             )
+        if num_experts is not None and self.ep == 1 and self.expert_tp != self.tp:
+            # megatron 0.16 treats experts as dense weights without EP and reduces their gradients over the
+            # dense data-parallel group, which misses the ranks of an expert-TP split narrower than TP
+            raise LayoutError(
+                f"expert_tensor_parallel_size={self.expert_tp} differs from tensor_model_parallel_size={self.tp} "
+                "with expert_model_parallel_size=1; set expert_model_parallel_size > 1 or leave "
+                "expert_tensor_parallel_size unset"
+            )
         if num_experts is not None and self.tp > 1 and not self.sp:
             # megatron-LM's rule: without SP every TP rank would route and dispatch the same tokens
             raise LayoutError(

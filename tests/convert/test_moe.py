@@ -81,7 +81,10 @@ def _megatron_and_converted(hf_dir: str, tmp: str, parallel: dict, options: dict
     ("parallel", "options"),
     [
         (EP2, {"ep": 2}),
-        ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2}, {"tp": 2}),
+        (
+            {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2},
+            {"tp": 2},
+        ),
     ],
     ids=["ep2", "tp2-etp2"],
 )
@@ -120,7 +123,7 @@ def test_moe_hf_mcore_hf_is_bit_exact(run_distributed, tmp_path, variant, option
 
 
 def test_checkpoint_with_other_expert_count_is_named(tmp_path):
-    hf_dir = save_hf_model(str(tmp_path / "hf"), "qwen3_moe")
+    save_hf_model(str(tmp_path / "hf"), "qwen3_moe")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["num_local_experts"] = 8  # the weights hold 4 experts per layer
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))

@@ -166,10 +166,23 @@ def test_bad_expert_sizes_name_the_field(kwargs, message):
 @pytest.mark.parametrize(
     ("layout", "kwargs", "message"),
     [
-        (ParallelLayout(4, ep=4), {"num_experts": 6}, "num_experts=6 is not divisible by expert_model_parallel"),
+        (
+            ParallelLayout(4, ep=4),
+            {"num_experts": 6},
+            "num_experts=6 is not divisible by expert_model_parallel",
+        ),
         (ParallelLayout(4, ep=2), {}, "the model has no experts"),
-        (ParallelLayout(4, tp=2, etp=2, sp=True), {"num_experts": 4, "moe_ffn_hidden_size": 33}, "moe_intermediate_size=33"),
+        (
+            ParallelLayout(4, tp=2, etp=2, sp=True),
+            {"num_experts": 4, "moe_ffn_hidden_size": 33},
+            "moe_intermediate_size=33",
+        ),
         (ParallelLayout(4, tp=2), {"num_experts": 4}, "needs sequence_parallel=true"),
+        (
+            ParallelLayout(4, tp=2, etp=1, sp=True),
+            {"num_experts": 4},
+            "expert_tensor_parallel_size=1 differs",
+        ),
     ],
 )
 def test_moe_model_that_does_not_split_is_named(layout, kwargs, message):

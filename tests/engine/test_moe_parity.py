@@ -1,0 +1,122 @@
+"""Layout parity of mixture-of-experts training: the same weights and global batch give the same loss, router
+losses, gradient norm and update at TP1, EP2, TP2 x EP2 (SP, expert TP 2) and PP2 x EP2.
+
+With the router losses off, the TP1 engine equals a plain single-process PyTorch step (the dense parity test's
+reference); with the load-balancing loss and the z-loss on, every layout equals the TP1 engine, since each
+micro-batch's router losses depend on its own tokens only and ``engine/moe.py`` weighs them by tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from mcore_rl.engine.model import ModelOptions, build_model_chunks
+from mcore_rl.engine.train_engine import TrainEngine
+from mcore_rl.engine.weights import gather_full_state
+from mcore_rl.parallel.config import ParallelConfig
+from mcore_rl.parallel.context import ParallelContext
+from tests.engine.test_layout_parity import (
+    OPTIM,
+    _ce_loss,
+    _check,
+    _dp_slice_batches,
+    _global_batch,
+    _layout_run,
+)
+from tests.engine.test_layout_parity import _sum_over_dp as sum_over_dp
+from tests.models import tiny_arch
+
+ROUTER_LOSSES = ModelOptions(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+EP2 = {"expert_model_parallel_size": 2}
+
+
+def _train(family: str, parallel: dict, full: dict, options: ModelOptions) -> dict:
+    arch = tiny_arch(family)
+    tokens, labels = _global_batch(arch.vocab_size)
+    with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+        engine = TrainEngine.build(arch, ctx, options, OPTIM)
+        engine.load_full_state(full)
+        batches = _dp_slice_batches(ctx, tokens, labels, arch.vocab_size)
+        step, metrics = engine.train_step(batches, _ce_loss)
+        router = engine.router_losses
+        after = engine.forward_backward(batches, _ce_loss, forward_only=True)
+        after_full = gather_full_state(engine.models, arch, ctx)
+        return {
+            "loss": sum_over_dp(ctx, metrics) if ctx.is_last_stage else None,
+            "loss_after": sum_over_dp(ctx, after) if ctx.is_last_stage else None,
+            "grad_norm": step.grad_norm,
+            "load_balancing": router.load_balancing,
+            "z_loss": router.z_loss,
+            "expert_after": after_full["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"],
+            "router_after": after_full["decoder.layers.0.mlp.router.weight"],
+        }
+
+
+def _router_loss_runs(family: str, parallel: dict, options: ModelOptions = ROUTER_LOSSES) -> dict:
+    arch = tiny_arch(family)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
+    return {"tp1": _train(family, {}, full, options), "layout": _train(family, parallel, full, options)}
+
+
+def _compare(results: list[dict]) -> dict[str, float]:
+    base = next(r["tp1"] for r in results if r["tp1"]["loss"] is not None)
+    diffs: dict[str, float] = {}
+    for result in results:
+        ours = result["layout"]
+        for name in ("loss", "loss_after", "grad_norm", "load_balancing", "z_loss"):
+            if ours[name] is not None:
+                diffs[name] = max(diffs.get(name, 0.0), abs(ours[name] - base[name]))
+        for name in ("expert_after", "router_after"):
+            diffs[name] = max(diffs.get(name, 0.0), float((ours[name] - base[name]).abs().max()))
+    assert base["load_balancing"] > 0.5 and base["z_loss"] > 0  # both router losses were on and measured
+    for name, diff in diffs.items():
+        assert diff <= 1e-5, f"{name} differs by {diff:.3g}: {diffs}"
+    return diffs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_router_off_equals_plain_pytorch_at_ep2(run_distributed, family):
+    _check(run_distributed(_layout_run, family, EP2), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        EP2,
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 1, **EP2},
+    ],
+    ids=["ep2", "tp2-sp-ep2-etp1"],
+)
+def test_moe_router_losses_layout_parity_world2(run_distributed, parallel):
+    diffs = _compare(run_distributed(_router_loss_runs, "qwen3_moe", parallel))
+    print(f"\n{parallel} vs TP1 with router losses: {diffs}")
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, **EP2},
+        {"pipeline_model_parallel_size": 2, **EP2},
+    ],
+    ids=["tp2-sp-ep2", "pp2-ep2"],
+)
+def test_moe_router_losses_layout_parity_world4(run_distributed, parallel):
+    diffs = _compare(run_distributed(_router_loss_runs, "qwen3_moe", parallel, world_size=4))
+    print(f"\n{parallel} vs TP1 with router losses: {diffs}")
+
+
+def _router_updates() -> float:
+    arch = tiny_arch("qwen3_moe")
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
+    without, with_losses = (_train("qwen3_moe", {}, full, o) for o in (ModelOptions(), ROUTER_LOSSES))
+    dist.barrier()
+    return float((with_losses["router_after"] - without["router_after"]).abs().max())
+
+
+def test_router_loss_terms_reach_the_update(run_distributed):
+    """The router losses move the router's update by far more than the parity tolerance, so the parity
+    above would catch a layout that dropped or mis-scaled them."""
+    assert run_distributed(_router_updates)[0] > 1e-4
