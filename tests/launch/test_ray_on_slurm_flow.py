@@ -90,3 +90,76 @@ def test_the_driver_exit_status_is_the_job_status(tmp_path):
     result, _, _ = _run(tmp_path, "n1", FAKE_DRIVER_EXIT="3")
     assert result.returncode == 3
     assert "driver exited with status 3" in result.stderr
+
+
+def _preempted_run(tmp_path, state, restart: int, signal_name: str | None, **extra: str):
+    """The template as Slurm runs it, with ``signal_name`` sent to the batch script once the driver runs."""
+    import signal as signals
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "activate").write_text("")
+    env = {
+        "PATH": f"{FAKES}:{os.environ['PATH']}",
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "FAKE_STATE": str(state),
+        "VENV": str(venv),
+        "LOG_DIR": str(tmp_path / f"logs-r{restart}"),
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_JOB_ID": "7",
+        "SLURM_RESTART_COUNT": str(restart),
+        "SLURM_CPUS_ON_NODE": "16",
+        "SLURM_GPUS_ON_NODE": "8",
+        "HEAD_IP": "10.0.0.1",
+        "RECIPE": "recipes/r.yaml",
+        "POLL_S": "0.2",
+        "FAKE_DRIVER_CHECKPOINTS": "1",
+        "FAKE_DRIVER_S": "60",
+        **extra,
+    }
+    script = subprocess.Popen(
+        ["bash", "launch/ray_on_slurm.sbatch"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    if signal_name is not None:
+        deadline = time.monotonic() + 60
+        while not (state / "driver_running").exists() and script.poll() is None:
+            assert time.monotonic() < deadline, "the driver never started"
+            time.sleep(0.1)
+        time.sleep(0.3)  # inside the driver's wait
+        script.send_signal(getattr(signals, f"SIG{signal_name}"))
+    _, err = script.communicate(timeout=120)
+    return script.returncode, err
+
+
+def test_usr1_stops_the_driver_with_a_checkpoint_and_the_requeued_job_resumes(tmp_path):
+    """Slurm's --signal=B:USR1 reaches the batch script: the driver alone gets it, saves while both Ray nodes
+    are still up, exits 75; the job is requeued after the teardown, and the requeued job's driver (the same
+    command) finds the checkpoint."""
+    state = tmp_path / "state"
+    state.mkdir()
+    status, err = _preempted_run(tmp_path, state, 0, "USR1")
+    assert status == 75, err
+    assert (state / "checkpoint").read_text().strip() == "step 3 (2 Ray nodes up)"
+    assert (state / "requeued").read_text().split() == ["7"]
+    assert err.index("SIGUSR1: the driver ends its step") < err.index("driver exited with status 75")
+    assert err.index("teardown") < err.index("requeueing job 7")
+    assert not list(state.glob("gpus.*"))  # every Ray node stopped before the requeue
+
+    (state / "driver_running").unlink()
+    status, err = _preempted_run(tmp_path, state, 1, None)  # the requeued job
+    assert status == 0, err
+    first, second = (state / "driver").read_text().splitlines()
+    assert first == second  # same command: trainer.resume_mode=auto finds the run's checkpoint
+    assert (state / "resumed").read_text().strip() == "resumed from step 3 (2 Ray nodes up) (restart 1)"
+    assert (state / "requeued").read_text().split() == ["7"]  # not requeued again
+
+
+def test_term_is_passed_to_the_driver_and_requeues_stop_at_max_requeues(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    status, err = _preempted_run(tmp_path, state, 3, "TERM", MAX_REQUEUES="3")
+    assert status == 75, err
+    assert (state / "checkpoint").exists()
+    assert "MAX_REQUEUES=3 reached, not requeueing" in err
+    assert not (state / "requeued").exists()
