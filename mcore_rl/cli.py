@@ -2,8 +2,19 @@
 
 Subcommands import their (heavy) modules only when run, so ``mcore-rl --help`` stays instant. Every
 expected failure (an :class:`~mcore_rl.io.errors.InputError`: a config key, a data file, a tokenizer, a
-scorer) ends in one line on stderr naming the file or field, exit code 1 (2 for a bad flag, as argparse's own);
-SIGTERM/SIGINT/SIGHUP remove partial output and exit ``128 + signum``; ``--debug`` adds the traceback.
+scorer; a disk that is full) ends in one line on stderr naming the file or field; ``--debug`` adds the
+traceback. Exit codes:
+
+- 0: done (a finished run run again: nothing to do);
+- 1: an error, in one line (a worker lost more than ``trainer.max_restarts`` times, a hung phase, a checkpoint
+  that cannot be written with ``trainer.on_save_failure=stop``: all 1);
+- 2: a bad flag (as argparse's own);
+- 75: ``train`` stopped by SIGTERM or SIGUSR1 (a scheduler's preemption or time limit) at the end of a step,
+  with a run checkpoint saved: run the same command again to resume (``launch/ray_on_slurm.sbatch`` requeues
+  the job on it);
+- ``128 + signum``: interrupted by a signal at once (SIGINT, SIGHUP, a second SIGTERM or SIGUSR1; SIGTERM or
+  SIGUSR1 outside a training run's RL steps), partial output removed.
+
 The console holds the progress bars and results: each Ray rank's own output goes to
 ``<logging.log_dir>/workers/<Class>_rank<k>.log`` and Ray's INFO lines are off; ``--verbose`` (any position,
 or ``MCORE_RL_VERBOSE=1``) keeps both live on the console.
@@ -19,7 +30,7 @@ import sys
 import traceback
 from types import ModuleType
 
-from mcore_rl.io.errors import Interrupted
+from mcore_rl.io.errors import EXIT_PREEMPTED, Interrupted, Preempted
 
 # subcommand -> module providing ``add_arguments(parser)`` and ``run(args) -> int``, and its one-line help.
 SUBCOMMANDS = {
@@ -106,7 +117,13 @@ def _report(prog: str, err: BaseException, debug: bool) -> int:
     if isinstance(cause, InputError) and not isinstance(err, InputError):
         prog = f"{prog}: rank {getattr(err, 'rank', '?')}"
         err = cause
-    if isinstance(err, Interrupted):
+    if type(err).__name__ == "CheckpointException":  # torch's: the rank's own failure, as itself
+        from mcore_rl.io.checkpoint_read import checkpoint_failure
+
+        err = checkpoint_failure(err) or err
+    if isinstance(err, Preempted):
+        line, code = f"{prog}: {err}", EXIT_PREEMPTED
+    elif isinstance(err, Interrupted):
         line, code = f"{prog}: {err}; partial output removed", 128 + err.signum
     elif isinstance(err, KeyboardInterrupt):
         line, code = f"{prog}: interrupted; partial output removed", 130

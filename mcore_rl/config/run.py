@@ -18,6 +18,7 @@ from mcore_rl.data.config import DataConfig
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.io.fields import (
     FREQUENCY,
+    NON_NEGATIVE,
     OPTIONAL_POSITIVE,
     POSITIVE,
     Rule,
@@ -56,6 +57,16 @@ class OnNonFiniteLoss(str, Enum):
     """Skip that optimizer step, count it (``num_skipped``) and go on."""
 
 
+class OnSaveFailure(str, Enum):
+    """``trainer.on_save_failure``: what a run checkpoint that cannot be written (disk full, no permission)
+    does; the previous checkpoint is left intact either way."""
+
+    STOP = "stop"
+    """End the run (exit 1), naming the error and the checkpoint that is still intact."""
+    CONTINUE = "continue"
+    """Warn in one line and train on; the next save tries again."""
+
+
 @dataclass
 class TrainerConfig:
     """The run: length, schedule of validation and checkpoints, placement (verl's ``trainer`` keys)."""
@@ -80,7 +91,23 @@ class TrainerConfig:
     resume_from_path: str | None = None
     """Checkpoint folder to resume from with ``resume_mode=resume_path``."""
     max_ckpt_to_keep: int | None = None
-    """Keep the last K checkpoints; None keeps all."""
+    """Keep the last K checkpoints; None keeps all. Older ones are removed only after a newer one is complete
+    (and only folders we wrote)."""
+    on_save_failure: str = OnSaveFailure.STOP.value
+    """A run checkpoint that cannot be written (disk full, no permission): stop (exit 1) or continue (one
+    warning line, the next save tries again); its partial folder is removed and the previous checkpoint and
+    ``latest`` stay as they were either way."""
+    max_restarts: int = 3
+    """Recoveries from a lost worker (a rank's process killed: OOM, SIGKILL, a node that left): the driver
+    stops the worker groups, starts them again on the resources Ray has, loads the last run checkpoint and
+    continues (from the start when none was saved yet), at most this many times in a run; 0 ends the run at
+    the first loss, naming the rank. An error a worker raises (a bug, bad input, a NaN loss) is never retried."""
+    phase_timeout_s: float | None = 1800.0
+    """A phase of the Ray workers (a call on every rank: generate, log-probs, update, weight sync, a
+    checkpoint, and any collective inside them) that has not finished after this many seconds is a hang:
+    every rank still in it writes its Python stack to ``<logging.log_dir>/stacks/`` and the run ends naming
+    the phase and those ranks. Set it above the slowest phase the run can have; null waits forever (then the
+    process group's own timeout decides). Worker start-up and model building are not phases."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Run output folder: checkpoints, logs and the resolved ``config.yaml``."""
     seed: int = 1
@@ -126,6 +153,9 @@ class TrainerConfig:
                 "device": choice(Device),
                 "num_cpus": OPTIONAL_POSITIVE,
                 "on_nonfinite_loss": choice(OnNonFiniteLoss),
+                "on_save_failure": choice(OnSaveFailure),
+                "max_restarts": NON_NEGATIVE,
+                "phase_timeout_s": OPTIONAL_POSITIVE,
             },
         )
 

@@ -38,7 +38,7 @@ class Backend(Protocol):
         the driver. The wait surfaces both groups' errors."""
         ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, graceful: bool = True) -> None: ...
 
 
 class RayBackend:
@@ -82,10 +82,20 @@ class RayBackend:
 
         return wait
 
-    def shutdown(self) -> None:
-        self.group.shutdown(graceful=True)
+    def shutdown(self, graceful: bool = True) -> None:
+        self.group.shutdown(graceful=graceful)
         if self.owns_ray:
             shutdown_ray()
+
+
+def hand_over_ray(backend: Backend, owns_ray: bool) -> bool:
+    """Set whether stopping ``backend`` stops the local Ray too (a Ray backend; else nothing); returns what it
+    was. A recovery keeps the run's Ray across the restart of its workers: the old group lets go of it, the new
+    one takes it."""
+    if not isinstance(backend, RayBackend):
+        return False
+    owned, backend.owns_ray = backend.owns_ray, owns_ray
+    return owned
 
 
 class InProcessBackend:
@@ -118,7 +128,7 @@ class InProcessBackend:
     def submit_relay(self, method: str, target: Backend, target_method: str) -> Callable[[], None]:
         raise TypeError("a group in the driver's process has no peer group to relay to (use Ray)")
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         self.worker.shutdown()
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.controller.tensor_transport import register_tensor_transport
+from mcore_rl.io.signals import HANDLED_SIGNALS, STOP_SIGNALS, reclaim_handlers
 
 
 def available_cpus(environ: dict[str, str] | None = None) -> int:
@@ -58,6 +60,9 @@ def init_ray(config: RayConfig | None = None) -> bool:
 
     config = config or RayConfig()
     started = not ray.is_initialized()
+    # Ray's core worker installs native handlers of its own (on SIGTERM: a stack dump and exit 15); the
+    # driver's handlers (an interrupt that cleans up, a stop that saves a checkpoint first) are put back.
+    ours = {s: signal.getsignal(s) for s in (*HANDLED_SIGNALS, *STOP_SIGNALS)}
     # Ray's own INFO lines ("Started a local Ray instance") only with mcore-rl --verbose
     quiet = os.environ.get("MCORE_RL_VERBOSE", "") in ("", "0")
     level = logging.WARNING if quiet else logging.INFO
@@ -83,6 +88,7 @@ def init_ray(config: RayConfig | None = None) -> bool:
                 "num_workers_soft_limit": 0,
             },
         )
+    reclaim_handlers(ours)
     register_tensor_transport()
     return started
 

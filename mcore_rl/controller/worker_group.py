@@ -3,7 +3,10 @@
 Every call fans out to all ranks (they run collectives together) and is awaited with :meth:`WorkerGroup.get`,
 which waits on all ranks' results at once and fails fast: the first rank that raises, or whose process dies
 (kill -9, OOM), ends the call within about a second with that rank and its traceback, and the whole group
-is killed, since the surviving ranks would otherwise wait in a collective until its 30-minute timeout.
+is killed, since the surviving ranks would otherwise wait in a collective until its 30-minute timeout. A
+call that does not finish within the group's ``phase_timeout_s`` is a hang (``watchdog.py``): the late ranks'
+stacks are written and the call fails naming them. :attr:`WorkerError.kind` tells the three apart, so the
+driver can recover from a lost rank and from nothing else.
 
 Bulk data moves as whole shards: ``call_sharded`` puts each shard in the object store once and hands the
 same reference to every rank that consumes it (the TP/PP peers of one DP replica); the driver never loops
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.controller import watchdog
 from mcore_rl.controller.dispatch import shard_of_rank
 from mcore_rl.controller.resources import ResourcePool
 from mcore_rl.controller.tensor_transport import register_tensor_transport
@@ -31,16 +35,32 @@ ROOT_CAUSE_WAIT_S = 3.0
 
 
 class WorkerError(RuntimeError):
-    """A worker raised or died; the message names the rank, the method and carries its traceback."""
+    """A worker raised, died or hung; the message names the rank, the method and carries its traceback."""
 
-    def __init__(self, rank: int, method: str, detail: str, cause: BaseException | None = None) -> None:
+    RAISED, DIED, HUNG = "raised", "died", "hung"
+
+    def __init__(
+        self, rank: int, method: str, detail: str, cause: BaseException | None = None, kind: str = RAISED
+    ) -> None:
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names for terminals
-        super().__init__(f"rank {rank} failed in {method}: {detail}")
+        message = detail if kind == self.HUNG else f"rank {rank} failed in {method}: {detail}"
+        super().__init__(message)
         self.rank = rank
         self.method = method
         self.cause = cause
         """The exception the rank raised, as itself (None when it died), so that the driver can tell a typed
         failure (e.g. a NaN loss) from the rest without reading the message."""
+        self.kind = kind
+        """:attr:`RAISED` (the rank's code raised: a bug or bad input, the same again on a retry),
+        :attr:`DIED` (its process is gone: killed, out of memory, its node left) or :attr:`HUNG` (a phase past
+        its timeout)."""
+        self.group_alive = False
+        """The group was left running: every rank had finished the call (it raised on them alike), so the
+        driver may go on with it (a checkpoint save the disk refused)."""
+
+    @property
+    def died(self) -> bool:
+        return self.kind == self.DIED
 
 
 _PORT_ATTEMPTS = 3
@@ -81,10 +101,20 @@ class _RayRank:
             s.bind((address, 0))
             return address, int(s.getsockname()[1])
 
+    def configure_watchdog(self, folder: str, timeout_s: float) -> None:
+        """Arm the hang watchdog around each phase of this rank (``watchdog.py``); stacks go to ``folder``."""
+        path = watchdog.stack_file(folder, type(self).__name__, self.rank)  # type: ignore[attr-defined]
+        watchdog.configure(self, path, timeout_s)
+
 
 def ray_actor_class(worker_cls: type) -> type:
-    """``worker_cls`` with :class:`_RayRank` mixed in, under the same name (Ray's logs show it)."""
-    return type(worker_cls.__name__, (_RayRank, worker_cls), {"__qualname__": worker_cls.__qualname__})
+    """``worker_cls`` with :class:`_RayRank` mixed in, under the same name (Ray's logs show it), its phases
+    under the hang watchdog."""
+    members = {
+        "__qualname__": worker_cls.__qualname__,
+        **watchdog.watched_methods(worker_cls, skip=[_RayRank]),
+    }
+    return type(worker_cls.__name__, (_RayRank, worker_cls), members)
 
 
 @dataclass(frozen=True)
@@ -104,6 +134,10 @@ class WorkerGroup:
         self.owns_pool = owns_pool
         self.infos: list[RankInfo] = []
         self._alive = True
+        self.phase_timeout_s: float | None = None
+        """A phase (any call but start-up's) still running after this long is a hang; None: no limit."""
+        self.stack_files: dict[int, str] = {}
+        """rank -> where its stacks go when one of its phases hangs."""
 
     @property
     def world_size(self) -> int:
@@ -121,11 +155,14 @@ class WorkerGroup:
         take_pool: bool = False,
         seed: int = 1234,
         output_dir: str | None = None,
+        phase_timeout_s: float | None = None,
+        stacks_dir: str | None = None,
     ) -> WorkerGroup:
         """Start one actor per rank on ``pool`` (default: a new pool sharing the cluster's CPUs), form the
         torch.distributed world and build each rank's ParallelContext. ``output_dir``: each rank's stdout and stderr
         go to a file there (``_RayRank.redirect_output``), not the driver's console. ``take_pool``: the group owns the given
         pool and removes it at shutdown, also when starting fails (no placement group outlives a failed run).
+        ``phase_timeout_s`` with ``stacks_dir``: the hang watchdog (``watchdog.py``).
 
         The rendezvous port is picked free on rank 0's node and bound a moment later by its TCPStore; another
         process can take it in between, so a start that fails with EADDRINUSE is retried on a fresh port."""
@@ -137,6 +174,8 @@ class WorkerGroup:
                     worker_cls, world_size, parallel, pool, worker_args, start_timeout_s, seed, output_dir
                 )
                 group.owns_pool = owns_pool
+                if phase_timeout_s is not None and stacks_dir is not None:
+                    group._arm_watchdog(worker_cls.__name__, phase_timeout_s, stacks_dir, start_timeout_s)
                 return group
             except WorkerError as err:
                 if attempt + 1 < _PORT_ATTEMPTS and "EADDRINUSE" in str(err):
@@ -192,6 +231,15 @@ class WorkerGroup:
             raise
         return group
 
+    def _arm_watchdog(self, class_name: str, timeout_s: float, folder: str, start_timeout_s: float) -> None:
+        try:
+            self.get(self.call("configure_watchdog", folder, timeout_s), timeout_s=start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.phase_timeout_s = timeout_s
+        self.stack_files = {r: watchdog.stack_file(folder, class_name, r) for r in range(self.world_size)}
+
     # --- calls ----------------------------------------------------------------------------------------------
     def call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
         """``method(*args, **kwargs)`` on every rank, without waiting."""
@@ -225,6 +273,10 @@ class WorkerGroup:
         rank_of = {ref: r for r, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         waiting = list(refs)
+        watched = timeout_s is None and self.phase_timeout_s is not None and method not in watchdog.UNWATCHED
+        if watched:
+            assert self.phase_timeout_s is not None
+            timeout_s = self.phase_timeout_s + watchdog.GRACE_S  # the late ranks' stacks are written by then
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -232,15 +284,29 @@ class WorkerGroup:
             if not ready:
                 self.shutdown()
                 late = sorted(rank_of[r] for r in waiting)
+                if watched:
+                    assert self.phase_timeout_s is not None
+                    done = sorted(set(range(len(refs))) - set(late))
+                    files = {r: self.stack_files[r] for r in late}
+                    detail = watchdog.hang_message(method, self.phase_timeout_s, late, done, files)
+                    raise WorkerError(late[0], method, detail, kind=WorkerError.HUNG)
                 raise WorkerError(late[0], method, f"ranks {late} did not answer within {timeout_s} s")
             for ref in ready:
                 try:
                     results[rank_of[ref]] = ray.get(ref)
                 except (RayTaskError, RayActorError, GetTimeoutError) as err:
-                    rank, cause = _root_cause(rank_of[ref], err, waiting, rank_of)
-                    self.shutdown()
+                    rank, cause, all_finished = _root_cause(rank_of[ref], err, waiting, rank_of)
+                    if isinstance(cause, RayActorError):
+                        self.shutdown()
+                        raise WorkerError(rank, method, _died(cause), kind=WorkerError.DIED) from None
+                    # Every rank finished the call (each returned or raised, e.g. a save that failed on all of
+                    # them alike): none waits in a collective, so the group stays usable; else it is killed.
+                    if not all_finished:
+                        self.shutdown()
                     raised = cause.cause if isinstance(cause, RayTaskError) else None
-                    raise WorkerError(rank, method, str(cause), raised) from None
+                    error = WorkerError(rank, method, str(cause), raised)
+                    error.group_alive = all_finished
+                    raise error from None
         return results
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -275,22 +341,30 @@ class WorkerGroup:
         self.shutdown(graceful=exc[0] is None)
 
 
+def _died(err: Exception) -> str:
+    """Ray's long account of a dead actor, in one line: it died, and Ray's first reason."""
+    text = " ".join(str(err).split())
+    reason = re.search(r"(The actor died[^.]*\.|The actor is dead[^.]*\.|[^.]*exited[^.]*\.)", text)
+    return f"its process died ({reason.group(1).strip() if reason else type(err).__name__})"
+
+
 def _root_cause(
     rank: int, err: Exception, waiting: list[Any], rank_of: dict[Any, int]
-) -> tuple[int, Exception]:
-    """The failure to report: a peer's error often arrives first when a rank dies (its gloo pairs reset), so
-    a rank that died (kill -9, OOM) within a few seconds is named instead, being the cause."""
+) -> tuple[int, Exception, bool]:
+    """The failure to report, and whether every rank has finished the call: a peer's error often arrives first
+    when a rank dies (its gloo pairs reset), so a rank that died (kill -9, OOM) within a few seconds is named
+    instead, being the cause."""
     import ray
     from ray.exceptions import RayActorError
 
     if isinstance(err, RayActorError) or not waiting:
-        return rank, err
+        return rank, err, not waiting
     ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=ROOT_CAUSE_WAIT_S)
     for ref in ready:
         try:
             ray.get(ref)
         except RayActorError as died:
-            return rank_of[ref], died
+            return rank_of[ref], died, False
         except Exception:  # another consequence of the same failure
             continue
-    return rank, err
+    return rank, err, len(ready) == len(waiting)

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from mcore_rl.engine.hf.mapping import ConvertError
-from mcore_rl.io.checkpoint_read import read_dcp_metadata
+from mcore_rl.io.checkpoint_read import checkpoint_failure, read_dcp_metadata
 
 # --- writing ---------------------------------------------------------------------------------------------
 
@@ -138,10 +138,11 @@ def save_lazily(
             no_dist=not dist.is_initialized(),
         )
     except CheckpointException as err:
-        # DCP gathers every rank's exception into one; surface an input error as itself, on every rank.
-        for failure, _ in err.failures.values():
-            if isinstance(failure, ConvertError):
-                raise ConvertError(str(failure)) from None
+        # DCP gathers every rank's exception into one; surface an input error, a signal or an OS error (a full
+        # disk) as itself, on every rank.
+        cause = checkpoint_failure(err)
+        if cause is not None:
+            raise cause from None
         raise
 
 

@@ -41,7 +41,7 @@ from mcore_rl.engine.hf.score_head import arch_of_file
 from mcore_rl.engine.hf.state import check_hf_weights
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
 from mcore_rl.io.inputs import input_file
-from mcore_rl.io.output import OutputFolder
+from mcore_rl.io.output import OutputFolder, write_failure
 
 
 @dataclass(frozen=True)
@@ -188,13 +188,19 @@ def convert_hf_to_mcore(options: HfToMcoreOptions) -> str:
                 raise
             finish = lambda: finish_checkpoint(staging, arch, dtype, options.hf_dir)  # noqa: E731
             commit_collective(output, ctx.rank, finish)  # aborts on failure
-        except OSError as err:  # a full disk, a quota: the partial output is gone, the cause is named
+        except (OSError, RuntimeError) as err:  # a full disk, a quota: the partial output is gone, named
             raise _write_failed(options, err) from None
     return output.path
 
 
-def _write_failed(options: HfToMcoreOptions, err: OSError) -> ConvertError:
-    reason = err.strerror or str(err)
+def _write_failed(options: HfToMcoreOptions, err: OSError | RuntimeError) -> BaseException:
+    """The one-line error of a write the filesystem refused (``err`` itself when it is something else): torch's
+    writer reports some as a RuntimeError (:func:`~mcore_rl.io.output.write_failure`)."""
+    reason = write_failure(err, os.path.dirname(os.path.abspath(options.out)))
+    if reason is None:
+        return err
+    if isinstance(err, OSError):
+        reason = err.strerror or str(err)  # the file it names was in the staging folder, removed by now
     return ConvertError(
         f"--out {options.out}: {reason} while writing the checkpoint; the partial output was removed"
     )
@@ -212,7 +218,7 @@ def convert_in_this_process(options: HfToMcoreOptions) -> str:
         write_checkpoint(staging, arch, source, dtype, options)
         finish_checkpoint(staging, arch, dtype, options.hf_dir)
         output.commit()
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         output.abort()
         raise _write_failed(options, err) from None
     except BaseException:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,13 +51,17 @@ class PromptDataset:
         """Rows dropped (bad or over-long) with the reason of each."""
 
     @classmethod
-    def from_files(cls, files: Sequence[str], tokenizer: Tokenizer, cfg: DataConfig) -> PromptDataset:
+    def from_files(
+        cls, files: Sequence[str], tokenizer: Tokenizer, cfg: DataConfig, check: RowCheck | None = None
+    ) -> PromptDataset:
+        """Every usable prompt of ``files``; ``check(data_source, ground_truth)`` says what is wrong with a row
+        for its scorer (the scorers' own rules, given by the caller: data knows no scorer), or None."""
         records: list[PromptRecord] = []
         skipped: list[RowProblem] = []
         for file in files:
             for row, raw in read_rows(file):
                 try:
-                    records.append(_record(raw, file, row, tokenizer, cfg))
+                    records.append(_checked(_record(raw, file, row, tokenizer, cfg), check))
                 except BadRowError as bad:
                     overlong = bad.error.reason.startswith("prompt has")
                     if not (cfg.filter_overlong_prompts if overlong else cfg.skip_bad_rows):
@@ -166,6 +170,17 @@ def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat
     if chat_template:
         return tokenizer.encode(tokenizer.chat_text(prompt, add_generation_prompt=True))
     return tokenizer.encode("".join(m["content"] for m in prompt))
+
+
+RowCheck = Callable[[str, Any], "str | None"]
+"""``(data_source, ground_truth) -> problem or None``: a row's fitness for its scorer."""
+
+
+def _checked(record: PromptRecord, check: RowCheck | None) -> PromptRecord:
+    problem = None if check is None else check(record.data_source, record.ground_truth)
+    if problem is not None:
+        raise BadRowError(RowProblem(record.file, record.row, "reward_model.ground_truth", problem))
+    return record
 
 
 def _record(raw: Any, file: str, row: int, tokenizer: Tokenizer, cfg: DataConfig) -> PromptRecord:

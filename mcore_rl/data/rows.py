@@ -53,8 +53,14 @@ def read_rows(path: str) -> Iterator[tuple[int, Any]]:
             raise DataError(f"{path}: not a readable parquet file ({err})") from None
         yield from enumerate(table.to_pylist())
     elif path.endswith((".jsonl", ".json")):
-        with open(path) as f:
-            for row, line in enumerate(f):
+        with open(path, "rb") as f:  # decoded line by line, so bad bytes are named by their row
+            for row, raw in enumerate(f):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    reason = f"not UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start} of the line)"
+                    yield row, RowProblem(path, row, "<line>", reason)
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -97,7 +103,7 @@ def column(row: Any, dotted: str, where: tuple[str, int]) -> Any:
 def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[dict[str, str]]:
     """A prompt column: plain text, or a list of ``{role, content}`` messages."""
     if isinstance(value, str):
-        if not value:
+        if not value.strip():
             raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt"))
         return value
     if isinstance(value, list) and value:
@@ -108,7 +114,11 @@ def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[
                     RowProblem(where[0], where[1], key, f"message {i} needs 'role' and 'content'")
                 )
             messages.append({"role": str(message["role"]), "content": str(message["content"])})
+        if not any(m["content"].strip() for m in messages):
+            raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt (every message is empty)"))
         return messages
+    if isinstance(value, list):
+        raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt (no messages)"))
     raise BadRowError(
         RowProblem(where[0], where[1], key, f"expected text or a list of messages, got {value!r:.60}")
     )

@@ -28,7 +28,7 @@ class EpochSampler:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if num_items < (batch_size if drop_last else 1):
-            raise ValueError(
+            raise DataError(
                 f"{num_items} items cannot fill one batch of {batch_size} (data.train_batch_size) "
                 "with drop_last"
             )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -198,13 +198,48 @@ def save_model(
 
 
 def check_checkpoint_folder(directory: str) -> None:
-    """Before megatron reads ``directory``: a complete checkpoint, no link out of it, a safe ``common.pt``."""
+    """Before megatron reads ``directory``: a complete checkpoint (every data file its metadata names, each as
+    long as the metadata needs, and ``common.pt``), no link out of it, a safe ``common.pt``."""
     check_input_tree(directory, "checkpoint folder")
     if not os.path.isfile(os.path.join(directory, "metadata.json")):  # megatron's completion marker
         raise InputError(f"{directory}: not a megatron distributed checkpoint (no metadata.json)")
     read_json_object(os.path.join(directory, "metadata.json"))
     read_dcp_metadata(directory)
+    if not os.path.lexists(os.path.join(directory, "common.pt")):  # megatron writes it with every save
+        raise InputError(f"{directory}: common.pt is missing (an incomplete copy of the checkpoint?)")
     check_common_pt(directory)
+
+
+SHAPELESS_ARCH_FIELDS = frozenset(
+    {
+        "family",
+        "max_position_embeddings",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "partial_rotary_factor",
+        "sliding_window",
+        "initializer_range",
+        "extra",
+    }
+)
+"""ModelArch fields that no weight's shape depends on; every other field (a new one too) must match to load."""
+
+
+def check_same_model(directory: str, arch: ModelArch) -> None:
+    """A checkpoint saved for another model is refused naming the fields that differ (from its
+    :data:`MODEL_INFO_FILE`; without one, megatron's own shape check names the tensor)."""
+    info = ModelCheckpointInfo.read(directory)
+    if info is None:
+        return
+    saved = info.arch
+    differ = [
+        f"{f.name}={getattr(saved, f.name)!r} saved, {getattr(arch, f.name)!r} here"
+        for f in fields(ModelArch)
+        if f.name not in SHAPELESS_ARCH_FIELDS and getattr(saved, f.name) != getattr(arch, f.name)
+    ]
+    if differ:
+        raise InputError(f"{directory}: saved for another model ({'; '.join(differ)})")
 
 
 @torch.no_grad()
@@ -218,7 +253,7 @@ def load_model(chunks: list[Any], ctx: ParallelContext, directory: str) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     request = sharded_state_dict(chunks)
-    with safe_dcp_loading():
+    with safe_dcp_loading(directory):
         loaded, _, unexpected = dist_checkpointing.load(
             request, directory, strict=StrictHandling.RETURN_UNEXPECTED
         )

@@ -13,8 +13,12 @@ everything goes to a staging folder named ``.<dir>.mcore_rl-staging-<pid>-<token
 only once every rank has finished, so an interrupted save never half-overwrites the previous checkpoint, and
 the next save cleans what a killed one left (restoring the previous checkpoint if the kill fell between the
 two renames of the swap). A folder at ``<dir>`` that is not one of our checkpoints is never replaced; the
-user's ``<dir>.old`` or ``<dir>.tmp-<step>`` are never touched. Loading treats the folder as untrusted data
-(restricted unpickling, ``weights_only`` objects; :mod:`mcore_rl.io.checkpoint_read`).
+user's ``<dir>.old`` or ``<dir>.tmp-<step>`` are never touched. A staging folder of someone else's
+(:func:`~mcore_rl.io.output.is_staging_folder`: the driver assembling a run checkpoint with more beside the
+weights) is written in place instead, and its owner publishes it. Loading treats the folder as untrusted data
+(restricted unpickling, ``weights_only`` objects; :mod:`mcore_rl.io.checkpoint_read`) and names what is wrong
+with it before megatron reads it: a missing folder (pointing at the previous save a killed swap moved aside), a
+missing or truncated file, a checkpoint of another model (the field that differs).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from mcore_rl.engine.checkpoint import (
     ModelCheckpointInfo,
     check_checkpoint_folder,
+    check_same_model,
     load_model_state,
     quiet_staging_warning,
     save_strategy,
@@ -37,7 +42,7 @@ from mcore_rl.io.checkpoint_read import safe_dcp_loading
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
 from mcore_rl.io.errors import ConfigError, InputError
 from mcore_rl.io.inputs import input_file, read_json_object
-from mcore_rl.io.output import OutputFolder
+from mcore_rl.io.output import OutputFolder, interrupted_swap, is_staging_folder
 
 TRAINER_STATE_FILE = "trainer_state.json"
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -64,6 +69,18 @@ def save_training_checkpoint(
     state = {"step": step, "layout": _layout(engine), "extra": extra or {}}
     encoded = json.dumps(state, indent=2, sort_keys=True)  # a non-JSON extra fails here, before writing
     quiet_staging_warning()
+
+    def finish(folder: str) -> None:
+        ModelCheckpointInfo.for_arch(engine.arch, engine.config.params_dtype).write(folder)
+        with open(os.path.join(folder, TRAINER_STATE_FILE), "w") as f:
+            f.write(encoded + "\n")
+
+    if is_staging_folder(directory):  # the caller's staging folder: filled here, published by its owner
+        _materialise_optimizer_state(engine)
+        dist_checkpointing.save(_state(engine, is_loading=False), directory, sharded_strategy=save_strategy())
+        if engine.ctx.rank == 0:
+            finish(directory)
+        return
     output, staging = begin_collective(
         lambda: OutputFolder.plan(
             directory, flag="checkpoint folder", replace_ours=True, kind="training-checkpoint"
@@ -76,13 +93,7 @@ def save_training_checkpoint(
     except BaseException:
         abort_collective(output, engine.ctx.rank)
         raise
-
-    def finish() -> None:
-        ModelCheckpointInfo.for_arch(engine.arch, engine.config.params_dtype).write(staging)
-        with open(os.path.join(staging, TRAINER_STATE_FILE), "w") as f:
-            f.write(encoded + "\n")
-
-    commit_collective(output, engine.ctx.rank, finish)
+    commit_collective(output, engine.ctx.rank, lambda: finish(staging))
 
 
 def _layout(engine: Any) -> dict[str, int]:
@@ -91,6 +102,14 @@ def _layout(engine: Any) -> dict[str, int]:
 
 def read_trainer_state(directory: str) -> tuple[int, int, dict[str, Any]]:
     """``(step, saved tensor_parallel_size, extra)`` from :data:`TRAINER_STATE_FILE`, every field checked."""
+    if not os.path.isdir(directory):
+        aside = interrupted_swap(directory)
+        if aside is not None:
+            raise InputError(
+                f"{directory}: missing; a save killed while replacing it left the previous checkpoint at {aside} "
+                f"(the next save into {directory} puts it back, or rename it to {directory})"
+            )
+        raise InputError(f"{directory}: no such checkpoint folder")
     if not os.path.lexists(os.path.join(directory, TRAINER_STATE_FILE)):
         raise InputError(f"{directory}: not a training checkpoint (no {TRAINER_STATE_FILE})")
     path = str(input_file(directory, TRAINER_STATE_FILE))
@@ -116,6 +135,7 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
 
     step, saved_tp, extra = read_trainer_state(directory)
     check_checkpoint_folder(directory)
+    check_same_model(directory, engine.arch)
     if saved_tp != engine.ctx.tp_size:
         raise ValueError(
             f"{directory}: saved at tensor_model_parallel_size={saved_tp}, this run has {engine.ctx.tp_size}; resume "
@@ -123,7 +143,7 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
             "with TrainEngine.load_model"
         )
     _materialise_optimizer_state(engine)
-    with safe_dcp_loading():
+    with safe_dcp_loading(directory):
         loaded = dist_checkpointing.load(_state(engine, is_loading=True), directory)
     load_model_state(engine.chunks, loaded, directory)
     engine.optimizer.load_state_dict(loaded["optimizer"])

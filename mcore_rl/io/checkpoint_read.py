@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.io.errors import InputError, UnsafeInputError
+from mcore_rl.io.errors import CheckpointIntegrityError, InputError, Interrupted, UnsafeInputError
 from mcore_rl.io.inputs import input_file
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -98,12 +98,22 @@ def read_dcp_metadata(folder: str) -> Any:
 
 
 def _check_data_files(folder: str, path: str, metadata: Any) -> None:
-    """Every data file the metadata names is a plain file name inside ``folder`` (no ``../``, no link out)."""
-    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-    for name in names:
+    """Every data file the metadata names is a plain file name inside ``folder`` (no ``../``, no link out),
+    at least as long as the last byte the metadata reads from it (a truncated copy is named here, not deep in
+    torch's reader)."""
+    needed: dict[Any, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        end = getattr(info, "offset", 0) + getattr(info, "length", 0)
+        needed[name] = max(needed.get(name, 0), end if isinstance(end, int) else 0)
+    for name, end in needed.items():
         if not isinstance(name, str) or not name or os.sep in name or name in (".", ".."):
             raise UnsafeInputError(f"{path}: names the data file {name!r}, which is not a file of {folder}")
-        input_file(folder, name)
+        file = input_file(folder, name)
+        assert file is not None
+        size = os.path.getsize(file)
+        if size < end:
+            raise CheckpointIntegrityError(f"{file}: truncated ({size} bytes; {path} reads up to byte {end})")
 
 
 def check_common_pt(folder: str) -> None:
@@ -131,6 +141,39 @@ def _weights_only_reason(err: Exception) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def checkpoint_failure(err: BaseException) -> BaseException | None:
+    """The rank's own exception inside torch's ``CheckpointException`` (DCP gathers every rank's failure of a
+    save or load into one, on every rank), by what it means to the user: an interruption (a signal landed
+    inside the save), a refused input, an OS error (disk full, no permission); None when ``err`` is not one or
+    holds none of these. Rebuilt from its fields, so each rank raises a fresh one without DCP's traceback."""
+    failures = getattr(err, "failures", None)
+    if type(err).__name__ != "CheckpointException" or not isinstance(failures, dict):
+        return None
+    found = [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+    for kind in (Interrupted, KeyboardInterrupt, InputError, OSError):
+        for failure in found:
+            if not isinstance(failure, kind):
+                continue
+            if isinstance(failure, Interrupted):
+                return Interrupted(failure.signum)
+            if isinstance(failure, OSError):
+                return OSError(failure.errno, failure.strerror or str(failure), failure.filename)
+            return type(failure)(str(failure))
+    return None
+
+
+def _describe_load_failure(failure: BaseException) -> str | None:
+    """One line for a load failure the checkpoint causes, or None (then it is ours: raised as it is)."""
+    if isinstance(failure, OSError):
+        return f"cannot read {failure.filename or 'a data file'} ({failure.strerror or failure})"
+    message = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+    if "shape mismatch" in message.lower():  # megatron: "Global shape mismatch for loaded (...) and expected"
+        return f"saved for another model: {message}"
+    if type(failure).__name__ in ("CheckpointingException", "UnpicklingError", "EOFError"):
+        return f"cannot be loaded ({type(failure).__name__}: {message})"
+    return None
+
+
 def _safe_read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
     metadata = read_dcp_metadata(os.fspath(self.path))
     metadata.storage_meta.load_id = self.load_id
@@ -154,8 +197,10 @@ def _safe_load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
 
 
 @contextlib.contextmanager
-def safe_dcp_loading() -> Iterator[None]:
-    """Every DCP read inside the block uses the restricted metadata unpickler and ``weights_only`` objects."""
+def safe_dcp_loading(folder: str = "checkpoint") -> Iterator[None]:
+    """Every DCP read inside the block uses the restricted metadata unpickler and ``weights_only`` objects.
+    A read that fails for a reason the checkpoint gives (a refused input, a tensor of another shape, a file
+    that cannot be read) ends as one :class:`InputError` naming ``folder`` and the cause, on every rank."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -168,9 +213,14 @@ def safe_dcp_loading() -> Iterator[None]:
         yield
     except CheckpointException as err:
         # DCP gathers every rank's exception into one; a refused input surfaces as itself, on every rank.
-        for failure, _ in err.failures.values():
-            if isinstance(failure, InputError):
-                raise type(failure)(str(failure)) from None
+        cause = checkpoint_failure(err)
+        if isinstance(cause, (Interrupted, KeyboardInterrupt, InputError)):
+            raise cause from None
+        failures = [failure for failure, _ in err.failures.values()]
+        for failure in failures:
+            described = _describe_load_failure(failure)
+            if described is not None:
+                raise InputError(f"{folder}: {described}") from None
         raise
     finally:
         FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes = saved  # type: ignore[method-assign]

@@ -36,6 +36,16 @@ class OutputError(InputError):
     """An output path we refuse to write (it would touch an input or a folder that is not ours)."""
 
 
+class CheckpointIntegrityError(InputError):
+    """A checkpoint file that is missing, truncated or altered since it was saved (its manifest or its own
+    metadata says what it should be); the message names the file."""
+
+
+class CheckpointSaveError(OutputError):
+    """A checkpoint that could not be written (disk full, no permission): its partial folder was removed and
+    the previous checkpoint is intact; the message names both."""
+
+
 class Interrupted(BaseException):
     """A termination signal arrived; raised in the main thread so cleanup runs on the way out.
 
@@ -47,6 +57,34 @@ class Interrupted(BaseException):
 
         self.signum = signum
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        # Rebuilt from its signal number, not its message: torch.distributed gathers a rank's exception by
+        # pickling it (a conversion interrupted inside a checkpoint save), and Interrupted(message) would fail.
+        return (type(self), (self.signum,))
+
+
+class Preempted(BaseException):
+    """The run stopped on request (SIGTERM or SIGUSR1: a scheduler's preemption or time limit) at the end of a
+    step, with a run checkpoint saved there: ``mcore-rl`` exits :data:`EXIT_PREEMPTED`, and the same command
+    resumes it. A ``BaseException``, as :class:`Interrupted`: it ends the run through every ``finally``."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str) -> None:
+        import signal
+
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}; run checkpoint {checkpoint} saved; "
+            "the same command resumes it"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, str]]:
+        return (type(self), (self.signum, self.step, self.checkpoint))
+
+
+EXIT_PREEMPTED = 75
+"""Exit code of a run stopped by :class:`Preempted` with its checkpoint saved (``EX_TEMPFAIL`` of
+sysexits.h: try again later). ``launch/ray_on_slurm.sbatch`` requeues the job on it."""
 
 
 def note(message: str) -> None:

@@ -331,6 +331,57 @@ class OutputFolder:
         note(f"removed {folder}, the previous output replaced by process {marker.get('pid')}")
 
 
+def is_staging_folder(path: str) -> bool:
+    """``path`` is named as a staging folder of :meth:`OutputFolder.begin` (decided from the name alone, so
+    every rank of a collective write agrees without reading the filesystem): its owner publishes it, the
+    writers only fill it."""
+    match = _AUX_NAME.match(os.path.basename(os.path.normpath(path)))
+    return match is not None and match.group(1) == "staging"
+
+
+def interrupted_swap(path: str) -> str | None:
+    """For a folder ``path`` that is missing: the previous output of ours that a process killed between the two
+    renames of :meth:`OutputFolder.commit` left moved aside (``.<name>.mcore_rl-old-<pid>-<token>``), or None.
+    The next write into ``path`` puts it back; a reader can point at it."""
+    real = _real(path)
+    parent = os.path.dirname(real)
+    if os.path.lexists(real) or not os.path.isdir(parent):
+        return None
+    for entry in sorted(os.listdir(parent)):
+        match = _AUX_NAME.match(entry)
+        folder = os.path.join(parent, entry)
+        if match is None or match.group(1) != "old":
+            continue
+        marker = _read_marker(folder)
+        if marker is not None and marker.get("target") == real and not os.path.islink(folder):
+            return folder
+    return None
+
+
+def write_failure(err: BaseException, folder: str) -> str | None:
+    """Why writing into ``folder`` failed, in one line, when the filesystem refused it; None for anything else.
+    An ``OSError`` names its file and reason; torch's checkpoint writer reports a failed write inside its zip
+    container as ``RuntimeError: [enforce fail at inline_container.cc...]`` (the OS error is lost there), so it
+    is named as a failed write, with the free space left when that is the likely cause."""
+    if isinstance(err, OSError):
+        names = " -> ".join(str(n) for n in (err.filename, err.filename2) if n is not None)
+        reason = err.strerror or str(err)
+        return f"{names}: {reason}" if names else reason
+    if isinstance(err, RuntimeError) and "inline_container.cc" in str(err):
+        detail = str(err).strip().splitlines()[0].split("] ", 1)[-1].strip(" .")
+        return f"a write failed in torch's checkpoint writer ({detail}){_free_space(folder)}"
+    return None
+
+
+def _free_space(folder: str) -> str:
+    """``; N MiB free on its filesystem`` when that is under 1 GiB (a full disk, the likely cause), else ''."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f"; {free >> 20} MiB free on its filesystem" if free < 1 << 30 else ""
+
+
 def is_ours(folder: str) -> bool:
     """``folder`` carries our :data:`MARKER_FILE` (written by an :class:`OutputFolder` or a claimed run folder)."""
     return _read_marker(folder) is not None

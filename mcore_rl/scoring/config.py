@@ -39,12 +39,14 @@ class RewardConfig:
     """Extra ``data_source -> scorer`` entries: a built-in name (gsm8k, math, exact_match) or a
     ``module:function`` / ``file.py:function`` spec. They take precedence over the built-in table."""
     on_error: str = OnScorerError.ZERO.value
-    """A scorer that raises or returns NaN: zero (score 0, counted, one warning per kind) or raise (stop,
-    naming the row)."""
+    """A scorer that raises, returns NaN or a non-number, or runs past ``timeout_s``: zero (score 0, counted
+    in the step's metrics, one warning per kind) or raise (stop, naming the scorer and the row)."""
     num_workers: int = 0
-    """Scorer worker processes; 0 scores in the calling process (no timeout protection)."""
+    """Scorer worker processes; 0 scores in the calling process (``timeout_s`` is then an alarm signal, which
+    cannot stop a scorer stuck in native code: workers can)."""
     timeout_s: float = 10.0
-    """Per-answer limit in a worker; past it the worker is killed and replaced, and the answer scores 0."""
+    """Per-answer limit: past it a worker is killed and replaced (in-process: the scorer is interrupted), and
+    the answer is a scorer failure (``on_error``)."""
     gsm8k_method: str = GSM8KMethod.STRICT.value
     """GSM8K answer extraction: strict (the last ``#### number``) or flexible (the last number)."""
     format_score: float = 0.0

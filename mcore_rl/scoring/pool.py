@@ -2,13 +2,15 @@
 
 Symbolic math can take seconds (or forever) on an adversarial answer. With ``reward.num_workers > 0``
 each answer goes to one of N spawned worker processes; an answer still running after
-``reward.timeout_s`` scores 0 and is logged, and its worker is killed and replaced, so one answer can
-never stall a step. Workers are started once (each imports math-verify before taking work, so that
-start-up never counts against an answer) and reused across steps; :meth:`RewardScorer.close` ends them.
+``reward.timeout_s`` is abandoned, and its worker is killed and replaced, so one answer can never stall a
+step. Workers are started once (each imports math-verify before taking work, so that start-up never counts
+against an answer) and reused across steps; :meth:`RewardScorer.close` ends them. In the calling process
+(``num_workers=0``) the same limit is an alarm signal that interrupts the scorer (main thread only; a scorer
+stuck inside native code that ignores signals is only stopped by a worker's kill).
 
-A scorer that raises or returns a non-finite score: with ``reward.on_error=zero`` it scores 0 and is
-counted (one warning per kind per call); with ``raise`` the call stops with a :class:`RewardError`
-naming the row.
+A scorer that raises, returns a non-number or a non-finite score, or runs past the limit: with
+``reward.on_error=zero`` it scores 0 and is counted (one warning per kind per call); with ``raise`` the
+call stops with a :class:`RewardError` naming the scorer and the row (one line, exit 1 from ``mcore-rl``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import contextlib
 import logging
 import math
 import multiprocessing
+import signal
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from mcore_rl.scoring.config import RewardConfig
-from mcore_rl.scoring.registry import ScoreDispatch
+from mcore_rl.scoring.registry import ScoreDispatch, ScorerError, scorer_name
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +40,13 @@ _START_LIMIT_S = 120.0
 """A worker that has not finished importing after this long is a broken environment, not a slow answer."""
 
 
-class RewardError(RuntimeError):
-    """A scorer failed under ``reward.on_error=raise``; the message names the row and the cause."""
+class RewardError(ScorerError):
+    """A scorer failed under ``reward.on_error=raise``; the message names the scorer, the row and the cause."""
+
+
+class _Timeout(BaseException):
+    """The alarm of an in-process answer past ``reward.timeout_s`` (a BaseException: a scorer's own
+    ``except Exception`` does not swallow it)."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +78,39 @@ class RewardOutput:
     seconds: float = 0.0
 
 
-def _evaluate(dispatch: ScoreDispatch, req: ScoreRequest) -> tuple[str, Any]:
+def _evaluate(dispatch: ScoreDispatch, req: ScoreRequest, timeout_s: float | None = None) -> tuple[str, Any]:
+    """One answer's score; ``timeout_s`` (under :func:`_alarms`) interrupts it past the limit."""
     try:
-        return "ok", dispatch(req.data_source, req.solution_str, req.ground_truth, req.extra_info)
+        if timeout_s is not None:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return "ok", dispatch(req.data_source, req.solution_str, req.ground_truth, req.extra_info)
+        finally:
+            if timeout_s is not None:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Timeout:
+        return "timeout", f"over {timeout_s} s"
     except Exception as err:  # a user scorer may raise anything; it is reported, not fatal here
         return "error", f"{type(err).__name__}: {err}"
+
+
+def _raise_timeout(signum: int, frame: Any) -> None:
+    raise _Timeout
+
+
+@contextlib.contextmanager
+def _alarms() -> Iterator[bool]:
+    """SIGALRM interrupts an answer past its limit while the block runs (main thread only: yields whether it
+    is armed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    try:
+        yield True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _worker_main(conn: Connection, cfg: RewardConfig) -> None:
@@ -131,7 +169,9 @@ class RewardScorer:
     def score(self, requests: list[ScoreRequest]) -> RewardOutput:
         start = time.perf_counter()
         if self.cfg.num_workers == 0:
-            raw = [_evaluate(self.dispatch, r) for r in requests]
+            with _alarms() as armed:
+                limit = self.cfg.timeout_s if armed else None
+                raw = [_evaluate(self.dispatch, r, limit) for r in requests]
         else:
             raw = self._score_in_workers(requests)
         output = self._collect(requests, raw)
@@ -199,8 +239,11 @@ class RewardScorer:
                 status, value = _unpack(value, extra, i, len(requests))
             if status != "ok":
                 label = f"row {i} ({req.where or 'data_source ' + repr(req.data_source)}): {value}"
-                if status != "timeout" and self.cfg.on_error == "raise":
-                    raise RewardError(f"scorer failed on {label}")
+                if self.cfg.on_error == "raise":
+                    name = scorer_name(self.cfg, req.data_source)
+                    raise RewardError(
+                        f"{name} failed on {label} (reward.on_error=zero scores such answers 0 and counts them)"
+                    )
                 failures[status].append(label)
                 continue
             scores[i] = value

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -112,6 +114,56 @@ def check_scorers(cfg: RewardConfig, sources: dict[str, str]) -> None:
         )
 
 
+def ground_truth_problem(cfg: RewardConfig, data_source: str, truth: Any) -> str | None:
+    """What is wrong with a row's ``reward_model.ground_truth`` for the scorer of its ``data_source``, or None.
+    The built-in rules compare the answer with the ground truth as text: a dict, a list or a boolean there would
+    score every answer 0 without a word. A user scorer takes whatever its data holds."""
+    name = _builtin_for(cfg, data_source)
+    if name is None:
+        return None
+    if isinstance(truth, str):
+        return f"empty, which the built-in scorer {name!r} never matches" if not truth.strip() else None
+    if isinstance(truth, (int, float)) and not isinstance(truth, bool) and math.isfinite(truth):
+        return None
+    kind = type(truth).__name__
+    return (
+        f"is a {kind} ({truth!r:.60}); the built-in scorer {name!r} compares the answer with it as text: store "
+        "the answer as a string, or score these rows with reward.custom_function"
+    )
+
+
+def _builtin_for(cfg: RewardConfig, data_source: str) -> str | None:
+    """The built-in scorer that answers ``data_source`` (None: a user scorer, or none at all)."""
+    if cfg.custom_function:
+        return None
+    if data_source in cfg.sources:
+        spec = cfg.sources[data_source]
+        return spec if spec in BUILTIN_NAMES else None
+    return default_scorer_name(data_source)
+
+
+def scorer_name(cfg: RewardConfig, data_source: str) -> str:
+    """The config entry that scores ``data_source``, for messages."""
+    if cfg.custom_function:
+        return f"reward.custom_function={cfg.custom_function}"
+    if data_source in cfg.sources:
+        return f"reward.sources.{data_source}={cfg.sources[data_source]}"
+    return f"the built-in scorer {default_scorer_name(data_source)!r}"
+
+
+def check_signature(spec: str, fn: ScoreFn) -> None:
+    """A user scorer must take verl's four arguments ``(data_source, solution_str, ground_truth, extra_info)``
+    (checked before the first step, not at the first answer hours later)."""
+    try:
+        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", {})
+    except TypeError as err:
+        raise ScorerError(
+            f"scorer {spec!r} cannot be called as fn(data_source, solution_str, ground_truth, extra_info): {err}"
+        ) from None
+    except ValueError:  # a builtin without a signature: it is called and judged by its answers
+        return
+
+
 def load_user_scorer(spec: str) -> ScoreFn:
     """``module:function`` or ``path/to/file.py:function``."""
     target, sep, name = spec.rpartition(":")
@@ -125,15 +177,25 @@ def load_user_scorer(spec: str) -> ScoreFn:
         assert loader_spec is not None and loader_spec.loader is not None
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[module_name] = module
-        loader_spec.loader.exec_module(module)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as err:  # the user's file fails on import: name it, not our loader
+            raise ScorerError(
+                f"scorer {spec!r}: importing {target} failed ({type(err).__name__}: {err})"
+            ) from None
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as err:
             raise ScorerError(f"scorer {spec!r}: cannot import {target} ({err})") from None
+        except Exception as err:  # the user's module fails on import (a syntax error, a raise)
+            raise ScorerError(
+                f"scorer {spec!r}: importing {target} failed ({type(err).__name__}: {err})"
+            ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ScorerError(f"scorer {spec!r}: {target} has no function {name!r}")
+    check_signature(spec, fn)
     return fn
 
 

@@ -4,7 +4,10 @@ rank (the overhead baseline and quick tests)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +26,7 @@ from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.scoring.registry import check_scorers
+from mcore_rl.scoring.registry import check_scorers, ground_truth_problem
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.critic import CriticGroup
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup, reward_model_checkpoint
@@ -42,6 +45,13 @@ def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, st
     rollout cannot use."""
     check_vocab(cfg, tokenizer)
     check_scorers(cfg.reward, data_sources)
+
+
+def row_checks(cfg: RunConfig) -> Callable[[str, Any], str | None]:
+    """What a prompt row must hold for its scorer, checked as the data is read (the row is refused, or skipped
+    and counted with ``data.skip_bad_rows``): a ground truth the built-in rules can compare as text (a dict
+    scored every answer 0 before)."""
+    return functools.partial(ground_truth_problem, cfg.reward)
     check_multi_turn(cfg, tokenizer)
 
 
@@ -187,7 +197,13 @@ def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelCon
         take_pool=True,
         seed=cfg.trainer.seed,
         output_dir=worker_output_dir(cfg),
+        phase_timeout_s=cfg.trainer.phase_timeout_s,
+        stacks_dir=os.path.join(cfg.logging.log_dir, STACKS_DIR),
     )
+
+
+STACKS_DIR = "stacks"
+"""Under ``logging.log_dir``: each rank's Python stacks of a phase past ``trainer.phase_timeout_s``."""
 
 
 def _cpus_per_rank(cfg: RunConfig) -> float:

@@ -13,18 +13,26 @@ then are the run folder and its ``config.yaml`` written (and only inputs that ``
 are written before those checks, as the checks read them).
 
 A run checkpoint ``<default_local_dir>/checkpoints/global_step_<N>`` holds the actor's weights and
-optimizer (the resumable TrainEngine checkpoint, written to a staging name and renamed when complete), the
-LR schedule, the driver state (step, data position) and the resolved ``config.yaml``; ``latest`` is
-updated last. With ``trainer.one_step_off`` it also holds the next step's prompts and the rollout already
-generated for them (``pending_rollout.safetensors``), so a resumed run trains on what the uninterrupted one
-would have. Sampling seeds derive from ``(trainer.seed, step)``, so a resumed run draws what the
-uninterrupted one would have.
+optimizer (the resumable TrainEngine checkpoint), the LR schedule, the driver state (step, data position), the
+resolved ``config.yaml`` and a manifest; it appears complete or not at all and ``latest`` names it in the same
+moment (``run_checkpoint.py``). With ``trainer.one_step_off`` it also holds the next step's prompts and the
+rollout already generated for them (``pending_rollout.safetensors``), so a resumed run trains on what the
+uninterrupted one would have. Sampling seeds derive from ``(trainer.seed, step)``, so a resumed run draws what
+the uninterrupted one would have.
+
+Faults (README "Faults and recovery"): a lost worker restarts the worker groups and continues from the last
+run checkpoint (``recovery.py``, ``trainer.max_restarts``); SIGTERM or SIGUSR1 during the RL steps ends the
+current step, saves a run checkpoint and raises :class:`~mcore_rl.io.errors.Preempted` (``mcore-rl`` exits 75);
+a save that fails follows ``trainer.on_save_failure``; a hung worker phase ends the run naming it
+(``trainer.phase_timeout_s``, ``controller/watchdog.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +40,6 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from mcore_rl.config import (
-    ConfigError,
     RunConfig,
     check_config,
     check_paths,
@@ -40,26 +47,30 @@ from mcore_rl.config import (
     load_config,
     save_config,
 )
-from mcore_rl.config.run_folder import (
-    check_run_folders,
-    checkpoint_name,
-    checkpoint_root,
-    publish_checkpoint,
-    resume_checkpoint,
-)
+from mcore_rl.config.run_folder import check_run_folders, checkpoint_name, checkpoint_root
+from mcore_rl.controller.backend import hand_over_ray
 from mcore_rl.data.demo_task import prepare_data
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.rows import DataError
 from mcore_rl.data.sft import SFTDataset
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
-from mcore_rl.io.errors import note
+from mcore_rl.io.errors import CheckpointSaveError, Preempted, note
 from mcore_rl.io.inputs import input_file
+from mcore_rl.io.signals import stop_requests
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.build import build_actor_group, build_step, check_start, worker_spec
+from mcore_rl.trainer.build import build_actor_group, build_step, check_start, row_checks, worker_spec
 from mcore_rl.trainer.export import export_rl_model
 from mcore_rl.trainer.groups.actor import ActorGroup
+from mcore_rl.trainer.recovery import Recovery, is_lost_worker, kept_records
+from mcore_rl.trainer.run_checkpoint import (
+    ResumePoint,
+    latest_checkpoint,
+    resume_point,
+    save_failure,
+    staged_checkpoint,
+)
 from mcore_rl.trainer.step import StepBase, update_plan
 from mcore_rl.types import PromptBatch, RolloutBatch
 
@@ -78,13 +89,15 @@ class RunData:
 
 
 def load_run_data(cfg: RunConfig) -> RunData:
+    """Every prompt set of the run, each row checked as its scorer will read it (``row_checks``)."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
-    train = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
+    check = row_checks(cfg)
+    train = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data, check)
 
     def whole(files: list[str]) -> PromptBatch | None:
         if not files:
             return None
-        dataset = PromptDataset.from_files(files, tokenizer, cfg.data)
+        dataset = PromptDataset.from_files(files, tokenizer, cfg.data, check)
         return dataset.batch(range(len(dataset)))
 
     sft = (
@@ -94,6 +107,11 @@ def load_run_data(cfg: RunConfig) -> RunData:
         if cfg.sft.enable
         else None
     )
+    if sft is not None and len(sft) < cfg.sft.train_batch_size:  # else the SFT stage fails at its first step
+        raise DataError(
+            f"{', '.join(cfg.sft.train_files)}: {len(sft)} usable examples cannot fill one batch of "
+            f"sft.train_batch_size={cfg.sft.train_batch_size}"
+        )
     return RunData(
         tokenizer, PromptLoader(train, cfg.data), whole(cfg.data.val_files), whole(cfg.data.test_files), sft
     )
@@ -111,46 +129,6 @@ def data_sources(data: RunData) -> dict[str, str]:
     return found
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """The run checkpoint a run continues from, checked against the run before anything is written."""
-
-    path: str
-    step: int
-    state: dict[str, Any]
-    """The driver state saved beside the weights (``Trainer.save``)."""
-
-
-def resume_point(cfg: RunConfig, loader: PromptLoader) -> ResumePoint | None:
-    """The checkpoint ``trainer.resume_mode`` names, with ``loader`` at its data position; refuses one saved for
-    another model or other training data, naming what changed (None: a fresh run)."""
-    path = resume_checkpoint(cfg)
-    if path is None:
-        return None
-    from mcore_rl.engine.trainer_checkpoint import read_trainer_state
-
-    step, saved_tp, saved = read_trainer_state(path)
-    tp = cfg.parallel.tensor_model_parallel_size
-    if saved_tp != tp:  # checked here, before any worker starts (the optimizer state is saved per TP shard)
-        raise ConfigError(
-            f"{path}: saved at parallel.tensor_model_parallel_size={saved_tp}, this run sets {tp}; resume at "
-            f"{saved_tp} (data-parallel and pipeline sizes may change), or start a new run in another "
-            f"trainer.default_local_dir with model.path={path} (its weights at any layout, a fresh optimizer)"
-        )
-    model = cfg.model.hf_config_dict()
-    changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
-    if changed:
-        raise ConfigError(f"{path}: saved for another model (config.json differs in {changed}); not resuming")
-    try:
-        loader.load_state_dict(saved["loader"])
-    except DataError as err:
-        raise DataError(
-            f"{path}: {err}; not resuming (resume with the data it was saved with, or start a new run in "
-            "another trainer.default_local_dir)"
-        ) from None
-    return ResumePoint(path, step, saved)
-
-
 class Trainer:
     """Drives one run; build with :meth:`from_config`, run with :meth:`fit`, read ``records`` after."""
 
@@ -162,6 +140,8 @@ class Trainer:
         data: RunData,
         total_steps: int,
         resume_from: ResumePoint | None = None,
+        scorer: RewardScorer | None = None,
+        use_ray: bool = True,
     ) -> None:
         """``actors`` and ``step`` are None only for a run whose checkpoint is at ``total_steps`` already: it has
         nothing to train, so :meth:`from_config` starts no workers for it."""
@@ -172,10 +152,16 @@ class Trainer:
         self.total_steps = total_steps
         self.resume_from = resume_from
         """The checkpoint :meth:`fit` continues from (checked by :meth:`from_config`); None: a fresh run."""
+        self.scorer = scorer or (step.scorer if step is not None else None)
+        self.use_ray = use_ray
         self.global_step = 0
         self._prefetched: PromptBatch | None = None
         """``trainer.one_step_off``: the next step's prompts, already drawn (their rollout is pending)."""
         self.records: list[dict[str, Any]] = []
+        self.recoveries: list[Recovery] = []
+        """Each recovery from a lost worker so far (``trainer.max_restarts``)."""
+        self._staging: str | None = None
+        """The staging folder of a run checkpoint being saved."""
 
     @property
     def actors(self) -> ActorGroup:
@@ -207,18 +193,37 @@ class Trainer:
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
         if resume_from is not None and resume_from.step >= total:
             return cls(cfg, None, None, data, total, resume_from)  # already complete: no workers, no writes
+        scorer = RewardScorer(cfg.reward)  # every user scorer imported and its signature checked; no process yet
         claim_run_folders(cfg)  # every check passed: now the run folder and its config
         save_config(cfg, cfg.trainer.default_local_dir)
-        actors = build_actor_group(cfg, worker_spec(cfg, actor_optimizer_steps(cfg, total)), use_ray)
-        step = build_step(cfg, actors, data.tokenizer, RewardScorer(cfg.reward), total)
-        return cls(cfg, actors, step, data, total, resume_from)
+        trainer = cls(cfg, None, None, data, total, resume_from, scorer, use_ray)
+        try:
+            trainer.start_workers()
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer
+
+    def start_workers(self, owns_ray: bool = False) -> None:
+        """Start the actor's workers and the step's other groups (critic, rollout pool); ``owns_ray``: the
+        local Ray they start on was started for this run by workers stopped before (a recovery)."""
+        cfg = self.cfg
+        spec = worker_spec(cfg, actor_optimizer_steps(cfg, self.total_steps))
+        self._actors = build_actor_group(cfg, spec, self.use_ray)
+        if (
+            owns_ray
+        ):  # the run's own local Ray, kept across the restart: stopped with these workers at the end
+            hand_over_ray(self._actors.backend, True)
+        assert self.scorer is not None
+        self._step = build_step(cfg, self._actors, self.data.tokenizer, self.scorer, self.total_steps)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption). The summary
         holds the held-out accuracies that ran (``test_before``, ``test_after_sft``, ``test_after_rl``: None
         without ``data.test_files``), ``sft_steps``, ``val_before``, ``resumed_from`` / ``resumed_step``, or only
         ``already_complete`` (the step) and ``checkpoint`` when the checkpoint resumed is at ``total_steps``
-        already: nothing is loaded, trained or logged then."""
+        already: nothing is loaded, trained or logged then. A lost worker is recovered from (``recovery.py``);
+        SIGTERM / SIGUSR1 during the RL steps raise :class:`Preempted` once a checkpoint is saved."""
         cfg, summary = self.cfg, dict[str, Any]()
         point = self.resume_from
         if point is not None and point.step >= self.total_steps:
@@ -233,30 +238,82 @@ class Trainer:
             plot=reward_plot,
             stage_steps={"sft": cfg.sft.total_steps} if cfg.sft.enable and not resumed else None,
             start_step=self.global_step,
-            samples=self.step.take_val_samples,  # logging.log_val_generations
+            samples=lambda: (
+                self.step.take_val_samples()
+            ),  # logging.log_val_generations; a recovery's step too
         )
         try:
-            if not resumed:
-                self._before_rl(log, summary)
-            while self.global_step < self.total_steps and self.global_step != stop_after:
-                self.global_step += 1
-                prompts = self._prefetched if self._prefetched is not None else self.data.loader.next_batch()
-                one_step_off = cfg.trainer.one_step_off and self.global_step < self.total_steps
-                self._prefetched = self.data.loader.next_batch() if one_step_off else None
-                metrics = self.step.run(prompts, self.global_step, next_prompts=self._prefetched).metrics()
-                last = self.global_step == self.total_steps
-                if self.data.val is not None and _every(cfg.trainer.test_freq, self.global_step, last):
-                    metrics["val_accuracy"] = self.step.evaluate(self.data.val)
-                log.write("rl", self.global_step, metrics)
-                if _every(cfg.trainer.save_freq, self.global_step, last):
-                    self.save()
-            if self.global_step == self.total_steps:
-                summary["test_after_rl"] = self.test(log, "after_rl")
-                summary["model"] = export_rl_model(self)  # the HF folder <default_local_dir>/model
+            while True:
+                try:
+                    self._stages(log, summary, resumed, stop_after)
+                    break
+                except Exception as err:
+                    if not is_lost_worker(err) or len(self.recoveries) >= cfg.trainer.max_restarts:
+                        raise
+                    resumed = self._recover(err, log)
         finally:
             summary["plot"] = log.close()
             self.records = log.records
         return summary
+
+    def _stages(self, log: RunLog, summary: dict[str, Any], resumed: bool, stop_after: int | None) -> None:
+        """From where the run stands: the start (unless ``resumed``), the RL steps, the end."""
+        if not resumed:
+            self._before_rl(log, summary)
+        with stop_requests() as stop:  # SIGTERM / SIGUSR1: end this step, save, stop
+            while self.global_step < self.total_steps and self.global_step != stop_after:
+                saved = self._rl_step(log)
+                if stop and self.global_step < self.total_steps:
+                    assert stop.signum is not None
+                    raise Preempted(stop.signum, self.global_step, saved or self._required_save())
+        if self.global_step == self.total_steps:
+            summary["test_after_rl"] = self.test(log, "after_rl")
+            summary["model"] = export_rl_model(self)  # the HF folder <default_local_dir>/model
+
+    def _rl_step(self, log: RunLog) -> str | None:
+        """One RL step, its validation and its checkpoint (the path, when one was saved)."""
+        cfg = self.cfg
+        self.global_step += 1
+        prompts = self._prefetched if self._prefetched is not None else self.data.loader.next_batch()
+        one_step_off = cfg.trainer.one_step_off and self.global_step < self.total_steps
+        self._prefetched = self.data.loader.next_batch() if one_step_off else None
+        metrics = self.step.run(prompts, self.global_step, next_prompts=self._prefetched).metrics()
+        last = self.global_step == self.total_steps
+        if self.data.val is not None and _every(cfg.trainer.test_freq, self.global_step, last):
+            metrics["val_accuracy"] = self.step.evaluate(self.data.val)
+        log.write("rl", self.global_step, metrics)
+        return self.save() if _every(cfg.trainer.save_freq, self.global_step, last) else None
+
+    def _required_save(self) -> str:
+        path = self.save(required=True)
+        assert path is not None
+        return path
+
+    def _recover(self, err: Exception, log: RunLog) -> bool:
+        """After a lost worker: every group stopped and started again, the last run checkpoint loaded (the
+        start, without one); returns whether a checkpoint was loaded."""
+        start, failed_at = time.monotonic(), self.global_step
+        note(f"{err}".splitlines()[0][:300] + "; recovering")
+        self.start_workers(owns_ray=self._stop_workers())
+        self.resume_from = resume_point(self.cfg, self.data.loader)  # the data position comes back with it
+        self._prefetched = None
+        resumed = self.resume()
+        if not resumed:  # nothing saved yet: the run starts over (its SFT warm start too)
+            self.global_step = 0
+            self.data.loader = PromptLoader(self.data.loader.dataset, self.cfg.data)
+        recovery = Recovery(
+            len(self.recoveries) + 1,
+            getattr(err, "rank", -1),
+            getattr(err, "method", "?"),
+            failed_at,
+            self.global_step,
+            time.monotonic() - start,
+        )
+        self.recoveries.append(recovery)
+        note(recovery.line(self.cfg.trainer.max_restarts))
+        log.records[:] = kept_records(log.records, self.global_step, resumed)
+        log.write("recovery", self.global_step, recovery.record())
+        return resumed
 
     def _before_rl(self, log: RunLog, summary: dict[str, Any]) -> None:
         """A fresh run's start: the held-out test and, after the SFT warm start, validation at RL step 0
@@ -308,10 +365,12 @@ class Trainer:
     def checkpoint_root(self) -> str:
         return checkpoint_root(self.cfg)
 
-    def save(self) -> str:
-        """Actor weights + optimizer + schedule + driver state + config; ``latest`` last; keep the last K."""
+    def save(self, required: bool = False) -> str | None:
+        """Actor weights + optimizer + schedule + driver state + config + manifest, published with ``latest``
+        at once (``run_checkpoint.py``); older ones beyond ``trainer.max_ckpt_to_keep`` go. A save the
+        filesystem refuses leaves the previous checkpoint intact and, with ``trainer.on_save_failure=continue``
+        (and not ``required``: the save of a preemption), returns None after one line saying so."""
         path = os.path.join(self.checkpoint_root, checkpoint_name(self.global_step))
-        os.makedirs(self.checkpoint_root, exist_ok=True)
         state = {
             "loader": self.data.loader.state_dict(),
             "model": self.cfg.model.hf_config_dict(),
@@ -319,17 +378,36 @@ class Trainer:
             # one-step-off: the next step's prompts (drawn: the loader is past them) and, beside, their rollout
             "pending_prompts": None if self._prefetched is None else self._prefetched.indices.tolist(),
         }
-        self.actors.save_checkpoint(
-            path, self.global_step, state
-        )  # in the TRAIN phase (optimizer state home)
-        self.step.save_models(path, self.global_step)  # PPO: <path>/critic
-        pending = self.step.pending_rollout(self._prefetched)
-        if pending is not None:
-            save_file(dataclasses.asdict(pending), os.path.join(path, PENDING_ROLLOUT_FILE))
-        self.actors.sync_weights()  # back to ROLLOUT for the next step
-        save_config(self.cfg, path)
-        publish_checkpoint(self.cfg, self.global_step)
+        try:
+            with staged_checkpoint(self.cfg, self.global_step, path) as staging:
+                self._staging = staging
+                self.actors.save_checkpoint(staging, self.global_step, state)  # in the TRAIN phase
+                self.step.save_models(staging, self.global_step)  # PPO: <path>/critic
+                pending = self.step.pending_rollout(self._prefetched)
+                if pending is not None:
+                    save_file(dataclasses.asdict(pending), os.path.join(staging, PENDING_ROLLOUT_FILE))
+                self.actors.sync_weights()  # back to ROLLOUT for the next step
+                save_config(self.cfg, staging)  # inside: the folder never appears without it
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            why = save_failure(err, self.checkpoint_root)
+            if why is None:
+                raise
+            self.actors.sync_weights()  # the ranks are fine (they all saw the failure): back to ROLLOUT
+            self._save_failed(why, required)
+            return None
+        self._staging = None
         return path
+
+    def _save_failed(self, why: str, required: bool) -> None:
+        previous = latest_checkpoint(self.cfg)
+        intact = (
+            f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        )
+        line = f"step {self.global_step}: run checkpoint not saved ({why}); {intact}"
+        if required or self.cfg.trainer.on_save_failure == "stop":
+            hint = "" if required else " (trainer.on_save_failure=continue trains on without it)"
+            raise CheckpointSaveError(line + hint)
+        note(f"{line}; training on (trainer.on_save_failure=continue)")
 
     def resume(self) -> bool:
         """Restore :attr:`resume_from` (the data position is restored already, by its check)."""
@@ -359,18 +437,36 @@ class Trainer:
         self._prefetched = self.data.loader.dataset.batch(indices)
         self.step.restore_pending(self._prefetched, RolloutBatch(**load_file(rollout_file)))
 
-    def close(self) -> None:
+    def _stop_workers(self) -> bool:
+        """Stop every worker group (Ray keeps running); returns whether this run had started that Ray."""
+        owned = hand_over_ray(self._actors.backend, False) if self._actors is not None else False
         if self._step is not None:
-            self._step.scorer.close()
             self._step.close()
         if self._actors is not None:
             self._actors.shutdown()
+        self._step, self._actors = None, None
+        return owned
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the scorer's processes and every worker group (``graceful``: the ranks leave their world
+        first; else they are killed, e.g. on an interrupt in the middle of a phase)."""
+        if self.scorer is not None:
+            self.scorer.close()
+        if self._step is not None:
+            self._step.close()
+        if self._actors is not None:
+            self._actors.shutdown(graceful=graceful)
+        if self._staging is not None:
+            # An interrupted save: its staging folder was removed, but a rank still writing may have made it
+            # again; the ranks are gone now, so what is there is only that.
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
 
     def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.close(graceful=exc[0] is None)
 
 
 def actor_optimizer_steps(cfg: RunConfig, total_steps: int) -> int:

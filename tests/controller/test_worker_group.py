@@ -111,9 +111,44 @@ def test_kill_9_of_one_actor_ends_the_call_fast_with_its_rank() -> None:
     refs = group.call("run", _wait_in_collective)
     os.kill(pids[0], signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(WorkerError, match="rank 0 failed in run"):
+    with pytest.raises(WorkerError, match="rank 0 failed in run: its process died") as info:
         group.get(refs)
     assert time.monotonic() - start < 15
+    assert info.value.died  # what the driver recovers from (a raised error is not: test above)
+    _assert_cleaned_up(ray, group)
+
+
+def _stuck_on_rank_1(ctx: ParallelContext) -> int:
+    if ctx.rank == 1:
+        time.sleep(120)
+    return ctx.rank
+
+
+def test_a_hung_phase_fails_within_seconds_naming_it_the_ranks_and_where_they_are(tmp_path) -> None:
+    """``trainer.phase_timeout_s`` through Ray: a fast phase is untouched; a rank stuck in one dumps its stack
+    into the stacks folder and the call fails at the timeout (plus the watchdog's grace), not after the
+    collective's 30 minutes."""
+    import ray
+
+    stacks = str(tmp_path / "stacks")
+    group = WorkerGroup.spawn(Worker, 2, phase_timeout_s=2.0, stacks_dir=stacks)
+    assert group.run("run", _sum_of_ranks) == [(3, 0), (3, 1)]
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        group.run("run", _stuck_on_rank_1)
+    elapsed = time.monotonic() - start
+    assert info.value.kind == WorkerError.HUNG and not info.value.died
+    message = str(info.value)
+    assert message.startswith(
+        "phase 'run' made no progress for 2 s (trainer.phase_timeout_s): ranks [1] did not finish (ranks [0] "
+        "did): rank 1 in _stuck_on_rank_1 (test_worker_group.py:"
+    ), message
+    assert message.endswith(f"Python stacks in {stacks}")
+    assert 2.0 < elapsed < 2.0 + 10, elapsed
+    with open(os.path.join(stacks, "Worker_rank1.txt")) as f:
+        assert "in _stuck_on_rank_1" in f.read()
+    with open(os.path.join(stacks, "Worker_rank0.txt")) as f:
+        assert "Timeout" not in f.read()  # rank 0 finished its phase: nothing dumped
     _assert_cleaned_up(ray, group)
 
 

@@ -237,3 +237,131 @@ class Case:
 
 def _c(name, build, *needles, code=1, env=None) -> Case:
     return Case(name, build, needles, code, env)
+
+
+# --- faults of a conversion and of a training run's inputs (issue 31) ---------------------------------------
+
+
+class _Patch:
+    """A context manager made of ``set`` / ``reset`` callables (a case's ``patch``)."""
+
+    def __init__(self, set_up: Callable[[], None], tear_down: Callable[[], None]) -> None:
+        self.set_up, self.tear_down = set_up, tear_down
+
+    def __enter__(self) -> None:
+        self.set_up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.tear_down()
+
+
+def file_size_limit(limit: int, build: Callable[[Workspace], list[str]]) -> Callable[[Workspace], list[str]]:
+    """Every file this process writes stops at ``limit`` bytes (EFBIG), as on a full disk; cannot be mocked
+    away as root, and needs no mount."""
+    import resource
+    import signal
+
+    def builder(ws: Workspace) -> list[str]:
+        saved = resource.getrlimit(resource.RLIMIT_FSIZE)
+        previous = signal.getsignal(signal.SIGXFSZ)
+
+        def set_up() -> None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel ends the process
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, saved[1]))
+
+        def tear_down() -> None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, saved)
+            signal.signal(signal.SIGXFSZ, previous)
+
+        builder.patch = _Patch(set_up, tear_down)  # type: ignore[attr-defined]
+        return build(ws)
+
+    return builder
+
+
+def signal_inside_save(signum: int) -> Callable[[Workspace], list[str]]:
+    """``signum`` arrives while torch's checkpoint writer writes hf-to-mcore's shards: the CLI's handler raises
+    ``Interrupted`` right there, inside DCP, which gathers it as a rank's failure."""
+    from mcore_rl.io.errors import Interrupted
+
+    return mocked("torch.distributed.checkpoint.filesystem._write_item", Interrupted(signum), to_mcore)  # type: ignore[arg-type]
+
+
+DEMO_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "demo_cpu.yaml")
+
+
+def train_on(
+    rows: Callable[[list[dict]], list[dict] | bytes] | None = None, *overrides: str, scorer: str | None = None
+) -> Callable[[Workspace], list[str]]:
+    """``mcore-rl train`` (in this process) of the main job's recipe on demo rows written into the workspace,
+    changed by ``rows`` first (a list of rows, or the file's bytes); ``scorer``: a user scorer file's source,
+    as ``scorer.py`` (``reward.custom_function=<it>:score``)."""
+
+    def build(ws: Workspace) -> list[str]:
+        from mcore_rl.data.demo_task import write_demo_dataset
+        from mcore_rl.data.rows import read_rows
+
+        data = ws.p("data")
+        if not os.path.exists(os.path.join(data, "train.jsonl")):
+            paths = {s: os.path.join(data, f"{s}.jsonl") for s in ("train", "sft")}
+            write_demo_dataset(
+                {**paths, "tokenizer": os.path.join(data, "tokenizer")}, 1, {"train": 8, "sft": 4}
+            )
+        train = os.path.join(data, "train.jsonl")
+        if rows is not None:
+            changed = rows([raw for _, raw in read_rows(train)])
+            ws.write("data/train.jsonl", changed if isinstance(changed, bytes) else _jsonl(changed))
+        extra = []
+        if scorer is not None:
+            extra.append(f"reward.custom_function={ws.write('scorer.py', scorer)}:score")
+        return [
+            "train",
+            DEMO_RECIPE,
+            "data.generate=null",
+            f"data.train_files=[{train}]",
+            "data.val_files=[]",
+            "data.test_files=[]",
+            f"sft.train_files=[{os.path.join(data, 'sft.jsonl')}]",
+            f"model.tokenizer_path={os.path.join(data, 'tokenizer')}",
+            "sft.enable=false",
+            "sft.target_val_accuracy=null",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "data.train_batch_size=4",
+            "algorithm.ppo_mini_batch_size=4",
+            f"trainer.default_local_dir={ws.p('run')}",
+            *extra,
+            *overrides,
+            "--in-process",
+        ]
+
+    return build
+
+
+def _jsonl(rows: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def row_set(index: int, **changes: object) -> Callable[[list[dict]], list[dict]]:
+    def change(rows: list[dict]) -> list[dict]:
+        rows[index] = {**rows[index], **changes}
+        return rows
+
+    return change
+
+
+def row_without(index: int, key: str) -> Callable[[list[dict]], list[dict]]:
+    def change(rows: list[dict]) -> list[dict]:
+        del rows[index][key]
+        return rows
+
+    return change
+
+
+def latin1_in_row(index: int) -> Callable[[list[dict]], bytes]:
+    def change(rows: list[dict]) -> bytes:
+        lines = _jsonl(rows).encode().splitlines(keepends=True)
+        lines[index] = lines[index].replace(b'"content": "', b'"content": "\xe9', 1)
+        return b"".join(lines)
+
+    return change

@@ -12,6 +12,7 @@ import errno
 import os
 import pickle
 import shutil
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -26,18 +27,24 @@ from tests.convert.bad_inputs import (
     crafted_eval,
     crafted_metadata,
     existing,
+    file_size_limit,
     first_shard,
     float64_weights,
     hf_config_field,
+    latin1_in_row,
     link,
     metadata_escaping_storage,
     mocked,
     model_info,
     nan_weight,
+    row_set,
+    row_without,
     side_file_link,
+    signal_inside_save,
     snapshot,
     to_hf,
     to_mcore,
+    train_on,
 )
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "demo_cpu.yaml")
@@ -204,7 +211,7 @@ CASES = [
     _c(
         "distcp-truncated",
         lambda ws: (os.truncate(os.path.join(ws.ck, "__0_0.distcp"), 64), to_hf(ws))[1],
-        "cannot read",
+        "__0_0.distcp: truncated (64 bytes",
     ),
     _c(
         "metadata-json-garbage", lambda ws: (ws.write("ck/metadata.json", "{"), to_hf(ws))[1], "metadata.json"
@@ -395,6 +402,70 @@ CASES = [
         lambda ws: (existing(ws), train(f"trainer.default_local_dir={ws.p('out')}"))[1],
         "not written by mcore_rl",
     ),
+    # --- faults during a conversion (issue 31: found by the probe of the CLI and checkpoint API) --------------
+    _c(
+        "hf-to-mcore-disk-full",
+        file_size_limit(100 << 10, to_mcore),  # the converted shards are ~350 KiB
+        "--out",
+        "while writing the checkpoint; the partial output was removed",
+    ),
+    _c("hf-to-mcore-sigint", signal_inside_save(signal.SIGINT), "interrupted by SIGINT", code=130),
+    _c("hf-to-mcore-sigterm", signal_inside_save(signal.SIGTERM), "interrupted by SIGTERM", code=143),
+    _c("hf-to-mcore-sighup", signal_inside_save(signal.SIGHUP), "interrupted by SIGHUP", code=129),
+    # --- bad training data and scorers, refused before the first step (issue 31) ------------------------------
+    _c(
+        "train-row-missing-column",
+        train_on(row_without(2, "reward_model")),
+        "train.jsonl: row 2: column 'reward_model.ground_truth': missing",
+        "data.skip_bad_rows",
+    ),
+    _c("train-row-empty-prompt", train_on(row_set(1, prompt="")), "row 1: column 'prompt': empty prompt"),
+    _c(
+        "train-row-empty-messages",
+        train_on(row_set(1, prompt=[{"role": "user", "content": ""}])),
+        "row 1: column 'prompt': empty prompt",
+    ),
+    _c(
+        "train-prompt-over-max-length",
+        train_on(row_set(3, prompt="1" * 200), "data.max_prompt_length=16"),
+        "row 3: column 'prompt': prompt has",
+        "data.max_prompt_length=16",
+        "data.filter_overlong_prompts",
+    ),
+    _c("train-row-not-utf8", train_on(latin1_in_row(5)), "train.jsonl: row 5", "not UTF-8 (byte 0xe9"),
+    _c(
+        "train-ground-truth-dict",
+        train_on(row_set(4, reward_model={"ground_truth": {"answer": "975"}})),
+        "row 4: column 'reward_model.ground_truth': is a dict",
+        "built-in scorer 'exact_match'",
+    ),
+    _c(
+        "train-ground-truth-list",
+        train_on(row_set(0, reward_model={"ground_truth": ["975", "579"]})),
+        "row 0: column 'reward_model.ground_truth': is a list",
+    ),
+    _c(
+        "train-scorer-wrong-signature",
+        train_on(None, scorer="def score(solution, truth):\n    return 1.0\n"),
+        "scorer.py:score",
+        "cannot be called as fn(data_source, solution_str, ground_truth, extra_info)",
+    ),
+    _c(
+        "train-scorer-fails-on-import",
+        train_on(None, scorer="import nonexistent_module_31\n"),
+        "scorer.py:score",
+        "nonexistent_module_31",
+    ),
+    _c(
+        "train-scorer-no-such-function",
+        train_on(None, scorer="def other(a, b, c, d):\n    return 0.0\n"),
+        "has no function 'score'",
+    ),
+    _c(
+        "train-sft-batch-larger-than-data",
+        train_on(None, "sft.enable=true", "sft.train_batch_size=64", "sft.micro_batch_size_per_gpu=64"),
+        "sft.jsonl: 4 usable examples cannot fill one batch of sft.train_batch_size=64",
+    ),
 ]
 
 
@@ -438,7 +509,8 @@ def _run_case(case: Case, ws: Workspace, capsys, monkeypatch) -> str:
         code = exit_.code
     err = capsys.readouterr().err
     assert code == case.code, (code, err)
-    errors = [line for line in err.splitlines() if line.startswith("mcore-rl") and "error" in line]
+    failed = ("interrupted by",) if case.code > 128 else ("error",)  # a signal's line says so, 128 + signum
+    errors = [line for line in err.splitlines() if line.startswith("mcore-rl") and failed[0] in line]
     assert len(errors) == 1 and "Traceback" not in err, err
     for needle in case.needles:
         assert needle in errors[0], (needle, errors[0])

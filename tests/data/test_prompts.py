@@ -99,7 +99,9 @@ BAD_ROWS = [
     (_bad(reward_model={"ground_truth": None}), "reward_model.ground_truth", "missing"),
     (_bad(prompt=""), "prompt", "empty prompt"),
     (_bad(prompt=42), "prompt", "expected text or a list of messages"),
-    (_bad(prompt=[]), "prompt", "expected text or a list of messages"),
+    (_bad(prompt=[]), "prompt", "empty prompt (no messages)"),
+    (_bad(prompt="  \n"), "prompt", "empty prompt"),
+    (_bad(prompt=[{"role": "user", "content": " "}]), "prompt", "empty prompt (every message is empty)"),
     (_bad(prompt=[{"content": "hi"}]), "prompt", "message 0 needs 'role' and 'content'"),
     (_bad(prompt=["hi"]), "prompt", "message 0 needs 'role' and 'content'"),
     (_bad(extra_info=[1, 2]), "extra_info", "expected a mapping"),
@@ -218,3 +220,42 @@ def test_padded_batch_is_right_padded() -> None:
     batch = PromptBatch([[5, 6, 7], [8]], torch.tensor([0, 1]), ["s", "s"], ["1", "2"], [{}, {}])
     tokens, lengths = batch.padded(0)
     assert tokens.tolist() == [[5, 6, 7], [8, 0, 0]] and lengths.tolist() == [3, 1]
+
+
+def test_bytes_that_are_not_utf8_name_the_file_and_row(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    """Found by a probe: a jsonl with a Latin-1 byte failed with ``UnicodeDecodeError ... position 441``,
+    naming neither the file nor the line."""
+    path = tmp_path / "d.jsonl"
+    good = [json.dumps(row(i)).encode() for i in range(3)]
+    path.write_bytes(b"\n".join([good[0], good[1].replace(b"the cat", b"th\xe9 cat"), good[2]]) + b"\n")
+    with pytest.raises(
+        DataError, match=rf"{path}: row 1: column '<line>': not UTF-8 \(byte 0xe9 at byte \d+"
+    ):
+        PromptDataset.from_files([str(path)], hf_tok, DataConfig(max_prompt_length=64))
+    skipping = PromptDataset.from_files(
+        [str(path)], hf_tok, DataConfig(max_prompt_length=64, skip_bad_rows=True)
+    )
+    assert [r.row for r in skipping.records] == [0, 2]
+
+
+def test_a_row_check_refuses_or_skips_naming_the_ground_truth(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    """The caller's check (the scorer's rules, ``trainer/build.py``) turns a bad ground truth into a row error."""
+    path = tmp_path / "d.jsonl"
+    rows = [row(0), _bad(reward_model={"ground_truth": {"answer": "7"}}), row(2)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    def check(source: str, truth: Any) -> str | None:
+        return None if isinstance(truth, str) else f"is a {type(truth).__name__}"
+
+    with pytest.raises(DataError, match=r"row 1: column 'reward_model.ground_truth': is a dict"):
+        PromptDataset.from_files([str(path)], hf_tok, DataConfig(max_prompt_length=64), check)
+    cfg = DataConfig(max_prompt_length=64, skip_bad_rows=True)
+    assert [r.row for r in PromptDataset.from_files([str(path)], hf_tok, cfg, check).records] == [0, 2]
+
+
+def test_a_data_config_built_in_python_with_a_string_count_is_refused_naming_the_field() -> None:
+    """Found by a probe: ``DataConfig(train_batch_size="4")`` failed later in the sampler with a TypeError."""
+    from mcore_rl.io.fields import FieldError
+
+    with pytest.raises(FieldError, match=r"data.train_batch_size='4' must be an integer"):
+        DataConfig(train_batch_size="4")  # type: ignore[arg-type]

@@ -29,12 +29,34 @@ def test_failures_score_zero_and_are_counted(caplog: pytest.LogCaptureFixture) -
 
 
 @pytest.mark.parametrize(
-    ("answer", "cause"), [("raise", "RuntimeError: scorer bug"), ("nan", "returned nan")]
+    ("answer", "cause"),
+    [
+        ("raise", "RuntimeError: scorer bug"),
+        ("nan", "returned nan"),
+        ("text", "returned 'seven', not a number"),
+        ("hang", "over 0.5 s"),
+    ],
 )
-def test_raise_policy_names_the_row(answer: str, cause: str) -> None:
-    scorer = RewardScorer(RewardConfig(custom_function=USER, on_error="raise"))
-    with pytest.raises(RewardError, match=rf"row 1 \(t\.parquet row 1\): {cause}"):
+def test_raise_policy_names_the_scorer_and_the_row(answer: str, cause: str) -> None:
+    """``reward.on_error=raise``: one line naming the scorer and the row, an input error (exit 1, no traceback);
+    a hang in this process too (an alarm interrupts it at ``reward.timeout_s``)."""
+    from mcore_rl.io.errors import InputError
+
+    scorer = RewardScorer(RewardConfig(custom_function=USER, on_error="raise", timeout_s=0.5))
+    start = time.perf_counter()
+    with pytest.raises(
+        RewardError, match=rf"^reward.custom_function={USER} failed on row 1 \(t\.parquet row 1\): {cause}"
+    ) as info:
         scorer.score(requests("ok", answer))
+    assert isinstance(info.value, InputError) and time.perf_counter() - start < 5
+
+
+def test_a_hung_answer_in_this_process_is_interrupted_and_counted() -> None:
+    with RewardScorer(RewardConfig(custom_function=USER, timeout_s=0.5)) as scorer:
+        start = time.perf_counter()
+        out = scorer.score(requests("ok", "hang", "ok"))
+    assert time.perf_counter() - start < 5
+    assert out.scores.tolist() == [1.0, 0.0, 1.0] and out.num_timeouts == 1
 
 
 def test_workers_time_out_a_hung_answer_and_keep_going() -> None:

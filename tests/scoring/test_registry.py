@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_rl.scoring.config import RewardConfig
-from mcore_rl.scoring.registry import ScorerError, check_scorers, has_scorer
+from mcore_rl.scoring.registry import ScoreDispatch, ScorerError, check_scorers, has_scorer
 
 
 def test_built_ins_sources_and_a_custom_function_count_as_scorers() -> None:
@@ -31,3 +31,32 @@ def test_a_source_without_a_scorer_is_refused_naming_every_one() -> None:
         ScorerError, match=r"no scorer for data_source 'my/task' \(val.parquet row 3\) \(also 'other'\)"
     ):
         check_scorers(RewardConfig(), sources)
+
+
+def test_ground_truths_the_built_in_rules_cannot_compare_are_named() -> None:
+    """Found by a probe: a dict ground truth was accepted and every answer scored 0. Rows a user scorer reads
+    keep whatever they hold."""
+    from mcore_rl.scoring.registry import ground_truth_problem
+
+    cfg = RewardConfig()
+    assert ground_truth_problem(cfg, "openai/gsm8k", "72") is None
+    assert ground_truth_problem(cfg, "lighteval/MATH", 0.5) is None
+    problem = ground_truth_problem(cfg, "openai/gsm8k", {"answer": "72"})
+    assert problem is not None and problem.startswith(
+        "is a dict ({'answer': '72'}); the built-in scorer 'gsm8k'"
+    )
+    assert "is a bool" in str(ground_truth_problem(cfg, "openai/gsm8k", True))
+    assert "empty" in str(ground_truth_problem(cfg, "openai/gsm8k", " "))
+    assert ground_truth_problem(RewardConfig(custom_function="m:f"), "openai/gsm8k", {"a": 1}) is None
+    assert ground_truth_problem(RewardConfig(sources={"mine": "exact_match"}), "mine", [1]) is not None
+    assert ground_truth_problem(cfg, "no/scorer", {"a": 1}) is None  # check_scorers names that source
+
+
+def test_a_user_scorer_that_cannot_take_verls_arguments_is_refused_before_scoring(tmp_path) -> None:
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "def two(solution, truth):\n    return 1.0\n\ndef flexible(*args, **kwargs):\n    return 0.0\n"
+    )
+    with pytest.raises(ScorerError, match=r"cannot be called as fn\(data_source, solution_str, ground_truth"):
+        ScoreDispatch(RewardConfig(custom_function=f"{path}:two"))
+    ScoreDispatch(RewardConfig(custom_function=f"{path}:flexible"))

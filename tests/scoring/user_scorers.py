@@ -19,4 +19,6 @@ def with_metrics(data_source: str, solution_str: str, ground_truth: Any, extra_i
         os._exit(3)
     if solution_str == "no-score":
         return {"accuracy": 1.0}
+    if solution_str == "text":
+        return "seven"
     return {"score": float(solution_str == ground_truth), "length": len(solution_str), "note": "text"}

@@ -222,5 +222,6 @@ class ActorGroup:
         """The actor's weights as a model checkpoint (``TrainEngine.save_model``; loadable at any layout)."""
         self.backend.submit("save_model", None, "", directory)()
 
-    def shutdown(self) -> None:
-        self.backend.shutdown()
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the ranks: ``graceful`` lets them leave their world first, else they are killed at once."""
+        self.backend.shutdown(graceful=graceful)

@@ -1,0 +1,193 @@
+"""Run checkpoints that appear complete or not at all, carry a manifest, and are verified before a resume.
+
+    <default_local_dir>/checkpoints/
+        global_step_<N>/     the actor's weights and optimizer (every rank's shards), PPO's critic/, the driver
+                             state, the pending rollout (one-step-off), config.yaml, manifest.json (last)
+        latest               names the newest complete one
+
+A save (:func:`staged_checkpoint`) fills a hidden staging folder beside the target (the ranks write their
+shards into it in place), writes ``config.yaml`` and then the manifest (every file's size and SHA-256), and only
+then renames it to ``global_step_<N>`` and points ``latest`` at it, both with signals held back: whatever signal
+lands whenever, ``global_step_<N>`` is complete or absent and ``latest`` names a complete checkpoint. A save that
+fails (a full disk, no permission) removes its staging folder and leaves the previous checkpoint and
+``latest`` as they were (:func:`save_failure` says why, in one line; ``trainer.on_save_failure`` decides
+whether the run goes on).
+
+Before any worker starts, a resume verifies the checkpoint (:func:`verify_run_checkpoint`): the manifest's sizes
+and checksums, megatron's metadata and every data file it names. With ``trainer.resume_mode=auto`` a damaged
+newest checkpoint is named and the newest older one that verifies is used instead (:func:`resume_point`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.config import ConfigError, RunConfig
+from mcore_rl.config.run_folder import LATEST, checkpoint_root, publish_checkpoint, resume_checkpoint
+from mcore_rl.data.prompts import PromptLoader
+from mcore_rl.data.rows import DataError
+from mcore_rl.io.errors import InputError, OutputError, note
+from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
+from mcore_rl.io.output import OutputFolder, write_failure
+from mcore_rl.io.signals import signals_deferred
+
+CRITIC_DIR = "critic"  # engine/workers/critic.py writes PPO's critic there
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The run checkpoint a run continues from, checked against the run before anything is written."""
+
+    path: str
+    step: int
+    state: dict[str, Any]
+    """The driver state saved beside the weights (``Trainer.save``)."""
+
+
+def resume_point(cfg: RunConfig, loader: PromptLoader) -> ResumePoint | None:
+    """The checkpoint ``trainer.resume_mode`` names, verified, with ``loader`` at its data position; refuses
+    one saved for another model or other training data, naming what changed (None: a fresh run). With
+    ``resume_mode=auto`` a damaged newest checkpoint is named and the newest older one that verifies is used."""
+    path = resume_checkpoint(cfg)
+    if path is None:
+        return None
+    damage = _damage(path, whole=False)
+    if damage is None:
+        point = _checked_point(cfg, loader, path)  # a changed model or data is refused before the files
+        damage = _damage(path, whole=True)
+        if damage is None:
+            return point
+    if cfg.trainer.resume_mode != "auto":
+        raise damage
+    return _checked_point(cfg, loader, _previous_intact(cfg, path, damage))
+
+
+def _damage(path: str, whole: bool) -> InputError | None:
+    """What makes ``path`` unusable: its driver state unreadable, or (``whole``) any file missing or altered."""
+    from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+
+    try:
+        verify_run_checkpoint(path) if whole else read_trainer_state(path)
+    except InputError as err:
+        return err
+    return None
+
+
+def _checked_point(cfg: RunConfig, loader: PromptLoader, path: str) -> ResumePoint:
+    """``path``'s driver state, checked against this run (layout, model, data), with ``loader`` at its data
+    position."""
+    from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+
+    step, saved_tp, saved = read_trainer_state(path)
+    tp = cfg.parallel.tensor_model_parallel_size
+    if saved_tp != tp:  # checked here, before any worker starts (the optimizer state is saved per TP shard)
+        raise ConfigError(
+            f"{path}: saved at parallel.tensor_model_parallel_size={saved_tp}, this run sets {tp}; resume at "
+            f"{saved_tp} (data-parallel and pipeline sizes may change), or start a new run in another "
+            f"trainer.default_local_dir with model.path={path} (its weights at any layout, a fresh optimizer)"
+        )
+    model = cfg.model.hf_config_dict()
+    changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
+    if changed:
+        raise ConfigError(f"{path}: saved for another model (config.json differs in {changed}); not resuming")
+    try:
+        loader.load_state_dict(saved["loader"])
+    except DataError as err:
+        raise DataError(
+            f"{path}: {err}; not resuming (resume with the data it was saved with, or start a new run in "
+            "another trainer.default_local_dir)"
+        ) from None
+    return ResumePoint(path, step, saved)
+
+
+def verify_run_checkpoint(path: str) -> None:
+    """A run checkpoint whose files are all there and as saved: its manifest (sizes and SHA-256; checkpoints
+    written before manifests have none), megatron's metadata and every data file it names (the critic's too);
+    raises an :class:`InputError` naming the first file that is missing, truncated or altered."""
+    from mcore_rl.engine.checkpoint import check_checkpoint_folder
+    from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+
+    read_trainer_state(path)  # a missing folder names a previous save a killed swap moved aside
+    if has_manifest(path):
+        verify_manifest(path)
+    check_checkpoint_folder(path)
+    critic = os.path.join(path, CRITIC_DIR)
+    if os.path.isdir(critic):
+        check_checkpoint_folder(critic)
+
+
+def _steps_saved(cfg: RunConfig) -> list[tuple[int, str]]:
+    root = checkpoint_root(cfg)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = [
+        (int(n[12:]), os.path.join(root, n))
+        for n in names
+        if n.startswith("global_step_") and n[12:].isdigit()
+    ]
+    return sorted(found, reverse=True)
+
+
+def _previous_intact(cfg: RunConfig, damaged: str, err: InputError) -> str:
+    """The newest checkpoint older than ``damaged`` that verifies (a note says which and why); ``err`` when
+    there is none."""
+    newest = next((s for s, p in _steps_saved(cfg) if os.path.realpath(p) == os.path.realpath(damaged)), None)
+    for step, path in _steps_saved(cfg):
+        if (newest is not None and step >= newest) or os.path.realpath(path) == os.path.realpath(damaged):
+            continue
+        if _damage(path, whole=True) is not None:
+            continue
+        note(f"{damaged} cannot be resumed ({err}); resuming from {path}, the newest intact checkpoint")
+        return path
+    raise err
+
+
+@contextlib.contextmanager
+def staged_checkpoint(cfg: RunConfig, step: int, path: str) -> Iterator[str]:
+    """A staging folder for the run checkpoint of ``step`` at ``path``; when the block ends without error its
+    manifest is written, it is renamed to ``path`` and ``latest`` points at it (older checkpoints beyond
+    ``trainer.max_ckpt_to_keep`` are then removed). An error removes the staging folder and leaves everything
+    else as it was."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    output = OutputFolder.plan(path, flag="run checkpoint", replace_ours=True, kind="run-checkpoint")
+    staging = output.begin()
+    try:
+        yield staging
+        write_manifest(staging)
+        with signals_deferred():  # the folder and `latest` change together, or neither does
+            output.commit()
+            publish_checkpoint(cfg, step)
+    except BaseException:
+        output.abort()
+        raise
+
+
+def save_failure(err: BaseException, folder: str) -> str | None:
+    """Why a save into ``folder`` failed, in one line, when the run can go on without it: the filesystem refused
+    a write (a full disk, a quota, no permission) on the driver or on every rank alike, so the ranks are still
+    usable. None when it cannot (a lost or hung worker, a rank that failed alone, a bug: raised as it is)."""
+    from mcore_rl.io.checkpoint_read import checkpoint_failure
+
+    cause: BaseException | None = err
+    if hasattr(err, "kind"):  # controller.WorkerError
+        if getattr(err, "kind", None) != "raised" or not getattr(err, "group_alive", False):
+            return None
+        cause = getattr(err, "cause", None)
+    if cause is not None and type(cause).__name__ == "CheckpointException":
+        failures = [f[0] if isinstance(f, tuple) else f for f in getattr(cause, "failures", {}).values()]
+        cause = checkpoint_failure(cause) or (failures[0] if failures else cause)
+    if isinstance(cause, OutputError):  # a folder we may not replace
+        return str(cause)
+    return None if cause is None else write_failure(cause, folder)
+
+
+def latest_checkpoint(cfg: RunConfig) -> str | None:
+    """The checkpoint ``latest`` names now (the one a failed save leaves intact), or None."""
+    latest = os.path.join(checkpoint_root(cfg), LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return os.path.join(checkpoint_root(cfg), f.read().strip())
