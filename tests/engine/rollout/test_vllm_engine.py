@@ -50,8 +50,8 @@ ARCHS = {  # head_dim 32: vLLM's CPU attention has no smaller head size; kv head
 ARCHS["qwen3"] = tiny_arch(  # q/k norms; head_dim 32 apart from hidden / heads = 16
     "qwen3", hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32
 )
-ROLLOUT = VLLMRolloutConfig(
-    dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=16 << 20, enforce_eager=True
+ROLLOUT = VLLMRolloutConfig(  # blocks of 32 tokens: a two-turn conversation here reuses a whole one
+    dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=16 << 20, enforce_eager=True, block_size=32
 )
 PROMPTS = [[5, 17, 33], [9, 2, 41, 77, 3], [120], [64, 65, 66, 67]]
 TEMPERATURE = 0.9
@@ -155,6 +155,52 @@ def _actor_log_probs(engine: Any, ctx: Any, out: Any, temperature: float) -> tor
     return actor
 
 
+def _sequence_log_probs(
+    engine: Any, ctx: Any, sequences: list[list[int]], temperature: float
+) -> torch.Tensor:
+    """The actor's log p(token t + 1) at every position t of ``sequences`` [N, max len] (one pipeline stage)."""
+    from mcore_rl.engine.train_engine import MicroBatch
+    from mcore_rl.ops import vocab_parallel_logprob_entropy
+
+    vocab = engine.arch.vocab_size
+    tokens = _padded(sequences)
+
+    def loss_fn(logits: torch.Tensor, mb: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        shard = logits.shape[-1]
+        logp, _ = vocab_parallel_logprob_entropy(
+            logits.float().reshape(-1, shard),
+            torch.roll(mb.tokens, -1, 1).reshape(-1),
+            vocab_start=ctx.tp_rank * shard,
+            vocab_size=vocab,
+            temperature=temperature,
+            tp_group=ctx.tp_group if ctx.tp_size > 1 else None,
+        )
+        return logits.sum() * 0, {"logp": logp.reshape(mb.tokens.shape).detach()}
+
+    micro = MicroBatch(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))
+    return engine.forward_backward([micro], loss_fn, forward_only=True)[0]["logp"]
+
+
+def _turns(rollout: VLLMRolloutEngine, engine: Any, ctx: Any) -> dict[str, Any]:
+    """Two turns of two conversations (token in, token out), a "tool answer" appended between them: the
+    second turn's log-probs are the actor's over the whole sequence, and vLLM found the first turn's context
+    in its prefix cache (whole 32-token blocks)."""
+    contexts = [PROMPTS[1] * 7, PROMPTS[3] * 8]  # 35 and 32 tokens
+    params = SamplingParams(TEMPERATURE, seed=3)
+    first = rollout.continue_conversations([0, 1], contexts, params, [4, 4])
+    contexts = [c + r + [11, 12] for c, r in zip(contexts, first.responses(), strict=True)]
+    second = rollout.continue_conversations([0, 1], contexts, params, [5, 3])
+    cached = rollout.cached_tokens
+    actor = _sequence_log_probs(
+        engine, ctx, [c + r for c, r in zip(contexts, second.responses(), strict=True)], TEMPERATURE
+    )
+    gap = max(
+        float((actor[row, len(c) - 1 : len(c) - 1 + n] - second.log_probs[row, :n]).abs().max())
+        for row, (c, n) in enumerate(zip(contexts, second.lengths.tolist(), strict=True))
+    )
+    return {"tokens": second.token_ids, "gap": gap, "cached": cached, "lengths": second.lengths.tolist()}
+
+
 def _gap(engine: Any, ctx: Any, out: Any, temperature: float) -> float:
     actor = _actor_log_probs(engine, ctx, out, temperature)
     return float((actor - out.log_probs)[out.response_mask()].abs().max())
@@ -233,6 +279,7 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str) -> dict[str, Any]:
         calls = 2 if ctx.rank // tp_g == 0 else 1  # TP groups generate independently (external DP)
         steps = _rollouts(hybrid, engine, ctx, calls)
         hybrid.to_rollout()
+        turns = _turns(rollout, engine, ctx)  # the actor's forward is collective: every rank runs it
         with pytest.raises(SamplingParamsError, match="top_k=5"):
             rollout.generate(PROMPTS, SamplingParams(top_k=5, max_new_tokens=2))
         in_place = rollout.llm is llm and rollout.llm.apply_model(_embedding_param)[0] == embedding
@@ -243,6 +290,7 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str) -> dict[str, Any]:
         dist.all_reduce(world)  # the trainer's world survives vLLM's shutdown
         return {
             "steps": steps,
+            "turns": turns,
             "memory_train": in_train,
             "in_place": in_place,
             "process_kept": process_kept,
@@ -301,6 +349,10 @@ def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
                 )
     first = results[0]["steps"]
     assert not torch.equal(first[0]["log_probs"][0], first[1]["log_probs"][0])  # the update reached vLLM
+    for rank, result in enumerate(results):  # multi-turn: token in, token out, from the prefix cache
+        turns = result["turns"]
+        assert turns["gap"] <= ATOL and turns["cached"] == 64 and turns["lengths"][1] <= 3, (rank, turns)
+        assert torch.equal(turns["tokens"], results[rank - rank % tp_g]["turns"]["tokens"])
 
 
 @pytest.fixture(scope="module")
