@@ -1,6 +1,8 @@
 """Scoring a step's responses: in-process, or in worker processes with a per-answer time limit.
 
-Symbolic math can take seconds (or forever) on an adversarial answer. With ``reward.num_workers > 0``
+Symbolic math can take seconds (or forever) on an adversarial answer. The machinery is
+:class:`~mcore_rl.scoring.process_pool.TaskPool` (the multi-turn rollouts' tools run on it too). With
+``reward.num_workers > 0``
 each answer goes to one of N spawned worker processes; an answer still running after
 ``reward.timeout_s`` is abandoned, and its worker is killed and replaced, so one answer can never stall a
 step. Workers are started once (each imports math-verify before taking work, so that start-up never counts
@@ -15,20 +17,16 @@ call stops with a :class:`RewardError` naming the scorer and the row (one line, 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import math
-import multiprocessing
-import signal
-import threading
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from mcore_rl.scoring.config import RewardConfig
+from mcore_rl.scoring.process_pool import TaskLimits, TaskPool, WorkerStartError
 from mcore_rl.scoring.registry import ScoreDispatch, ScorerError, scorer_name
 
 if TYPE_CHECKING:
@@ -36,17 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_START_LIMIT_S = 120.0
-"""A worker that has not finished importing after this long is a broken environment, not a slow answer."""
-
 
 class RewardError(ScorerError):
     """A scorer failed under ``reward.on_error=raise``; the message names the scorer, the row and the cause."""
-
-
-class _Timeout(BaseException):
-    """The alarm of an in-process answer past ``reward.timeout_s`` (a BaseException: a scorer's own
-    ``except Exception`` does not swallow it)."""
 
 
 @dataclass(frozen=True)
@@ -78,67 +68,17 @@ class RewardOutput:
     seconds: float = 0.0
 
 
-def _evaluate(dispatch: ScoreDispatch, req: ScoreRequest, timeout_s: float | None = None) -> tuple[str, Any]:
-    """One answer's score; ``timeout_s`` (under :func:`_alarms`) interrupts it past the limit."""
-    try:
-        if timeout_s is not None:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        try:
-            return "ok", dispatch(req.data_source, req.solution_str, req.ground_truth, req.extra_info)
-        finally:
-            if timeout_s is not None:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-    except _Timeout:
-        return "timeout", f"over {timeout_s} s"
-    except Exception as err:  # a user scorer may raise anything; it is reported, not fatal here
-        return "error", f"{type(err).__name__}: {err}"
-
-
-def _raise_timeout(signum: int, frame: Any) -> None:
-    raise _Timeout
-
-
-@contextlib.contextmanager
-def _alarms() -> Iterator[bool]:
-    """SIGALRM interrupts an answer past its limit while the block runs (main thread only: yields whether it
-    is armed)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield False
-        return
-    previous = signal.signal(signal.SIGALRM, _raise_timeout)
-    try:
-        yield True
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _worker_main(conn: Connection, cfg: RewardConfig) -> None:
-    """Worker process: build the dispatch, warm math-verify, then score ``(index, request)`` until None."""
+def _scorer(cfg: RewardConfig, in_worker: bool) -> Callable[[ScoreRequest], Any]:
+    """Built once where requests are scored (a worker process, or the caller): the dispatch; a worker warms
+    math-verify before it says it is ready, so its seconds of import never time out an answer."""
     dispatch = ScoreDispatch(cfg)
-    import math_verify  # noqa: F401  (imported before 'ready' so its seconds of import never time out)
+    if in_worker:
+        import math_verify  # noqa: F401
 
-    conn.send("ready")
-    while (message := conn.recv()) is not None:
-        index, request = message
-        conn.send((index, *_evaluate(dispatch, request)))
+    def score(req: ScoreRequest) -> Any:
+        return dispatch(req.data_source, req.solution_str, req.ground_truth, req.extra_info)
 
-
-class _Worker:
-    def __init__(self, ctx: Any, cfg: RewardConfig) -> None:
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, cfg), daemon=True)
-        self.process.start()
-        child.close()
-        self.ready = False
-        self.started = time.monotonic()
-        self.task: tuple[int, float] | None = None
-        """(request index, deadline) while busy."""
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
+    return score
 
 
 class RewardScorer:
@@ -147,8 +87,8 @@ class RewardScorer:
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         self.dispatch = ScoreDispatch(cfg)  # resolves every scorer spec now, so a bad one fails at start
-        self._ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and memory
-        self._workers: list[_Worker] = []
+        limits = TaskLimits(cfg.num_workers, cfg.timeout_s, what="scorer")
+        self._pool = TaskPool(functools.partial(_scorer, cfg, cfg.num_workers > 0), limits)
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -157,76 +97,22 @@ class RewardScorer:
         self.close()
 
     def close(self) -> None:
-        for worker in self._workers:
-            if worker.process.is_alive():
-                with contextlib.suppress(OSError):  # already gone: nothing to tell it
-                    worker.conn.send(None)
-            worker.process.join(timeout=2)
-            if worker.process.is_alive():
-                worker.kill()
-        self._workers = []
+        self._pool.close()
+
+    @property
+    def _workers(self) -> list[Any]:
+        """The pool's worker processes (started at the first call with ``reward.num_workers > 0``)."""
+        return self._pool._workers
 
     def score(self, requests: list[ScoreRequest]) -> RewardOutput:
         start = time.perf_counter()
-        if self.cfg.num_workers == 0:
-            with _alarms() as armed:
-                limit = self.cfg.timeout_s if armed else None
-                raw = [_evaluate(self.dispatch, r, limit) for r in requests]
-        else:
-            raw = self._score_in_workers(requests)
+        try:
+            raw = self._pool.run(requests)
+        except WorkerStartError as err:
+            raise RewardError(str(err)) from None
         output = self._collect(requests, raw)
         output.seconds = time.perf_counter() - start
         return output
-
-    def _score_in_workers(self, requests: list[ScoreRequest]) -> list[tuple[str, Any]]:
-        while len(self._workers) < self.cfg.num_workers:
-            self._workers.append(_Worker(self._ctx, self.cfg))
-        results: list[tuple[str, Any] | None] = [None] * len(requests)
-        pending = deque(range(len(requests)))
-        while pending or any(w.task for w in self._workers):
-            for worker in self._workers:
-                if worker.ready and worker.task is None and pending:
-                    index = pending.popleft()
-                    worker.conn.send((index, requests[index]))
-                    worker.task = (index, time.monotonic() + self.cfg.timeout_s)
-            self._wait_and_receive(results)
-        return [r if r is not None else ("error", "no result") for r in results]
-
-    def _wait_and_receive(self, results: list[tuple[str, Any] | None]) -> None:
-        """Wait for the first answer or deadline; record answers, kill and replace late or dead workers."""
-        now = time.monotonic()
-        deadlines = [w.task[1] for w in self._workers if w.task] or [now + 1.0]
-        by_conn = {id(w.conn): w for w in self._workers}
-        for conn in wait([w.conn for w in self._workers], timeout=max(0.0, min(deadlines) - now)):
-            worker = by_conn[id(conn)]
-            try:
-                message = worker.conn.recv()
-            except (EOFError, OSError):
-                worker.process.join(timeout=5)
-                died = f"worker process died (exit code {worker.process.exitcode})"
-                if not worker.ready:  # it never took work: replacing it would loop forever
-                    raise RewardError(f"a scorer worker failed to start: {died}") from None
-                self._replace(worker, results, died)
-                continue
-            if message == "ready":
-                worker.ready = True
-            else:
-                index, status, value = message
-                results[int(index)] = (str(status), value)
-                worker.task = None
-        now = time.monotonic()
-        for worker in list(self._workers):
-            if worker.task and worker.task[1] <= now:
-                self._replace(worker, results, None)
-            elif not worker.ready and now - worker.started > _START_LIMIT_S:
-                raise RewardError(f"a scorer worker did not start within {_START_LIMIT_S:.0f} s")
-
-    def _replace(self, worker: _Worker, results: list[tuple[str, Any] | None], error: str | None) -> None:
-        if worker.task is not None:
-            index = worker.task[0]
-            results[index] = ("error", error) if error else ("timeout", f"over {self.cfg.timeout_s} s")
-        worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.cfg)
 
     def _collect(self, requests: list[ScoreRequest], raw: list[tuple[str, Any]]) -> RewardOutput:
         import torch

@@ -8,7 +8,9 @@ say when they are ready, one task each at a time, a deadline per task, kill and 
 ``handler_factory`` is a picklable callable (a module-level function, or a ``functools.partial`` of one): each
 worker calls it once after it starts, before it says it is ready (so imports never count against a task), and
 then ``handler(task) -> value`` for each task it gets. A handler that raises reports ``("error", "Type:
-message")``; the worker goes on. With ``num_workers == 0`` tasks run in the calling process, unprotected.
+message")``; the worker goes on. With ``num_workers == 0`` tasks run in the calling process: no memory cap,
+and the time limit is an alarm signal that interrupts the handler (main thread only; code stuck in native
+calls that ignore signals is only stopped by a worker's kill).
 
 The memory cap is ``RLIMIT_AS`` set to what the worker's address space holds once ready plus
 ``memory_limit_bytes``, so an allocation past it raises ``MemoryError`` inside the handler (reported as an
@@ -22,10 +24,12 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -55,12 +59,45 @@ class TaskLimits:
     """What the workers are, for messages (``scorer``, ``tool``)."""
 
 
-def run_task(handler: Callable[[Any], Any], task: Any) -> Outcome:
-    """``handler(task)`` as an outcome: a handler may raise anything; it is reported, not fatal."""
+class _Timeout(BaseException):
+    """The alarm of an in-process task past its limit (a BaseException: a handler's own ``except Exception``
+    does not swallow it)."""
+
+
+def run_task(handler: Callable[[Any], Any], task: Any, timeout_s: float | None = None) -> Outcome:
+    """``handler(task)`` as an outcome: a handler may raise anything; it is reported, not fatal.
+    ``timeout_s`` (under :func:`alarms`) interrupts it past the limit."""
     try:
-        return "ok", handler(task)
+        if timeout_s is not None:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return "ok", handler(task)
+        finally:
+            if timeout_s is not None:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Timeout:
+        return "timeout", f"over {timeout_s} s"
     except Exception as err:
         return "error", f"{type(err).__name__}: {err}"
+
+
+def _raise_timeout(signum: int, frame: Any) -> None:
+    raise _Timeout
+
+
+@contextlib.contextmanager
+def alarms() -> Iterator[bool]:
+    """SIGALRM interrupts a task past its limit while the block runs (main thread only: yields whether it is
+    armed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    try:
+        yield True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _address_space_bytes() -> int | None:
@@ -153,7 +190,10 @@ class TaskPool:
         if self.limits.num_workers == 0:
             if self._handler is None:
                 self._handler = self.factory()
-            return [run_task(self._handler, t) for t in tasks]
+            handler = self._handler
+            with alarms() as armed:
+                limit = self.limits.timeout_s if armed else None
+                return [run_task(handler, t, limit) for t in tasks]
         if self._cwd is None:
             self._cwd = tempfile.mkdtemp(prefix=f"mcore_rl_{self.limits.what}_")
         while len(self._workers) < self.limits.num_workers:
@@ -184,7 +224,7 @@ class TaskPool:
                 message = worker.conn.recv()
             except (EOFError, OSError):
                 worker.process.join(timeout=5)
-                died = f"{self.limits.what} worker process died (exit code {worker.process.exitcode})"
+                died = f"worker process died (exit code {worker.process.exitcode})"
                 if not worker.ready:  # it never took work: replacing it would loop forever
                     raise WorkerStartError(f"a {self.limits.what} worker failed to start: {died}") from None
                 self._replace(worker, results, died)

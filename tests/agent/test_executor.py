@@ -42,3 +42,10 @@ def test_environment_steps_and_failures() -> None:
         (broken,) = executor.run([EnvTask(conversation, {}, "sample 1")])
     assert isinstance(broken, EnvAnswer) and broken.status == "error" and broken.step.done
     assert "RuntimeError: the environment broke" in broken.error
+
+
+def test_in_the_driver_a_hanging_tool_is_interrupted_at_its_limit() -> None:
+    limits = TaskLimits(num_workers=0, timeout_s=0.5, what="tool")
+    with ToolExecutor(load_tools(["tests.agent.user_tools:hang"]), None, limits) as executor:
+        (answer,) = executor.run([ToolTask(ToolCall("hang", {"seconds": 30}), "sample 0")])
+    assert answer.status == "timeout" and "over 0.5 s" in answer.text
