@@ -172,6 +172,11 @@ class UpdateStats:
     """Optimizer steps taken (mini-batches x epochs), skipped ones excluded."""
     num_skipped: int
     """Updates skipped because the loss was NaN/inf (``on_nonfinite_loss=skip``)."""
+    moe_load_balancing_loss: float | None = None
+    """Mixture-of-experts models: megatron's load-balancing loss before its coefficient (1.0 = tokens spread
+    evenly), mean over the optimizer steps and MoE layers; None when it is off."""
+    moe_z_loss: float | None = None
+    """Mixture-of-experts models: the router z-loss before its coefficient; None when it is off."""
 
 
 @dataclass
@@ -329,7 +334,7 @@ class StepStats:
             "mixed_groups": self.mixed_groups,
             "response_len": self.response_len,
             "token_mult_prob_error": self.token_mult_prob_error,
-            **vars(self.update),
+            **{k: v for k, v in vars(self.update).items() if v is not None},
             **{f"time/{k}_s": v for k, v in self.seconds.items()},
             "time/step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s,

@@ -9,9 +9,11 @@ recipes (``recipes/``) and overrides load into them, nothing else describes a ru
 the meaning is the same::
 
     model:      path, hf_config, tokenizer_path, load_weights, dtype, scaled_output_init, use_remove_padding,
-                share_prompt_prefix
+                share_prompt_prefix, moe_aux_loss_coeff, moe_z_loss_coeff
+    actor:      router_replay                                     (mixture-of-experts models)
     parallel:   tensor_model_parallel_size, pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size, sequence_parallel, data_parallel_size, backend,
+                virtual_pipeline_model_parallel_size, sequence_parallel, expert_model_parallel_size,
+                expert_tensor_parallel_size, data_parallel_size, backend,
                 timeout_minutes                                   (training layout: actor and reference)
     rollout:    name, tensor_model_parallel_size, n, temperature, top_p, top_k,
                 response_length (= data.max_response_length), stop_token_ids, gpu_memory_utilization,

@@ -93,9 +93,23 @@ class ModelConfig:
     padded path's within fp32 rounding (``trainer/shared_prefix.py``). Implies ``use_remove_padding`` for
     those passes. The local layer spec on CPU only (Transformer Engine's attention has no such mask); needs
     ``parallel.pipeline_model_parallel_size=1``."""
+    moe_aux_loss_coeff: float | None = None
+    """Mixture-of-experts models: weight of megatron's load-balancing loss (per layer and micro-batch, the
+    switch-transformer loss), logged as ``moe/load_balancing_loss``; None takes the checkpoint's
+    ``router_aux_loss_coef`` (Qwen3-MoE and Mixtral ship 0.001); 0 turns it off."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the router z-loss (ST-MoE; megatron's ``moe_z_loss_coeff``),
+    logged as ``moe/z_loss`` when on."""
 
     def __post_init__(self) -> None:
-        check_section(self, {"dtype": one_of(*DTYPES)})
+        check_section(
+            self,
+            {
+                "dtype": one_of(*DTYPES),
+                "moe_aux_loss_coeff": Rule(">= 0 or null", lambda v: v is None or v >= 0),
+                "moe_z_loss_coeff": NON_NEGATIVE,
+            },
+        )
         if self.tokenizer_path == self.path and self.is_megatron_checkpoint():
             assets = os.path.join(str(self.path), MEGATRON_HF_ASSETS)
             self.tokenizer_path = assets if os.path.isdir(assets) else self.tokenizer_path
@@ -139,6 +153,19 @@ class ModelConfig:
         from mcore_rl.engine.arch import ModelArch
 
         return ModelArch.from_hf_config(self.hf_config_dict())
+
+
+@dataclass
+class ActorConfig:
+    """The policy's training pass beyond the loss (``algorithm``) and the model (``model``)."""
+
+    SECTION: ClassVar[str] = "actor"
+
+    router_replay: bool = False
+    """Mixture-of-experts models: the trainer's routers use the experts the rollout engine chose for each
+    token (its recorded top-k) instead of choosing again, so rollout and training log-probs agree by
+    construction (peers' "router replay", R3). The routing weights still come from the trainer's router, whose
+    gradient flows. Needs the embedded rollout engine (vLLM does not return its choices)."""
 
 
 @dataclass

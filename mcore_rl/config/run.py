@@ -12,7 +12,7 @@ from omegaconf import II
 
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
-from mcore_rl.config.model import AlgorithmConfig, ModelConfig, RolloutConfig
+from mcore_rl.config.model import ActorConfig, AlgorithmConfig, ModelConfig, RolloutConfig
 from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.data.config import DataConfig
 from mcore_rl.engine.optim import OptimConfig
@@ -210,6 +210,8 @@ class RunConfig:
     directly from Python, then :func:`mcore_rl.config.check_config`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy's training pass (mixture-of-experts router replay)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Training layout of the actor and reference."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

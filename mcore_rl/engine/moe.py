@@ -10,6 +10,11 @@ micro-batches and data-parallel ranks): the router terms then add the token-weig
 per-micro-batch losses, independent of how the batch is split over DP ranks and micro-batches. Padding and
 packing filler count as tokens, as they do in megatron without a padding mask.
 
+Expert parallelism exchanges tokens between EP ranks in every MoE layer of every micro-batch, so the ranks of
+an EP group must run as many micro-batches (data-parallel ranks otherwise may differ: token budgets).
+:func:`balanced_for_experts` appends filler micro-batches (one row of padding, no loss) up to the group's
+maximum.
+
 Logged values (:class:`RouterLosses`) are megatron's tracker values (each loss divided by its coefficient),
 per MoE layer summed over micro-batches and divided by their number, averaged over the MoE layers and the
 data-parallel ranks.
@@ -20,13 +25,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.parallel.context import ParallelContext
+
+if TYPE_CHECKING:
+    from mcore_rl.engine.train_engine import MicroBatch
 
 _TRACKED = {"load_balancing": "load_balancing_loss", "z_loss": "z_loss"}
 """Our field -> megatron's tracker name."""
@@ -97,3 +105,30 @@ def read_router_losses(
         shares = ctx.tp_size if field == "z_loss" else 1
         out[field] = float(values.sum()) / (len(arch.moe.layers) * num_micro_batches * ctx.dp_size * shares)
     return RouterLosses(**out)
+
+
+@dataclass
+class FillerMicroBatch:
+    """A micro-batch that only keeps the expert-parallel exchange in step: the engine runs it through the model
+    with a zero loss and returns no record for it."""
+
+    tokens: torch.Tensor  # [1, s] padding
+    position_ids: torch.Tensor  # [1, s]
+    packed: None = None
+
+    def to(self, device: torch.device) -> FillerMicroBatch:
+        return FillerMicroBatch(self.tokens.to(device), self.position_ids.to(device))
+
+
+def balanced_for_experts(
+    micro_batches: list[MicroBatch], arch: ModelArch, ctx: ParallelContext
+) -> list[MicroBatch]:
+    """``micro_batches`` with fillers appended up to the most any rank of this rank's EP group runs
+    (collective over that group; unchanged without expert parallelism)."""
+    if arch.moe is None or ctx.ep_size == 1:
+        return micro_batches
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.ep_group)
+    width = ctx.sequence_multiple  # sequence parallelism splits every sequence over TP
+    filler = FillerMicroBatch(torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0))
+    return micro_batches + [filler] * (int(count) - len(micro_batches))  # type: ignore[list-item]

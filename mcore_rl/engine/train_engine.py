@@ -32,8 +32,14 @@ from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
-from mcore_rl.engine.moe import RouterLosses, read_router_losses, router_loss_scope
-from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.moe import (
+    FillerMicroBatch,
+    RouterLosses,
+    balanced_for_experts,
+    read_router_losses,
+    router_loss_scope,
+)
+from mcore_rl.engine.optim import OptimConfig, use_fused_torch_adam
 from mcore_rl.engine.weights import load_full_state, unwrap
 from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
@@ -259,7 +265,7 @@ class TrainEngine:
         )
         engine = cls(ctx, arch, chunks, optimizer, config, model_options)
         for megatron_optimizer in engine.optimizers:
-            _use_fused_torch_adam(megatron_optimizer.optimizer)
+            use_fused_torch_adam(megatron_optimizer.optimizer)
         return engine
 
     @property
@@ -302,7 +308,9 @@ class TrainEngine:
         if not micro_batches:
             raise ValueError("micro_batches is empty")
         # Callers build batches on the CPU; the first GPU run failed in the embedding on cpu token ids.
-        micro_batches = [mb.to(self.ctx.device) for mb in micro_batches]
+        micro_batches = [
+            mb.to(self.ctx.device) for mb in balanced_for_experts(micro_batches, self.arch, self.ctx)
+        ]
         packed = [mb.packed for mb in micro_batches if mb.packed is not None]
         if packed and self.ctx.layout.pp > 1:
             raise ValueError(
@@ -339,7 +347,7 @@ class TrainEngine:
             )
             if not forward_only:
                 self.router_losses = read_router_losses(self.arch, self.ctx, self.config, len(micro_batches))
-        return records
+        return [r for r in records if r is not _FILLER_RECORD]
 
     def finite_or_skip(self, local_metrics: torch.Tensor, on_nonfinite: str, what: str) -> bool:
         """Collective, before the optimizer step: True when every rank's ``local_metrics`` (its loss terms) are
@@ -376,22 +384,12 @@ class TrainEngine:
         return self.step(), metrics
 
 
-def _use_fused_torch_adam(optimizer: Any) -> None:
-    """Switch torch's Adam(W), megatron's optimizer when neither TE nor apex is installed (the CPU case), to
-    its fused kernel: one pass per tensor instead of ~8 (2.5x faster on CPU), same update to fp32 rounding.
-    megatron builds it without a ``fused`` argument, and torch reads the flag per param group at each step;
-    the step counters it creates on the first step follow the flag."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return  # TE's / apex's FusedAdam, or no optimizer on this rank
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    fusable = all(
-        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16) for p in params
-    )
-    if not fusable or optimizer.state:  # only before the first step: existing step counters stay as they are
-        return
-    for group in optimizer.param_groups:
-        if not (group.get("differentiable") or group.get("capturable")):
-            group.update(fused=True, foreach=False)
+_FILLER_RECORD = object()
+"""The record of a :class:`FillerMicroBatch`, dropped from what ``forward_backward`` returns."""
+
+
+def _filler_loss(output: torch.Tensor) -> tuple:
+    return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), _FILLER_RECORD
 
 
 def _forward_step(
@@ -399,6 +397,8 @@ def _forward_step(
 ) -> tuple[torch.Tensor, Callable[..., Any]]:
     micro_batch: MicroBatch = next(data_iterator)
     tokens, positions, seq_params = _model_input(micro_batch)
+    if isinstance(micro_batch, FillerMicroBatch):  # keeps the EP group's exchanges in step; no loss
+        return model(tokens, positions, None), _filler_loss
     gpt = unwrap(model)
     if not isinstance(loss_fn, HeadLoss):
         output = model(tokens, positions, None, packed_seq_params=seq_params)  # [b, s, V/tp] or [1, T, ...]

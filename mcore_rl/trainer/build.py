@@ -45,6 +45,7 @@ def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, st
     rollout cannot use."""
     check_vocab(cfg, tokenizer)
     check_scorers(cfg.reward, data_sources)
+    check_multi_turn(cfg, tokenizer)
 
 
 def row_checks(cfg: RunConfig) -> Callable[[str, Any], str | None]:
@@ -52,7 +53,6 @@ def row_checks(cfg: RunConfig) -> Callable[[str, Any], str | None]:
     and counted with ``data.skip_bad_rows``): a ground truth the built-in rules can compare as text (a dict
     scored every answer 0 before)."""
     return functools.partial(ground_truth_problem, cfg.reward)
-    check_multi_turn(cfg, tokenizer)
 
 
 def check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
@@ -82,8 +82,12 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         if bad:
             raise ConfigError(f"{key}: not supported by the RL driver yet (got {getattr_path(cfg, key)!r})")
     megatron = cfg.model.is_megatron_checkpoint()
+    arch = cfg.model.arch()
+    aux = cfg.model.moe_aux_loss_coeff
+    if aux is None:  # the checkpoint's own coefficient (HF router_aux_loss_coef)
+        aux = arch.moe.router_aux_loss_coef if arch.moe is not None else 0.0
     return WorkerSpec(
-        arch=cfg.model.arch(),
+        arch=arch,
         optim=cfg.optim,
         total_optimizer_steps=total_optimizer_steps,
         dtype=cfg.model.dtype,
@@ -97,6 +101,9 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         load_dir=load_dir or initial_checkpoint(cfg),
         hf_path=cfg.model.path if cfg.model.path and cfg.model.load_weights and not megatron else None,
         vllm=vllm_rollout_config(cfg) if cfg.rollout.colocate else None,
+        moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=cfg.model.moe_z_loss_coeff,
+        router_replay=cfg.actor.router_replay,
     )
 
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from mcore_rl.engine.optim import OptimConfig
-from mcore_rl.engine.train_engine import MicroBatch, TrainEngine, _use_fused_torch_adam
+from mcore_rl.engine.optim import OptimConfig, use_fused_torch_adam
+from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import unwrap
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
@@ -139,7 +139,7 @@ def test_fused_adam_matches_torch_adam() -> None:
         ps = [torch.nn.Parameter(p.clone()) for p in init]
         optimizer = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
         if fuse:
-            _use_fused_torch_adam(optimizer)
+            use_fused_torch_adam(optimizer)
             assert all(group["fused"] for group in optimizer.param_groups)
         for step_grads in grads:
             for p, g in zip(ps, step_grads, strict=True):

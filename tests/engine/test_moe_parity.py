@@ -9,6 +9,7 @@ micro-batch's router losses depend on its own tokens only and ``engine/moe.py`` 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
@@ -120,3 +121,49 @@ def test_router_loss_terms_reach_the_update(run_distributed):
     """The router losses move the router's update by far more than the parity tolerance, so the parity
     above would catch a layout that dropped or mis-scaled them."""
     assert run_distributed(_router_updates)[0] > 1e-4
+
+
+def _uneven_micro_batches() -> dict:
+    """EP2 with 1 micro-batch on rank 0 and 3 on rank 1 (as token budgets give): fillers keep the experts'
+    exchange in step, and the update equals the TP1 engine's on the same 4 sequences."""
+    arch = tiny_arch("qwen3_moe")
+    tokens, labels = _global_batch(arch.vocab_size)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
+    out = {}
+    for name, parallel in (("tp1", {}), ("ep2", EP2)):
+        with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+            engine = TrainEngine.build(arch, ctx, ModelOptions(), OPTIM)
+            engine.load_full_state(full)
+            rows = [0] if dist.get_rank() == 0 else [1, 2, 3]
+            if name == "tp1":  # every rank runs all four as its own batch: a DP2 of identical halves
+                rows = [0, 1, 2, 3]
+            batches = [
+                b for b in _dp_slice_batches_all(tokens, labels, arch.vocab_size) if int(b.index) in rows
+            ]
+            step, metrics = engine.train_step(batches, _ce_loss)
+            out[name] = {"records": len(metrics), "grad_norm": step.grad_norm}
+    return out
+
+
+def _dp_slice_batches_all(tokens, labels, vocab_size):
+    from tests.models import LabeledMicroBatch
+
+    positions = torch.arange(tokens.shape[1]).expand(1, tokens.shape[1])
+    return [
+        LabeledMicroBatch(
+            tokens[i : i + 1],
+            positions,
+            labels=labels[i : i + 1],
+            index=torch.tensor(i),
+            vocab_size=vocab_size,
+        )
+        for i in range(tokens.shape[0])
+    ]
+
+
+def test_uneven_micro_batches_are_balanced_for_expert_parallelism(run_distributed):
+    results = run_distributed(_uneven_micro_batches)
+    assert [r["ep2"]["records"] for r in results] == [1, 3]  # fillers return no record
+    # the TP1 "DP2" run sums two copies of the whole batch's share: twice the EP2 gradient
+    assert abs(results[0]["tp1"]["grad_norm"] - 2 * results[0]["ep2"]["grad_norm"]) < 1e-5

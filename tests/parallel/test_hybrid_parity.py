@@ -217,10 +217,12 @@ def _train_batches(ctx: ParallelContext) -> list[MicroBatch]:
     return [MicroBatch(tokens[i : i + 1], positions[i : i + 1]) for i in range(len(tokens))]
 
 
-def _case(ctx: ParallelContext, arch: ModelArch, tp_g: int, seed: int) -> dict[str, Any]:
+def _case(
+    ctx: ParallelContext, arch: ModelArch, tp_g: int, seed: int, full_state: Any = None
+) -> dict[str, Any]:
     """Two switches to rollout with a training step between them; per switch the max log-prob gap."""
     engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
-    engine.load_full_state(_full_state(arch, seed))
+    engine.load_full_state((full_state or _full_state)(arch, seed))
     hybrid, rollout = build_local_hybrid(engine, tp_g, HybridConfig(bucket_bytes=16 << 10))
     diffs, received = [], []
     for step in range(2):

@@ -268,3 +268,115 @@ def test_schedule_rounds_separates_pairs_and_caps_each_rank():
     # d is over the cap: alone for ranks 3 and 2. a and b share a pair: different rounds. c fits next to b
     # on rank 0 (50 + 40 <= 100) but not next to a (60 + 50 > 100), and not next to d on rank 2.
     assert rounds == [[d, a], [c, b]]
+
+
+class _MoE:
+    """A duck-typed ``MoESpec``: 4 experts of 12 on layers 0, 2 and 3 (layer 1 dense)."""
+
+    num_experts, ffn_hidden_size, layers = 4, 12, (0, 2, 3)
+
+
+# (world, tp, pp, ep, etp, tp_g); TP > 1 with MoE needs SP
+MOE_LAYOUTS = [
+    (2, 1, 1, 2, None, 1),
+    (2, 1, 1, 2, None, 2),
+    (4, 2, 1, 2, None, 1),
+    (4, 2, 1, 2, None, 4),
+    (4, 2, 1, 2, 1, 2),
+    (4, 1, 2, 2, None, 2),
+    (8, 2, 2, 2, 1, 4),
+    (8, 1, 1, 4, None, 2),
+]
+
+
+def _moe_plan(world, tp, pp, ep, etp, tp_g, **kwargs):
+    train = ParallelLayout(world, tp=tp, pp=pp, sp=tp > 1, ep=ep, etp=etp)
+    specs = model_param_specs(**ARCH, tie_word_embeddings=False, moe=_MoE())
+    return build_plan(
+        specs, train, tp_g, num_layers=ARCH["num_layers"], tied_embeddings=False, **kwargs
+    ), specs
+
+
+def _train_shard(spec, train, rank):
+    if spec.expert is None:
+        return train.tp, train.coords(rank).tp
+    return train.expert_tp, train.expert_coords(rank).etp
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS, ids=lambda v: "w{}-tp{}-pp{}-ep{}-etp{}-tpg{}".format(*v))
+@pytest.mark.parametrize("vllm_like", [False, True], ids=["nested", "vllm"])
+def test_moe_plan_covers_exactly_and_moves_the_minimum(layout, vllm_like):
+    kwargs = {"consecutive_rollout_ranks": True} if vllm_like else {}
+    plan, specs = _moe_plan(*layout, **kwargs)
+    train = plan.train
+    assert sum(s.expert is not None for s in specs) == 3 * 4 * 2  # 3 MoE layers x 4 experts x (fc1, fc2)
+    received = defaultdict(lambda: defaultdict(list))
+    for t in plan.transfers:
+        spec = plan.specs[t.param]
+        if spec.expert is not None:  # only a rank of the EP block holding the expert sends it
+            assert spec.expert in train.local_experts(t.src, 4)
+        size, coord = _train_shard(spec, train, t.src)
+        assert any(
+            s == t.segment and lo <= t.start and t.stop <= hi
+            for s, lo, hi in shard_intervals(spec, size, coord)
+        )
+        received[t.dst][t.param].append((t.segment, t.start, t.stop))
+    minimum = {}
+    for rank in range(train.world_size):
+        need = 0
+        for spec in specs:
+            needed = _units(shard_intervals(spec, plan.tp_g, plan.rollout_coords[rank][0]))
+            kept = _units([iv for name, iv in plan.local_copies.get(rank, []) if name == spec.name])
+            got = [u for iv in received[rank][spec.name] for u in _units([iv])]
+            assert len(got) == len(set(got)) and not (kept & set(got))
+            assert kept | set(got) == needed, f"{spec.name} on rank {rank} not covered exactly"
+            need += len(needed - kept) * spec.elements_per_unit * 4
+        minimum[rank] = need
+    assert plan.received_bytes() == minimum
+    # minimal: a rank keeps every unit it needs and holds (its own experts' slices included)
+    for rank in range(train.world_size):
+        stage = {i for chunk in train.stage_layers(ARCH["num_layers"])[train.coords(rank).pp] for i in chunk}
+        for spec in specs:
+            holder = spec.expert is None or spec.expert in train.local_experts(rank, 4)
+            on_stage = spec.layer in stage if spec.layer is not None else True
+            owned = (
+                _units(shard_intervals(spec, *_train_shard(spec, train, rank)))
+                if holder and on_stage
+                else set()
+            )
+            if spec.layer is None:  # embedding / output layer: their own stage rules (tested above)
+                continue
+            needed = _units(shard_intervals(spec, plan.tp_g, plan.rollout_coords[rank][0]))
+            kept = _units([iv for name, iv in plan.local_copies.get(rank, []) if name == spec.name])
+            assert kept == needed & owned, (rank, spec.name)
+
+
+@pytest.mark.parametrize(
+    "layout", [(4, 2, 1, 2, None, 1), (4, 2, 1, 2, 1, 2), (8, 2, 2, 2, 1, 4), (4, 1, 2, 2, None, 2)]
+)
+def test_applying_the_moe_plan_to_real_shards_gives_the_rollout_shards(layout):
+    plan, specs = _moe_plan(*layout)
+    train = plan.train
+    gen = torch.Generator().manual_seed(0)
+    full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
+
+    def shard(spec, size, coord):
+        return tp_shard(full[spec.name], spec.kind, coord, size, padded_rows(spec, size))
+
+    for rank in range(train.world_size):
+        coord = plan.rollout_coords[rank][0]
+        out = {s.name: torch.zeros_like(shard(s, plan.tp_g, coord)) for s in specs}
+        pieces = [(name, iv, rank) for name, iv in plan.local_copies.get(rank, [])]
+        pieces += [(t.param, (t.segment, t.start, t.stop), t.src) for t in plan.transfers if t.dst == rank]
+        for name, interval, src in pieces:
+            spec, n = plan.specs[name], interval[2] - interval[1]
+            size, src_coord = (1, 0) if spec.kind is ShardKind.REPLICATED else _train_shard(spec, train, src)
+            if spec.expert is not None:
+                assert spec.expert in train.local_experts(src, 4)  # data only from a holder
+            dst_size, dst_coord = (1, 0) if spec.kind is ShardKind.REPLICATED else (plan.tp_g, coord)
+            data = shard_view(
+                spec, shard(spec, size, src_coord), local_units(spec, size, src_coord, interval), n
+            )
+            shard_view(spec, out[name], local_units(spec, dst_size, dst_coord, interval), n).copy_(data)
+        for spec in specs:
+            assert torch.equal(out[spec.name], shard(spec, plan.tp_g, coord)), (rank, spec.name)

@@ -1,4 +1,5 @@
-"""A lean tensor-parallel Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) with a KV cache, for rollout.
+"""A lean tensor-parallel Llama-family decoder (Llama, Qwen2, Qwen3, Mistral; Qwen3-MoE and Mixtral with the
+mixture-of-experts MLP of ``rollout/moe.py``) with a KV cache, for rollout.
 
 It computes the same function as megatron-core's GPTModel with the local layer spec, operation by operation,
 so that rollout log-probs match the actor's recomputation in fp32: RMSNorm as ``torch.nn.RMSNorm`` computes
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.engine.rollout import attention, moe
 from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
 from mcore_rl.engine.rollout.projection import DecodePacking, Projection, linear, panels_pay
@@ -59,8 +61,9 @@ class _LayerWeights(NamedTuple):
     k_norm: Tensor | None
     o_proj: Projection
     post_norm: Tensor
-    gate_up: Projection
-    down: Projection
+    gate_up: Projection | None  # None in a mixture-of-experts layer
+    down: Projection | None
+    experts: moe.ExpertWeights | None = None  # the router and stacked experts of a mixture-of-experts layer
 
 
 class _Step(NamedTuple):
@@ -131,6 +134,9 @@ class RolloutDecoder:
         self.num_kv_heads = arch.num_query_groups // self.tp_size
         self.vocab_start = self.shapes["embed_tokens.weight"][0] * self.tp_rank
         self.scale = 1.0 / math.sqrt(arch.head_dim)  # spelled as megatron does: ** -0.5 can differ by an ulp
+        self.routing: list[Tensor] | None = None
+        """Mixture-of-experts models: when a list, every forward appends each MoE layer's chosen experts
+        ([tokens, top_k] int64, layer order) to it; the engine records the rollout's routing this way."""
         self.weights: dict[str, Tensor] = {}
         self._layer_cache: list[_LayerWeights] | None = None
         self._head: Projection | None = None
@@ -151,7 +157,10 @@ class RolloutDecoder:
         self.weights = {}
         self._packs_for_decode = self._mkl_decode()
         self._invalidate()
+        self.weights.update(moe.allocate_experts(self.shapes, self.dtype, self.device))
         for name, shape in self.shapes.items():
+            if name in self.weights:  # an expert's view of its layer's stacked weights
+                continue
             if name.endswith(_COLUMN_MAJOR) and not self._packs_for_decode:
                 self.weights[name] = torch.zeros(shape[::-1], dtype=self.dtype, device=self.device).t()
             else:
@@ -182,6 +191,7 @@ class RolloutDecoder:
         self._flat_rows = 0
         self.packing = DecodePacking(self._packs_for_decode)
 
+    @torch.no_grad()  # a kept training shard arrives as the parameter itself, which requires grad
     def load(self, name: str, tensor: Tensor) -> None:
         if name == "lm_head.weight" and self.arch.tie_word_embeddings:
             return  # tied: the head is embed_tokens (vLLM skips it too)
@@ -237,9 +247,8 @@ class RolloutDecoder:
 
     def _packed_projections(self) -> list[Projection]:
         layers = self._layers()
-        return [p for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] + [
-            self._head_projection()
-        ]
+        projections = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
+        return [p for group in projections for p in group if p is not None] + [self._head_projection()]
 
     def _project_add(self, residual: Tensor, x: Tensor, proj: Projection, decoding: bool) -> Tensor:
         """``residual + all_reduce(x @ weight_t)`` for a row-parallel projection; one fused call at TP1."""
@@ -298,7 +307,7 @@ class RolloutDecoder:
         b = tokens.shape[0]
         ops = _decode_ops(self.device, self.dtype)
         cos, sin = self._decode_rope(b, column, pad)
-        first = self._first_visible(b, column, pad)
+        first = attention.first_visible(b, column, pad, self.arch.sliding_window, self.device)
         eps, heads, scale = self.arch.norm_eps, self.num_heads, self.scale
         x = self._embed(tokens)
         if self.packing.pack_for(b, self._packed_projections):
@@ -328,6 +337,10 @@ class RolloutDecoder:
                 qkv = self._norm_qk(qkv, layer)
             context = ops.attention(qkv, cos, sin, keys, values, column, first, heads, scale)
             x = self._project_add(x, context, layer.o_proj, decoding=True)
+            if layer.experts is not None:
+                x = x + self._experts(ops.rms_norm(x, layer.post_norm, eps), layer.experts)
+                continue
+            assert layer.gate_up is not None and layer.down is not None
             gate_up = linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
             x = self._project_add(x, ops.silu_mul(gate_up), layer.down, decoding=True)
         return self.logits(x, decoding=True)
@@ -337,7 +350,7 @@ class RolloutDecoder:
         and there is no tensor parallelism (whose all-reduces sit between the kernels) nor Qwen3's q/k norms
         (which the native loop does not run)."""
         native = ops.attention is getattr(torch.ops.mcore_rl, "decode_attention", None)
-        return self.tp_size == 1 and not self.arch.qk_norm and native
+        return self.tp_size == 1 and not self.arch.qk_norm and self.arch.moe is None and native
 
     def _flat_layers(self, rows: int) -> list[Tensor]:
         """``decode_layers``' weights for ``rows`` rows: per layer the norms, the QKV bias and each projection's
@@ -355,6 +368,7 @@ class RolloutDecoder:
             for layer in self._layers():
                 self._flat += [layer.input_norm, layer.post_norm]
                 self._flat.append(none if layer.qkv_bias is None else layer.qkv_bias)
+                assert layer.gate_up is not None and layer.down is not None  # dense (no native MoE step)
                 for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                     self._flat += projection(proj)
         return self._flat
@@ -388,8 +402,9 @@ class RolloutDecoder:
                     k_norm=w.get(f"layers.{i}.self_attn.k_norm.weight"),
                     o_proj=self._projection(w[f"layers.{i}.self_attn.o_proj.weight"].t()),
                     post_norm=w[f"layers.{i}.post_attention_layernorm.weight"],
-                    gate_up=self._projection(w[f"layers.{i}.mlp.gate_up_proj.weight"].t()),
-                    down=self._projection(w[f"layers.{i}.mlp.down_proj.weight"].t()),
+                    gate_up=self._optional_projection(w.get(f"layers.{i}.mlp.gate_up_proj.weight")),
+                    down=self._optional_projection(w.get(f"layers.{i}.mlp.down_proj.weight")),
+                    experts=moe.layer_experts(w, i),
                 )
                 for i in range(self.arch.num_layers)
             ]
@@ -412,39 +427,21 @@ class RolloutDecoder:
             cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         window = self.arch.sliding_window
         plain_causal = pad is None and column == 0 and window is None
-        step = _Step(b, s, cos, sin, self._attention_mask(column, s, pad), plain_causal, rows, column)
+        step = _Step(
+            b,
+            s,
+            cos,
+            sin,
+            attention.attention_mask(column, s, pad, window, self.device),
+            plain_causal,
+            rows,
+            column,
+        )
         x = self._embed(tokens.reshape(-1))
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             x = self._attention_block(layer, x, step, keys, values)
             x = self._mlp_block(layer, x)
         return x
-
-    def _first_visible(self, b: int, column: int, pad: Tensor | None) -> Tensor | None:
-        """A decode query at ``column`` sees columns [first, column]: after the row's left padding and, with a
-        sliding window W, after ``column - W``. None: every row sees every column from 0."""
-        window = self.arch.sliding_window
-        lowest = column - window + 1 if window is not None else 0
-        if lowest <= 0:
-            return pad
-        if pad is None:
-            return torch.full((b,), lowest, dtype=torch.long, device=self.device)
-        return pad.clamp_min(lowest)
-
-    def _attention_mask(self, column: int, s: int, pad: Tensor | None) -> Tensor | None:
-        """[b or 1, 1, 1, s, key_len] bool, True where a query must NOT see a key: the future, the row's left
-        padding, and with a sliding window W the keys at or before ``query - W``. None: nothing is masked."""
-        window = self.arch.sliding_window
-        key_len = column + s
-        if s == 1 and pad is None and (window is None or key_len <= window):
-            return None
-        keys = torch.arange(key_len, device=self.device)
-        queries = torch.arange(column, key_len, device=self.device)[:, None]
-        masked = keys > queries  # [s, key_len]
-        if window is not None:
-            masked = masked | (keys <= queries - window)
-        if pad is not None:
-            masked = masked | (keys < pad[:, None, None])  # [b, s, key_len]
-        return masked.view(-1, 1, 1, s, key_len)
 
     def _attention_block(
         self, layer: _LayerWeights, x: Tensor, step: _Step, keys: Tensor, values: Tensor
@@ -465,9 +462,9 @@ class RolloutDecoder:
             qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view(b, s, nkv, hd).transpose(1, 2)
         )
         if step.plain_causal:
-            context = self._attend_causal(qk.narrow(2, 0, nh), keys, values)
+            context = attention.attend_causal(qk.narrow(2, 0, nh), keys, values, self.scale)
         else:
-            context = self._attend(qk.narrow(2, 0, nh), keys, values, step.masked)
+            context = attention.attend(qk.narrow(2, 0, nh), keys, values, step.masked, self.scale)
         return self._project_add(x, context, layer.o_proj, decoding=False)
 
     def _norm_qk(self, qkv: Tensor, layer: _LayerWeights) -> Tensor:
@@ -483,51 +480,23 @@ class RolloutDecoder:
             [q.reshape(n, nh * hd), k.reshape(n, nkv * hd), qkv.narrow(1, (nh + nkv) * hd, nkv * hd)], 1
         )
 
-    def _attend_causal(self, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        """:meth:`_attend` for whole unpadded rows from column 0 without a window: torch's fused causal
-        kernel on the shapes megatron's trainer gives it (``compat.cpu_layers.SdpaDotProductAttention``),
-        which keeps the TP1 logits bitwise equal to the trainer's. -> [b * s, heads * hd]."""
-        b, s, nh, hd = q.shape
-        # Contiguous operands, as the trainer passes them: the kernel's rounding follows the strides.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2).contiguous(),
-            keys.transpose(2, 3).contiguous(),
-            values.contiguous(),
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=keys.shape[1] != nh,
-        )
-        return out.transpose(1, 2).reshape(b * s, nh * hd)
+    def _optional_projection(self, weight: Tensor | None) -> Projection | None:
+        return None if weight is None else self._projection(weight.t())
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, masked: Tensor | None) -> Tensor:
-        """q [b, s, heads, hd], keys [b, kv, hd, key_len], values [b, kv, key_len, hd] -> context
-        [b * s, heads * hd].
-
-        The query heads of one KV head are folded into the matmul's row dim instead of repeating keys, and
-        the softmax runs in fp32 like megatron's (``attention_softmax_in_fp32``). Masked scores get the
-        most negative float rather than -inf: a query that sees nothing (a left-pad column) then averages
-        finite values instead of producing NaN; for every other query the two are identical, since
-        ``exp(min - max)`` is exactly 0.
-        """
-        b, s, nh, hd = q.shape
-        nkv, key_len = keys.shape[1], keys.shape[3]
-        group = nh // nkv
-        # 3-D views for bmm directly (torch.matmul on 4-D adds a dozen expand/reshape calls per layer).
-        q = q.reshape(b, s, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b * nkv, group * s, hd)
-        scores = torch.bmm(q, keys.reshape(b * nkv, hd, key_len)).mul_(self.scale)
-        if scores.dtype != torch.float32:
-            scores = scores.float()
-        if masked is not None:
-            scores = scores.view(b, nkv, group, s, key_len).masked_fill_(
-                masked, torch.finfo(torch.float32).min
-            )
-        probs = torch.softmax(scores.view(b * nkv, group * s, key_len), dim=-1)
-        if probs.dtype != values.dtype:
-            probs = probs.to(values.dtype)
-        context = torch.bmm(probs, values.reshape(b * nkv, key_len, hd))  # [b * kv, group * s, hd]
-        return context.view(b, nkv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b * s, nh * hd)
+    def _experts(self, x: Tensor, experts: moe.ExpertWeights) -> Tensor:
+        """A mixture-of-experts MLP on normed ``x`` [n, h] -> its output, all-reduced over TP; the chosen
+        experts go to :attr:`routing` when it records."""
+        moe_arch = self.arch.moe
+        assert moe_arch is not None
+        probs, chosen = moe.route(x, experts.router, moe_arch.top_k, moe_arch.norm_topk_prob)
+        if self.routing is not None:
+            self.routing.append(chosen)
+        return self._all_reduce(moe.experts_mlp(x, probs, chosen, experts.w13, experts.w2))
 
     def _mlp_block(self, layer: _LayerWeights, x: Tensor) -> Tensor:
+        if layer.experts is not None:
+            return x + self._experts(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.experts)
+        assert layer.gate_up is not None and layer.down is not None
         gate_up = linear(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.gate_up, None, False)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._project_add(x, F.silu(gate) * up, layer.down, decoding=False)

@@ -8,6 +8,7 @@ else is a rename: gate/up already sit as ``[gate_shard; up_shard]`` and vocab sh
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +24,9 @@ _RENAMES = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",  # MoE
 }
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
 def deinterleave_qkv(shard: Tensor, arch: ModelArch) -> Tensor:
@@ -50,5 +53,8 @@ def rollout_tensors(shards: dict[str, Tensor], arch: ModelArch) -> Iterator[tupl
                     f"layers.{index}.self_attn.qkv_proj.{rest.rsplit('.', 1)[1]}",
                     deinterleave_qkv(tensor, arch),
                 )
+            elif expert := _EXPERT.match(rest):  # MoE: per-expert names of the rollout layout
+                kind = "gate_up_proj" if expert.group(2) == "1" else "down_proj"
+                yield f"layers.{index}.mlp.experts.{expert.group(1)}.{kind}.weight", tensor
             else:
                 yield f"layers.{index}.{_RENAMES[rest]}", tensor

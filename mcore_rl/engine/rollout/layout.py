@@ -18,6 +18,14 @@ Rollout layout (vLLM's, one TP rank)::
 
 ``V_pad = padded_vocab_size(vocab, tp, 128)``; padding rows are never real tokens and their logits are
 dropped after the all-gather. KV heads are split, never replicated, so ``kv_heads % tp == 0``.
+
+A mixture-of-experts layer (Qwen3-MoE, Mixtral) has, instead of the MLP's two projections, its router and
+every expert, each expert split over the rollout TP like a dense MLP (no expert parallelism in the rollout,
+as vLLM without EP; the decoder stacks them into vLLM's fused ``w13``/``w2`` layout)::
+
+    layers.{i}.mlp.gate.weight                          [experts, hidden]       the router (replicated)
+    layers.{i}.mlp.experts.{e}.gate_up_proj.weight      [2 * moe_ffn / tp, hidden]  rows [gate; up]
+    layers.{i}.mlp.experts.{e}.down_proj.weight         [hidden, moe_ffn / tp]
 """
 
 from __future__ import annotations
@@ -39,11 +47,14 @@ class RolloutLayoutError(InputError):
 
 
 def check_rollout_tp(arch: ModelArch, tp: int) -> None:
-    for name, value in (
+    sizes = [
         ("num_attention_heads", arch.num_attention_heads),
         ("num_key_value_heads", arch.num_query_groups),
         ("intermediate_size", arch.ffn_hidden_size),
-    ):
+    ]
+    if arch.moe is not None:
+        sizes.append(("moe_intermediate_size", arch.moe.ffn_hidden_size))
+    for name, value in sizes:
         if value % tp:
             raise RolloutLayoutError(
                 f"{name}={value} is not divisible by the rollout tensor_model_parallel_size={tp}"
@@ -68,6 +79,15 @@ def rollout_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (hidden, arch.num_attention_heads // tp * hd)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        if arch.moe is not None and arch.is_moe_layer(i):
+            shapes[p + "mlp.gate.weight"] = (arch.moe.num_experts, hidden)
+            for e in range(arch.moe.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_up_proj.weight"] = (
+                    2 * arch.moe.ffn_hidden_size // tp,
+                    hidden,
+                )
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, arch.moe.ffn_hidden_size // tp)
+            continue
         shapes[p + "mlp.gate_up_proj.weight"] = (2 * arch.ffn_hidden_size // tp, hidden)
         shapes[p + "mlp.down_proj.weight"] = (hidden, arch.ffn_hidden_size // tp)
     shapes["norm.weight"] = (hidden,)
@@ -121,9 +141,20 @@ def rollout_shards_from_full(
             tp_rank
         ]
         out[dst + "post_attention_layernorm.weight"] = full[src + "pre_mlp_layernorm.weight"]
-        gate, up = full[src + "mlp.linear_fc1.weight"].chunk(2)
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([gate.chunk(tp_g)[tp_rank], up.chunk(tp_g)[tp_rank]])
-        out[dst + "mlp.down_proj.weight"] = full[src + "mlp.linear_fc2.weight"].chunk(tp_g, 1)[tp_rank]
+        mlps = [("mlp.", "mlp.")]
+        if arch.moe is not None and arch.is_moe_layer(i):
+            out[dst + "mlp.gate.weight"] = full[src + "mlp.router.weight"]
+            mlps = [
+                (f"mlp.experts.local_experts.{e}.", f"mlp.experts.{e}.") for e in range(arch.moe.num_experts)
+            ]
+        for mlp_src, mlp_dst in mlps:
+            gate, up = full[src + mlp_src + "linear_fc1.weight"].chunk(2)
+            out[dst + mlp_dst + "gate_up_proj.weight"] = torch.cat(
+                [gate.chunk(tp_g)[tp_rank], up.chunk(tp_g)[tp_rank]]
+            )
+            out[dst + mlp_dst + "down_proj.weight"] = full[src + mlp_src + "linear_fc2.weight"].chunk(
+                tp_g, 1
+            )[tp_rank]
     out["norm.weight"] = full["decoder.final_layernorm.weight"]
     if not arch.tie_word_embeddings:
         out["lm_head.weight"] = _vocab_shard(

@@ -24,6 +24,7 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.hf.state import load_hf_full_state
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.model import ModelOptions
+from mcore_rl.engine.moe import RouterLosses
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.packing.micro_batches import (
     at_rows,
@@ -110,6 +111,13 @@ class WorkerSpec:
     vllm: VLLMRolloutConfig | None = None
     """``rollout.name=vllm``: vLLM in this rank's process as the rollout engine, built with these settings;
     None: the embedded engine."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: the load-balancing loss weight (``model.moe_aux_loss_coeff`` resolved)."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: the router z-loss weight (``model.moe_z_loss_coeff``)."""
+    router_replay: bool = False
+    """Mixture-of-experts models: the trainer routes each token to the experts the rollout chose
+    (``actor.router_replay``)."""
 
 
 class HybridWorker(CriticHost, RewardModelHost, Worker):
@@ -120,7 +128,12 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         """Collective: engines, hybrid switch, reference copy and LR schedule; returns the rank's coordinates."""
         ctx = self.ctx
         self.spec = spec
-        options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
+        options = ModelOptions(
+            dtype=getattr(torch, spec.dtype),
+            scaled_output_init=spec.scaled_output_init,
+            moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+            moe_z_loss_coeff=spec.moe_z_loss_coeff,
+        )
         # vLLM first: on a GPU it checks at construction that its share of the device is still free.
         vllm = build_vllm_rollout(spec.arch, ctx, spec.rollout_tp, spec.vllm) if spec.vllm else None
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
@@ -293,6 +306,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         sums = torch.zeros(6)  # pg_loss, kl_loss, entropy, clip_frac, approx_kl, grad_norm
         steps = skipped = 0
         log_probs = None
+        router: list[RouterLosses] = []
         for _ in range(ppo_epochs):
             for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
                 mini = slice_rows(batch, rows)
@@ -304,6 +318,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
                     continue
                 sums += metrics
                 steps += 1
+                router.append(self.engine.router_losses)
         if not self._owns_training_result():
             return None, None
         pg, kl, entropy, clip, approx_kl, grad_norm = (sums / max(steps, 1)).tolist()
@@ -317,6 +332,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             lr=float(self.engine.optimizers[0].param_groups[0]["lr"]),
             num_optimizer_steps=steps,
             num_skipped=skipped,
+            moe_load_balancing_loss=_mean_of([r.load_balancing for r in router]),
+            moe_z_loss=_mean_of([r.z_loss for r in router]),
         )
         return stats, None if log_probs is None else log_probs[:, :width]
 
@@ -441,6 +458,11 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
         return step, extra
+
+
+def _mean_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def replica_turn(

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mcore_rl.ops.pack import pack_copy, unpack_copy
 from mcore_rl.ops.reference import TABLE_COLUMNS
 from mcore_rl.parallel.layout import padded_vocab_size
-from mcore_rl.parallel.reshard.plan import Bucket, Interval, ParamSpec, ReshardPlan, local_units
+from mcore_rl.parallel.reshard.plan import Bucket, Interval, ParamSpec, ReshardPlan, local_units, train_split
 from mcore_rl.parallel.sharding import ShardKind
 
 Block = tuple[int, int, int, int]  # (offset, rows, cols, row stride), in elements of a contiguous shard
@@ -111,9 +111,8 @@ def _shard_block(spec: ParamSpec, tp: int, coord: int, vocab_divisible_by: int, 
 
 
 def _train_block(plan: ReshardPlan, rank: int, name: str, iv: Interval) -> Block:
-    return _shard_block(
-        plan.specs[name], plan.train.tp, plan.train.coords(rank).tp, plan.train_vocab_divisible_by, iv
-    )
+    spec = plan.specs[name]
+    return _shard_block(spec, *train_split(plan.train, spec, rank), plan.train_vocab_divisible_by, iv)
 
 
 def _rollout_block(plan: ReshardPlan, rank: int, name: str, iv: Interval) -> Block:
@@ -201,7 +200,7 @@ def _sources(
     out = {}
     for name, tensor in local.items():
         spec = plan.specs[name]
-        size, _ = _tp(spec, plan.train.tp, plan.train.coords(rank).tp)
+        size, _ = _tp(spec, *train_split(plan.train, spec, rank))
         expected = shard_shape(spec, size, plan.train_vocab_divisible_by)
         if tuple(tensor.shape) != expected:
             raise ValueError(

@@ -7,6 +7,12 @@ other): a rank then keeps what it owns and receives exactly the rest of its roll
 arrives is part of the receiver's rollout shard, so no rank ever materialises a tensor (or slice) it does not
 keep, and the bytes each rank receives equal the theoretical minimum ``|rollout shard| - |owned part of it|``.
 
+Mixture-of-experts weights are planned like the rest, with two differences: a routed expert's training shards
+follow the *expert* mesh (its owners are the ranks of the EP block holding it, split over expert TP, see
+``parallel/layout.py``), while the rollout holds every expert on every replica, split over the rollout TP
+(as vLLM does without expert parallelism). So an EP rank keeps its own experts' rollout slices and receives
+only the other experts' slices of its rollout shard: again exactly ``|rollout shard| - |owned part of it|``.
+
 Coordinates are "full" megatron coordinates: a parameter's split dimension is cut into *segments* that TP
 splits independently (``linear_fc1`` = [gate; up] has two), measured in *units* (a query group's
 ``(heads_per_group + 2) * head_dim`` rows for ``linear_qkv``, one row or column otherwise). The executor maps
@@ -47,6 +53,10 @@ class ParamSpec:
     unit_rows: int = 1
     """Rows (or columns) of the split dim per unit."""
     num_segments: int = 1
+    expert: int | None = None
+    """Global index of a routed expert's weight (split over the expert mesh); None for every other one."""
+    num_experts: int = 0
+    """Experts per MoE layer (with ``expert``)."""
 
     @property
     def units_per_segment(self) -> int:
@@ -73,8 +83,10 @@ def model_param_specs(
     qkv_bias: bool,
     tie_word_embeddings: bool,
     qk_norm: bool = False,
+    moe: Any = None,
 ) -> list[ParamSpec]:
-    """Every parameter of a Llama-family GPT in megatron's full-state naming."""
+    """Every parameter of a Llama-family GPT in megatron's full-state naming; ``moe`` (an
+    ``engine.arch.MoESpec``, duck-typed) adds routers and experts to its layers."""
     qkv_unit = (num_attention_heads // num_query_groups + 2) * head_dim
     specs = [ParamSpec(EMBEDDING_KEY, (vocab_size, hidden_size), ShardKind.VOCAB, None)]
     for i in range(num_layers):
@@ -96,17 +108,11 @@ def model_param_specs(
                 split_dim=1,
             ),
             ParamSpec(p + "pre_mlp_layernorm.weight", (hidden_size,), ShardKind.REPLICATED, i),
-            ParamSpec(
-                p + "mlp.linear_fc1.weight",
-                (2 * ffn_hidden_size, hidden_size),
-                ShardKind.GATED_COLUMN,
-                i,
-                num_segments=2,
-            ),
-            ParamSpec(
-                p + "mlp.linear_fc2.weight", (hidden_size, ffn_hidden_size), ShardKind.ROW, i, split_dim=1
-            ),
         ]
+        if moe is not None and i in moe.layers:
+            specs += _moe_specs(moe, hidden_size, i)
+        else:
+            specs += _mlp_specs(p, hidden_size, ffn_hidden_size, i)
         if qkv_bias:
             specs.append(
                 ParamSpec(
@@ -128,6 +134,56 @@ def model_param_specs(
     return specs
 
 
+def _mlp_specs(
+    p: str, hidden: int, ffn: int, layer: int, expert: int | None = None, experts: int = 0
+) -> list[ParamSpec]:
+    """A gated MLP's fc1 ([gate; up], column-parallel) and fc2 (row-parallel)."""
+    return [
+        ParamSpec(
+            p + "mlp.linear_fc1.weight" if expert is None else p + "linear_fc1.weight",
+            (2 * ffn, hidden),
+            ShardKind.GATED_COLUMN,
+            layer,
+            num_segments=2,
+            expert=expert,
+            num_experts=experts,
+        ),
+        ParamSpec(
+            p + "mlp.linear_fc2.weight" if expert is None else p + "linear_fc2.weight",
+            (hidden, ffn),
+            ShardKind.ROW,
+            layer,
+            split_dim=1,
+            expert=expert,
+            num_experts=experts,
+        ),
+    ]
+
+
+def _moe_specs(moe: Any, hidden: int, layer: int) -> list[ParamSpec]:
+    """A MoE layer's router (replicated) and every expert's MLP, in expert order."""
+    p = f"decoder.layers.{layer}."
+    specs = [ParamSpec(p + "mlp.router.weight", (moe.num_experts, hidden), ShardKind.REPLICATED, layer)]
+    for e in range(moe.num_experts):
+        prefix = f"{p}mlp.experts.local_experts.{e}."
+        specs += _mlp_specs(prefix, hidden, moe.ffn_hidden_size, layer, e, moe.num_experts)
+    return specs
+
+
+def train_split(train: ParallelLayout, spec: ParamSpec, rank: int) -> tuple[int, int]:
+    """(size, coordinate) of the training split holding ``spec`` on ``rank``: the expert TP group for routed
+    experts, the TP group for everything else."""
+    if spec.expert is None:
+        return train.tp, train.coords(rank).tp
+    return train.expert_tp, train.expert_coords(rank).etp
+
+
+def holds(train: ParallelLayout, spec: ParamSpec, rank: int) -> bool:
+    """Whether ``rank``'s expert-parallel block holds ``spec`` (always true for non-expert weights; their
+    pipeline stage is the caller's business)."""
+    return spec.expert is None or spec.expert in train.local_experts(rank, spec.num_experts)
+
+
 def arch_param_specs(arch: Any) -> list[ParamSpec]:
     """:func:`model_param_specs` for a :class:`~mcore_rl.engine.arch.ModelArch` (duck-typed: plans stay pure)."""
     return model_param_specs(
@@ -141,6 +197,7 @@ def arch_param_specs(arch: Any) -> list[ParamSpec]:
         qkv_bias=arch.qkv_bias,
         tie_word_embeddings=arch.tie_word_embeddings,
         qk_norm=getattr(arch, "qk_norm", False),
+        moe=getattr(arch, "moe", None),
     )
 
 

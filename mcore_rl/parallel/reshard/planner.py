@@ -20,7 +20,15 @@ from collections import defaultdict
 
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.parallel.reshard.naming import holder_stages
-from mcore_rl.parallel.reshard.plan import Interval, ParamSpec, ReshardPlan, Transfer, shard_intervals
+from mcore_rl.parallel.reshard.plan import (
+    Interval,
+    ParamSpec,
+    ReshardPlan,
+    Transfer,
+    holds,
+    shard_intervals,
+    train_split,
+)
 from mcore_rl.parallel.sharding import ShardKind
 
 
@@ -106,11 +114,16 @@ def _contains(shard: list[Interval], piece: Interval) -> bool:
     return any(s == piece[0] and lo <= piece[1] and piece[2] <= hi for s, lo, hi in shard)
 
 
-def _check_divisible(specs: list[ParamSpec], sizes: dict[str, int]) -> None:
+def _check_divisible(specs: list[ParamSpec], train: ParallelLayout, tp_g: int) -> None:
     for spec in specs:
         if spec.kind in (ShardKind.REPLICATED, ShardKind.VOCAB):
             continue
-        for what, size in sizes.items():
+        training = (
+            ("training tensor_model_parallel_size", train.tp)
+            if spec.expert is None
+            else ("training expert_tensor_parallel_size", train.expert_tp)
+        )
+        for what, size in (training, ("rollout tensor_model_parallel_size", tp_g)):
             if spec.units_per_segment % size:
                 unit = "query groups" if spec.unit_rows > 1 else f"dim-{spec.split_dim} rows"
                 raise LayoutError(
@@ -142,18 +155,16 @@ def build_plan(
     """
     rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
     coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)  # first: the layout-level errors
-    _check_divisible(
-        specs, {"training tensor_model_parallel_size": train.tp, "rollout tensor_model_parallel_size": tp_g}
-    )
+    _check_divisible(specs, train, tp_g)
     sent: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     local: dict[int, list[tuple[str, Interval]]] = defaultdict(list)
     for spec in specs:
         stages = owner_stages(spec, train, num_layers, tied_embeddings)
         owners = {
-            r: shard_intervals(spec, train.tp, train.coords(r).tp, vocab_divisible_by)
+            r: shard_intervals(spec, *train_split(train, spec, r), vocab_divisible_by)
             for r in range(train.world_size)
-            if train.coords(r).pp in stages
+            if train.coords(r).pp in stages and holds(train, spec, r)
         }
         for rank in range(train.world_size):
             needed = shard_intervals(spec, tp_g, coords[rank][0], rollout_div)

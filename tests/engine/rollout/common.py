@@ -41,6 +41,14 @@ def random_full_state(
             full[p + "self_attention.k_layernorm.weight"] = 1 + rand(hd)
         full[p + "self_attention.linear_proj.weight"] = rand(hidden, arch.num_attention_heads * hd)
         full[p + "pre_mlp_layernorm.weight"] = 1 + rand(hidden)
+        if arch.moe is not None and arch.is_moe_layer(i):  # router logits of std ~1: decisive top-k choices
+            full[p + "mlp.router.weight"] = rand(arch.moe.num_experts, hidden, scale=1.0)
+            f = arch.moe.ffn_hidden_size
+            for e in range(arch.moe.num_experts):
+                expert = f"{p}mlp.experts.local_experts.{e}."
+                full[expert + "linear_fc1.weight"] = rand(2 * f, hidden)
+                full[expert + "linear_fc2.weight"] = rand(hidden, f)
+            continue
         full[p + "mlp.linear_fc1.weight"] = rand(2 * arch.ffn_hidden_size, hidden)
         full[p + "mlp.linear_fc2.weight"] = rand(hidden, arch.ffn_hidden_size)
     if not arch.tie_word_embeddings:

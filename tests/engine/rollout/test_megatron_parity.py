@@ -104,12 +104,14 @@ def _parity_body(family: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"])
 def test_rollout_matches_megatron_at_tp1_and_tp2(run_distributed, family):
     results = run_distributed(_parity_body, family)
     # At TP1 the decoder's full forward is the trainer's, operation by operation (causal attention included:
-    # both call torch's fused kernel on the same operands).
-    assert results[0]["diffs"][1]["logits"] == 0.0
+    # both call torch's fused kernel on the same operands). Mixture-of-experts layers agree within rounding
+    # (the 1e-5 below): the same experts, but megatron's fused weighted SwiGLU rounds in its own order.
+    if tiny_arch(family).moe is None:
+        assert results[0]["diffs"][1]["logits"] == 0.0
     for rank_result in results:
         for tp, diffs in rank_result["diffs"].items():
             for name, diff in diffs.items():
