@@ -39,6 +39,10 @@ class MultiTurnConfig:
     listing several (``tools:`` entries with ``function: module:function`` and verl's ``tool_schema``).
     A function's JSON schema is its ``tool_schema`` attribute, else read from its signature and docstring.
     It returns text, ``(text, reward)`` or ``{"text": ..., "reward": ...}``."""
+    tools_in_prompt: bool = True
+    """Render the tools' schemas into every prompt through the chat template's ``tools`` argument (Qwen's and
+    Hermes' templates list them in the system turn); false when the data's prompts describe the tools
+    themselves. A template without a ``tools`` section leaves them out either way."""
     environment: str | None = None
     """``module:Class`` or ``file.py:Class`` of an environment that answers every model turn instead of (or
     after) tools: ``step(conversation, extra_info) -> EnvStep(observation, reward, done)``

@@ -12,6 +12,7 @@ the tokens appended are the rest of the close (ChatML: ``\\n``), the tool turn (
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from mcore_rl.data.tokenizer import Message, Tokenizer, TokenizerError
 
@@ -84,3 +85,32 @@ def conversation_ids(
     if pending or not ids:
         raise TokenizerError("a multi-turn example must end with an assistant turn")
     return ids, mask
+
+
+class WithTools:
+    """A tokenizer whose chat template always renders ``tools`` (OpenAI function schemas): every prompt of a
+    multi-turn run lists the tools the model may call, as Qwen's and Hermes' templates do in their system
+    turn, and the tool turns are rendered in the same context (``rollout.multi_turn.tools_in_prompt``)."""
+
+    def __init__(self, tokenizer: Tokenizer, tools: Sequence[dict[str, Any]]) -> None:
+        self.inner = tokenizer
+        self.tools = list(tools)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id
+        self.vocab_size = tokenizer.vocab_size
+        self.has_chat_template = tokenizer.has_chat_template
+        self.path = getattr(tokenizer, "path", "the tokenizer")
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.inner.decode(ids, skip_special_tokens)
+
+    def chat_text(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        return self.inner.chat_text(messages, add_generation_prompt, self.tools if tools is None else tools)

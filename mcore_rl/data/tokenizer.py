@@ -81,8 +81,15 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation: the tokenizer's template, else :func:`fallback_chat_text`."""
+    def chat_text(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation: the tokenizer's template, else :func:`fallback_chat_text`.
+        ``tools``: OpenAI function schemas the template renders (its ``tools`` argument, as transformers
+        passes it); the fallback has no place for them and leaves them out."""
         ...
 
 
@@ -157,7 +164,12 @@ class HFTokenizer:
         backend = self._hf if self._hf is not None else self._raw
         return str(backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def chat_text(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
         if not self.has_chat_template:
             if not self._warned:
                 self._warned = True
@@ -169,7 +181,10 @@ class HFTokenizer:
                 _warn_no_template(self.path, config)
             return fallback_chat_text(messages, add_generation_prompt)
         text = self._hf.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **({"tools": list(tools)} if tools else {}),
         )
         return str(text)
 
@@ -206,7 +221,12 @@ class SentencePieceTokenizer:
             kept = [i for i in kept if not self._sp.is_control(i)]
         return str(self._sp.decode(kept))
 
-    def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def chat_text(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
         if not self._warned:
             self._warned = True
             _warn_no_template(self.path, "a sentencepiece model carries none")

@@ -5,12 +5,14 @@ Written files (where the config names them; ``.parquet`` or ``.jsonl`` by suffix
 
 * train / validation / held-out test prompts: ``prompt`` is one user message ``"123*45="``, ``data_source``
   :data:`DATA_SOURCE`, ``reward_model.ground_truth`` the product (``"5535"``);
-* SFT traces: the same columns plus ``response``, the tool-use conversation that follows the prompt::
+* SFT traces: the same columns plus ``response``, the conversation that follows the prompt: for a quarter of
+  the rows (:data:`TOOL_FRACTION`) a tool-use trace ::
 
       assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "123*45"}}</tool_call>
       tool       5535
       assistant  5535
 
+  and for the others the direct answer (``assistant 5535``);
   (``sft.response_key=reward_model.ground_truth`` trains the direct answer instead: the no-tool baseline);
 * a tokenizer folder: a ChatML tokenizer (``<|im_start|>``, ``<|im_end|>`` = EOS, Qwen's ``<tool_call>`` and
   ``<tool_response>`` tokens) over printable ASCII, the JSON keys of a calculator call as single tokens, and
@@ -36,6 +38,10 @@ DATA_SOURCE = "mcore_rl/tool_calc"
 SPLIT_SIZES = {"test": 1000, "val": 200, "train": 20_000, "sft": 40_000}
 TOOL_NAME = "calculator"
 TOOL_FUNCTION = "mcore_rl.agent.calculator:calculator"
+TOOL_FRACTION = 0.25
+"""SFT traces that call the calculator; the others answer directly, as a model that often skips its tool
+would (its direct products are nearly always wrong: a tiny model cannot multiply). SFT teaches the call's
+format and copying the answer; whether to call is what RL has to learn."""
 SPECIAL = ("<pad>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 PIECES = ('{"name": "', '", "arguments": {"expression": "', '"}}', TOOL_NAME, "user", "assistant")
@@ -104,6 +110,8 @@ def _escape(piece: str) -> str:
 
 
 def rows(problems: list[Product], split: str, with_response: bool = False) -> list[dict[str, Any]]:
+    """verl-format rows; SFT rows (``with_response``) hold a tool-use trace for a :data:`TOOL_FRACTION` of
+    the problems (drawn per row from its index) and the direct answer for the rest."""
     out = []
     for index, p in enumerate(problems):
         row: dict[str, Any] = {
@@ -114,7 +122,8 @@ def rows(problems: list[Product], split: str, with_response: bool = False) -> li
             "extra_info": {"split": split, "index": index},
         }
         if with_response:
-            row["response"] = p.trace()
+            uses_tool = random.Random(index).random() < TOOL_FRACTION
+            row["response"] = p.trace() if uses_tool else [{"role": "assistant", "content": p.answer}]
         out.append(row)
     return out
 

@@ -233,6 +233,7 @@ def evaluate_model(
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
     from mcore_rl.trainer.build import build_actor_group, worker_spec
+    from mcore_rl.trainer.multi_turn import prompt_tokenizer
     from mcore_rl.trainer.step import StepBase
 
     if not data_files:
@@ -245,7 +246,8 @@ def evaluate_model(
             f"{val.n} times; set a temperature (e.g. rollout.val_kwargs.temperature=1.0) for pass@k"
         )
     check_paths(cfg)  # a missing model or data file named as itself, not as a tokenizer error
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
+    # multi-turn tools are listed in every prompt (rollout.multi_turn.tools_in_prompt)
+    tokenizer = prompt_tokenizer(cfg, load_tokenizer(cfg.model.tokenizer_path or ""))
     dataset = PromptDataset.from_files(list(data_files), tokenizer, cfg.data)
     # The ranks' console output into a folder of the eval's own, not the log folder of the run that made the
     # model (or ./checkpoints from the schema's default): kept and named only when the eval fails.

@@ -25,7 +25,7 @@ from mcore_rl.agent.tools import load_tools
 from mcore_rl.config import RunConfig
 from mcore_rl.controller.backend import Backend
 from mcore_rl.controller.dispatch import rollout_owners
-from mcore_rl.data.chat_format import ChatFormat
+from mcore_rl.data.chat_format import ChatFormat, WithTools
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
 from mcore_rl.scoring.process_pool import TaskLimits
@@ -109,6 +109,15 @@ def check_multi_turn(cfg: RunConfig, tokenizer: Tokenizer) -> None:
         from mcore_rl.agent.environment import load_environment
 
         load_environment(mt.environment)
+
+
+def prompt_tokenizer(cfg: RunConfig, tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer a run encodes its prompts with: with multi-turn tools (``tools_in_prompt``), one whose
+    chat template lists them in every prompt."""
+    mt = cfg.rollout.multi_turn
+    if not (mt.enable and mt.tools and mt.tools_in_prompt):
+        return tokenizer
+    return WithTools(tokenizer, [t.schema() for t in load_tools(mt.tools)])
 
 
 def build_multi_turn(cfg: RunConfig, tokenizer: Tokenizer) -> MultiTurnRollout | None:

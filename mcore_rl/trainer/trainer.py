@@ -63,6 +63,7 @@ from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, build_step, check_start, row_checks, worker_spec
 from mcore_rl.trainer.export import export_rl_model
 from mcore_rl.trainer.groups.actor import ActorGroup
+from mcore_rl.trainer.multi_turn import prompt_tokenizer
 from mcore_rl.trainer.recovery import Recovery, is_lost_worker, kept_records
 from mcore_rl.trainer.run_checkpoint import (
     ResumePoint,
@@ -90,7 +91,8 @@ class RunData:
 
 def load_run_data(cfg: RunConfig) -> RunData:
     """Every prompt set of the run, each row checked as its scorer will read it (``row_checks``)."""
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or "")
+    # multi-turn tools are listed in every prompt (rollout.multi_turn.tools_in_prompt)
+    tokenizer = prompt_tokenizer(cfg, load_tokenizer(cfg.model.tokenizer_path or ""))
     check = row_checks(cfg)
     train = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data, check)
 

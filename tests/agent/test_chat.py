@@ -71,3 +71,23 @@ def test_a_tokenizer_without_template_uses_the_fallback(tmp_path) -> None:
         plain = load_tokenizer(str(tmp_path))
         ids = ChatFormat(plain).next_turn_ids([{"role": "tool", "content": "7"}])
     assert plain.decode(ids) == "\ntool: 7\nassistant: "
+
+
+def test_tools_are_listed_in_the_prompt_through_the_template(tmp_path) -> None:
+    from mcore_rl.agent.tools import load_tools
+    from mcore_rl.data.chat_format import WithTools
+    from mcore_rl.data.tool_task import CHAT_TEMPLATE, write_tokenizer
+
+    write_tokenizer(str(tmp_path))
+    listed = "{%- if tools %}{{- '<|im_start|>system\\n' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif %}"
+    write_tokenizer_config(
+        str(tmp_path), eos_token="<|im_end|>", pad_token="<pad>", chat_template=listed + CHAT_TEMPLATE
+    )
+    plain = load_tokenizer(str(tmp_path))
+    wrapped = WithTools(plain, [t.schema() for t in load_tools(["mcore_rl.agent.calculator:calculator"])])
+    prompt = wrapped.chat_text([{"role": "user", "content": "2*3="}])
+    assert prompt.startswith('<|im_start|>system\n[{"type": "function", "function": {"name": "calculator"')
+    assert prompt.endswith("<|im_start|>user\n2*3=<|im_end|>\n<|im_start|>assistant\n")
+    assert plain.chat_text([{"role": "user", "content": "2*3="}]).startswith("<|im_start|>user")
+    answer = [{"role": "tool", "content": "6"}]  # the tool turn is the same tokens in the tools' context
+    assert ChatFormat(wrapped).next_turn_ids(answer) == ChatFormat(plain).next_turn_ids(answer)

@@ -125,3 +125,46 @@ def test_multi_turn_refuses_one_step_off(tmp_path) -> None:
         ConfigError, match=r"rollout\.multi_turn\.enable=true with trainer\.one_step_off=true"
     ):
         tool_run_config(str(tmp_path / "data"), ["trainer.one_step_off=true"])
+
+
+def test_the_tool_demo_recipe_runs_end_to_end(tmp_path, capsys) -> None:
+    """``mcore-rl train recipes/tool_demo_cpu.yaml`` shrunk: SFT on its tool traces, RL steps whose calculator
+    calls run in a sandboxed worker process, multi_turn/* in metrics.jsonl and TensorBoard, a conversation
+    logged every step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mcore_rl.cli import main
+
+    data, run = tmp_path / "data", str(tmp_path / "run")
+    tool_run_config(str(data), [])  # writes the small splits and the tokenizer
+    overrides = [
+        "data.generate=null",
+        *(f"data.{s}_files=[{data}/{s}.jsonl]" for s in ("train", "val", "test")),
+        f"sft.train_files=[{data}/sft.jsonl]",
+        f"model.tokenizer_path={data}/tokenizer",
+        "model.hf_config.hidden_size=64",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "algorithm.ppo_micro_batch_size_per_gpu=16",
+        "sft.total_steps=3",
+        "sft.test_freq=3",
+        "sft.train_batch_size=16",
+        "sft.micro_batch_size_per_gpu=16",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "rollout.multi_turn.log_conversation_freq=1",
+        "logging.tensorboard=true",
+        "logging.progress_bar=false",
+        "logging.plot=false",
+        f"trainer.default_local_dir={run}",
+    ]
+    assert main(["train", "recipes/tool_demo_cpu.yaml", *overrides, "--in-process"]) == 0
+    assert "after 2 RL steps" in capsys.readouterr().out
+    with open(os.path.join(run, "logs", "metrics.jsonl")) as f:
+        rl = [r for r in map(json.loads, f) if r["stage"] == "rl" and "reward" in r]
+    assert len(rl) == 2 and all("multi_turn/tool_calls_mean" in r for r in rl)
+    events = EventAccumulator(os.path.join(run, "logs", "tensorboard")).Reload()
+    assert {"rl/multi_turn/turns_mean", "rl/multi_turn/bad_calls"} <= set(events.Tags()["scalars"])
+    with open(os.path.join(run, "logs", "generations.jsonl")) as f:
+        steps = [s["step"] for s in map(json.loads, f) if s["stage"] == "rl" and "conversation" in s]
+    assert steps == [1, 2]
