@@ -168,3 +168,55 @@ def test_the_tool_demo_recipe_runs_end_to_end(tmp_path, capsys) -> None:
     with open(os.path.join(run, "logs", "generations.jsonl")) as f:
         steps = [s["step"] for s in map(json.loads, f) if s["stage"] == "rl" and "conversation" in s]
     assert steps == [1, 2]
+
+
+def test_turns_stay_on_their_replica_and_come_back_in_request_order() -> None:
+    import torch
+
+    from mcore_rl.engine.rollout.base import GenerationOutput
+    from mcore_rl.trainer.multi_turn import _joined, route_turns
+
+    # 10 conversations over 3 replicas: rows 0-3, 4-6, 7-9 (r * 3 // 10); this turn's open ones in any order
+    open_rows = [9, 0, 5, 3, 7]
+    routed = route_turns(open_rows, 10, 3)
+    assert routed == [[1, 3], [2], [0, 4]]
+
+    def replica_output(part: list[int]) -> GenerationOutput:  # each row answers its id, then 1 for odd ids
+        rows = [open_rows[i] for i in part]
+        ids, lengths = torch.tensor([[r, 1] for r in rows]), torch.tensor([1 + r % 2 for r in rows])
+        return GenerationOutput(
+            torch.arange(len(part)), ids, torch.zeros(len(part), 2), lengths, ["stop"] * len(part)
+        )
+
+    outs = [replica_output(part) for part in routed]
+    joined = _joined(outs, routed, len(open_rows), pad_id=0)
+    assert joined.token_ids[:, 0].tolist() == open_rows and joined.lengths.tolist() == [2, 1, 2, 2, 2]
+    assert _joined([None, outs[1], None], [[], [0], []], 1, 0).token_ids.tolist() == [[5, 1]]
+    with pytest.raises(ValueError, match="not one of the rollout's 10"):
+        route_turns([10], 10, 3)
+
+
+@pytest.mark.sweep  # Ray: two rollout replicas (DP2), then a rollout pool of its own; ~1 min each
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize(
+    "placement", [[], ["rollout.colocate=false", "rollout.num_ranks=2"]], ids=["dp2", "pool"]
+)
+def test_multi_turn_steps_through_ray(tmp_path, placement: list[str]) -> None:
+    from mcore_rl.trainer.trainer import Trainer
+
+    cfg = tool_run_config(
+        str(tmp_path / "data"),
+        [
+            ENV,
+            "trainer.n_gpus_per_node=2",
+            "algorithm.ppo_micro_batch_size_per_gpu=8",
+            *placement,
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
+    with Trainer.from_config(cfg, use_ray=True) as trainer:
+        trainer.fit()
+        records = [r for r in trainer.records if r["stage"] == "rl" and "reward" in r]
+    assert len(records) == 2
+    for m in records:
+        assert abs(m["token_mult_prob_error"] - 1.0) < 1e-5 and m["multi_turn/turns_mean"] > 1
