@@ -5,6 +5,7 @@ and packed rows, shared prompts and a token budget equal the padded path within 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -220,3 +221,21 @@ def test_multi_turn_steps_through_ray(tmp_path, placement: list[str]) -> None:
     assert len(records) == 2
     for m in records:
         assert abs(m["token_mult_prob_error"] - 1.0) < 1e-5 and m["multi_turn/turns_mean"] > 1
+
+
+@pytest.mark.sweep  # vLLM in the Ray workers (~40 s); tests/engine/rollout/test_vllm_engine.py checks its turns in make test
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install)")
+def test_multi_turn_steps_with_vllm(tmp_path) -> None:
+    from mcore_rl.trainer.trainer import Trainer
+
+    vllm = ["rollout.name=vllm", "model.hf_config.hidden_size=128", "rollout.kv_cache_memory_bytes=16777216"]
+    cfg = tool_run_config(
+        str(tmp_path / "data"), [ENV, *vllm, f"trainer.default_local_dir={tmp_path / 'run'}"]
+    )
+    with Trainer.from_config(cfg, use_ray=True) as trainer:
+        trainer.fit()
+        records = [r for r in trainer.records if r["stage"] == "rl" and "reward" in r]
+    assert len(records) == 2
+    for m in records:
+        assert 0.999 <= m["token_mult_prob_error"] <= 1.001 and m["multi_turn/turns_mean"] > 1

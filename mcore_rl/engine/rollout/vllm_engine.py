@@ -383,7 +383,7 @@ class VLLMRolloutEngine:
         check_covered(self._unloaded)
         check_turn_request(conversations, contexts, params, max_new_tokens)
         widest = replace(params, max_new_tokens=max(max_new_tokens, default=1))
-        self._check_sampling(contexts, widest)
+        self._check_sampling(contexts, widest, max_new_tokens)
         seed = shared_seed(params.seed, self.tp_group)
         requests = [
             VLLMSamplingParams(**sampling_kwargs(replace(params, max_new_tokens=n), (seed + c) % 2**63))
@@ -397,7 +397,10 @@ class VLLMRolloutEngine:
     def end_conversations(self) -> None:
         """Nothing to free: vLLM's prefix cache evicts by itself."""
 
-    def _check_sampling(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+    def _check_sampling(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, budgets: Sequence[int] | None = None
+    ) -> None:
+        """``budgets``: each prompt's own most new tokens (multi-turn turns), else ``params.max_new_tokens``."""
         check_vllm_sampling(params)
         filtered = not params.greedy and (0 < params.top_k < self.arch.vocab_size or params.top_p < 1.0)
         if filtered and not self.config.truncated_logprobs_ok:
@@ -411,7 +414,10 @@ class VLLMRolloutEngine:
                 raise ValueError(f"prompts[{i}] is empty")
             if min(prompt) < 0 or max(prompt) >= self.arch.vocab_size:
                 raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={self.arch.vocab_size})")
-            if len(prompt) + params.max_new_tokens > self.config.max_model_len:
+            if (
+                len(prompt) + (params.max_new_tokens if budgets is None else budgets[i])
+                > self.config.max_model_len
+            ):
                 raise ValueError(f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens exceed max_model_len")
 
 
