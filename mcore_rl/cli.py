@@ -127,6 +127,8 @@ def _report(prog: str, err: BaseException, debug: bool) -> int:
         line, code = f"{prog}: {err}; partial output removed", 128 + err.signum
     elif isinstance(err, KeyboardInterrupt):
         line, code = f"{prog}: interrupted; partial output removed", 130
+    elif getattr(err, "kind", None) in ("died", "hung"):  # controller.WorkerError: a lost or hung rank
+        line, code = f"{prog}: error: {err}", 1
     elif isinstance(err, (InputError, LayoutError)):
         # 1 for every input error, so an unknown key exits alike from `config show` and `train` (README);
         # 2 is a bad flag's, as argparse's own. (`plan` keeps 2 for bad input: its 1 means "does not fit".)

@@ -70,6 +70,10 @@ def init_ray(config: RayConfig | None = None) -> bool:
         logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
             _SECURE_DEFAULT_NOTE
         )
+        # A failed call is reported once, by its root cause (worker_group.WorkerGroup.get); the other ranks'
+        # results, abandoned then, hold that failure's consequences (a peer's connection reset), which Ray
+        # would print with a traceback each when they are dropped.
+        os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     if started and config.address is not None:
         ray.init(address=config.address, include_dashboard=False, log_to_driver=True, logging_level=level)
     elif started:

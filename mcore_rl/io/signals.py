@@ -90,9 +90,27 @@ def reclaim_handlers(handlers: Mapping[signal.Signals, Any]) -> None:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Block the handled signals for the duration of the block (a pending one is delivered afterwards)."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    """Hold the handled signals back for the duration of the block; one that arrived meanwhile is delivered
+    right after it, to the handler in place before.
+
+    In the main thread the Python handlers are swapped for one that only records the signal: blocking the
+    signal for this thread alone (``pthread_sigmask``) is not enough, as the kernel then delivers a
+    process-directed signal to another thread (torch's, faulthandler's), whose C handler still makes Python
+    run the handler here at the next bytecode (found by a test: an interrupt landed between the two writes of
+    ``latest``). Elsewhere (no Python handlers can be set there) the signals are blocked for the thread."""
+    if threading.current_thread() is not threading.main_thread():
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return
+    arrived: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in HANDLED_SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for signum in dict.fromkeys(arrived):  # each signal once, in order, as the kernel would merge them
+            signal.raise_signal(signum)

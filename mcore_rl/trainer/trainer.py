@@ -34,7 +34,6 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from safetensors.torch import load_file, save_file
@@ -49,21 +48,19 @@ from mcore_rl.config import (
 )
 from mcore_rl.config.run_folder import check_run_folders, checkpoint_name, checkpoint_root
 from mcore_rl.controller.backend import hand_over_ray
+from mcore_rl.controller.resources import shutdown_ray
 from mcore_rl.data.demo_task import prepare_data
-from mcore_rl.data.prompts import PromptDataset, PromptLoader
-from mcore_rl.data.rows import DataError
-from mcore_rl.data.sft import SFTDataset
-from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
-from mcore_rl.io.errors import CheckpointSaveError, Preempted, note
+from mcore_rl.data.prompts import PromptLoader
+from mcore_rl.io.checkpoint_read import checkpoint_failure
+from mcore_rl.io.errors import CheckpointSaveError, Interrupted, Preempted, note
 from mcore_rl.io.inputs import input_file
 from mcore_rl.io.signals import stop_requests
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.trainer.build import build_actor_group, build_step, check_start, row_checks, worker_spec
+from mcore_rl.trainer.build import build_actor_group, build_step, check_start, worker_spec
 from mcore_rl.trainer.export import export_rl_model
 from mcore_rl.trainer.groups.actor import ActorGroup
-from mcore_rl.trainer.multi_turn import prompt_tokenizer
 from mcore_rl.trainer.recovery import Recovery, is_lost_worker, kept_records
 from mcore_rl.trainer.run_checkpoint import (
     ResumePoint,
@@ -72,63 +69,11 @@ from mcore_rl.trainer.run_checkpoint import (
     save_failure,
     staged_checkpoint,
 )
+from mcore_rl.trainer.run_data import RunData, data_sources, load_run_data
 from mcore_rl.trainer.step import StepBase, update_plan
 from mcore_rl.types import PromptBatch, RolloutBatch
 
 PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
-
-
-@dataclass
-class RunData:
-    """Everything the driver reads: prompts (the answers stay here, with the scorer)."""
-
-    tokenizer: Tokenizer
-    loader: PromptLoader
-    val: PromptBatch | None
-    test: PromptBatch | None
-    sft: SFTDataset | None
-
-
-def load_run_data(cfg: RunConfig) -> RunData:
-    """Every prompt set of the run, each row checked as its scorer will read it (``row_checks``)."""
-    # multi-turn tools are listed in every prompt (rollout.multi_turn.tools_in_prompt)
-    tokenizer = prompt_tokenizer(cfg, load_tokenizer(cfg.model.tokenizer_path or ""))
-    check = row_checks(cfg)
-    train = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data, check)
-
-    def whole(files: list[str]) -> PromptBatch | None:
-        if not files:
-            return None
-        dataset = PromptDataset.from_files(files, tokenizer, cfg.data, check)
-        return dataset.batch(range(len(dataset)))
-
-    sft = (
-        SFTDataset.from_files(
-            cfg.sft.train_files, tokenizer, cfg.data, cfg.sft.response_key, cfg.sft.max_length
-        )
-        if cfg.sft.enable
-        else None
-    )
-    if sft is not None and len(sft) < cfg.sft.train_batch_size:  # else the SFT stage fails at its first step
-        raise DataError(
-            f"{', '.join(cfg.sft.train_files)}: {len(sft)} usable examples cannot fill one batch of "
-            f"sft.train_batch_size={cfg.sft.train_batch_size}"
-        )
-    return RunData(
-        tokenizer, PromptLoader(train, cfg.data), whole(cfg.data.val_files), whole(cfg.data.test_files), sft
-    )
-
-
-def data_sources(data: RunData) -> dict[str, str]:
-    """Each ``data_source`` of the training, validation and test prompts -> where its first row is."""
-    found: dict[str, str] = {}
-    for r in data.loader.dataset.records:
-        found.setdefault(r.data_source, f"{r.file} row {r.row}")
-    for batch in (data.val, data.test):
-        if batch is not None:
-            for source, origin in zip(batch.data_sources, batch.origins, strict=True):
-                found.setdefault(source, origin)
-    return found
 
 
 class Trainer:
@@ -195,7 +140,9 @@ class Trainer:
         total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(data.loader)
         if resume_from is not None and resume_from.step >= total:
             return cls(cfg, None, None, data, total, resume_from)  # already complete: no workers, no writes
-        scorer = RewardScorer(cfg.reward)  # every user scorer imported and its signature checked; no process yet
+        scorer = RewardScorer(
+            cfg.reward
+        )  # every user scorer imported and its signature checked; no process yet
         claim_run_folders(cfg)  # every check passed: now the run folder and its config
         save_config(cfg, cfg.trainer.default_local_dir)
         trainer = cls(cfg, None, None, data, total, resume_from, scorer, use_ray)
@@ -250,7 +197,13 @@ class Trainer:
                     self._stages(log, summary, resumed, stop_after)
                     break
                 except Exception as err:
-                    if not is_lost_worker(err) or len(self.recoveries) >= cfg.trainer.max_restarts:
+                    if not is_lost_worker(err):
+                        raise
+                    if len(self.recoveries) >= cfg.trainer.max_restarts:
+                        if cfg.trainer.max_restarts:
+                            note(
+                                f"not recovering again: {len(self.recoveries)} recoveries (trainer.max_restarts)"
+                            )
                         raise
                     resumed = self._recover(err, log)
         finally:
@@ -296,7 +249,13 @@ class Trainer:
         start, without one); returns whether a checkpoint was loaded."""
         start, failed_at = time.monotonic(), self.global_step
         note(f"{err}".splitlines()[0][:300] + "; recovering")
-        self.start_workers(owns_ray=self._stop_workers())
+        owns_ray = self._stop_workers()
+        try:
+            self.start_workers(owns_ray)
+        except BaseException:
+            if owns_ray:  # nothing of the run is left to stop it with
+                shutdown_ray()
+            raise
         self.resume_from = resume_point(self.cfg, self.data.loader)  # the data position comes back with it
         self._prefetched = None
         resumed = self.resume()
@@ -387,10 +346,14 @@ class Trainer:
                 self.step.save_models(staging, self.global_step)  # PPO: <path>/critic
                 pending = self.step.pending_rollout(self._prefetched)
                 if pending is not None:
-                    save_file(dataclasses.asdict(pending), os.path.join(staging, PENDING_ROLLOUT_FILE))
+                    tensors = {k: v for k, v in dataclasses.asdict(pending).items() if v is not None}
+                    save_file(tensors, os.path.join(staging, PENDING_ROLLOUT_FILE))
                 self.actors.sync_weights()  # back to ROLLOUT for the next step
                 save_config(self.cfg, staging)  # inside: the folder never appears without it
         except BaseException as err:  # torch's CheckpointException is a BaseException
+            interrupt = checkpoint_failure(err)  # a signal that landed inside torch's writer, as itself
+            if isinstance(interrupt, (Interrupted, KeyboardInterrupt)):
+                raise interrupt from None
             why = save_failure(err, self.checkpoint_root)
             if why is None:
                 raise

@@ -117,7 +117,7 @@ class _NoSpace:
 @pytest.mark.parametrize(
     ("policy", "failure", "reason"),
     [
-        ("stop", _FileSizeLimit(200 << 10), "RuntimeError"),
+        ("stop", _FileSizeLimit(200 << 10), "a write failed in torch's checkpoint writer"),
         ("continue", _NoSpace(), "No space left on device"),
     ],
     ids=["stop-file-too-large", "continue-disk-full"],
