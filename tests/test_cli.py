@@ -51,6 +51,32 @@ def test_an_input_error_raised_on_a_worker_names_the_rank_not_a_traceback(capsys
     )
 
 
+def test_fault_exit_codes_are_the_documented_ones(capsys) -> None:
+    """README "Faults and recovery": 75 after a stop with its checkpoint saved, 128 + signum for an interrupt
+    (also one torch's checkpoint writer gathered as a rank's failure), 1 for a lost or hung rank."""
+    import signal
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mcore_rl.controller.worker_group import WorkerError
+    from mcore_rl.io.errors import EXIT_PREEMPTED, Interrupted, Preempted
+
+    assert EXIT_PREEMPTED == 75
+    assert (
+        _report("mcore-rl train", Preempted(signal.SIGUSR1, 7, "run/checkpoints/global_step_7"), False) == 75
+    )
+    assert capsys.readouterr().err == (
+        "mcore-rl train: stopped by SIGUSR1 after step 7; run checkpoint run/checkpoints/global_step_7 saved; "
+        "the same command resumes it\n"
+    )
+    inside_save = CheckpointException("write_data", {0: (Interrupted(signal.SIGHUP), None)})
+    assert _report("mcore-rl convert", inside_save, False) == 129
+    assert capsys.readouterr().err == "mcore-rl convert: interrupted by SIGHUP; partial output removed\n"
+    hung = WorkerError(1, "update", "phase 'update' made no progress for 30 s", kind=WorkerError.HUNG)
+    assert _report("mcore-rl train", hung, False) == 1
+    assert capsys.readouterr().err == "mcore-rl train: error: phase 'update' made no progress for 30 s\n"
+
+
 def test_anything_else_is_still_an_internal_error(capsys) -> None:
     assert _report("mcore-rl train", KeyError("x"), debug=False) == 1
     assert "internal error: KeyError" in capsys.readouterr().err

@@ -1,6 +1,9 @@
-"""Recovery from a lost worker through Ray (``trainer.max_restarts``): a rank killed with SIGKILL between two
-run checkpoints; the driver stops the groups, starts them again, loads the last checkpoint and continues, and
-every RL step's numbers equal an uninterrupted run's exactly (same seeds, CPU, fp32, 2 threads per rank)."""
+"""Recovery from a lost worker and a stop signal through Ray, in one run (``trainer.max_restarts``): a rank is
+killed with SIGKILL during step 3, between the step-2 and step-4 checkpoints; the driver stops the groups,
+starts them again, loads step 2's checkpoint and continues, and every RL step's numbers equal an uninterrupted
+run's exactly (same seeds, CPU, fp32, 2 threads per rank). Then SIGTERM reaches the driver during step 4: the
+step ends, its checkpoint is saved and the run stops (``Preempted``), so Ray's own native SIGTERM handler
+(which killed the driver with a stack dump) no longer takes the signal."""
 
 from __future__ import annotations
 
@@ -8,12 +11,16 @@ import os
 import signal
 import time
 
+import pytest
+
+from mcore_rl.io.errors import Preempted
+from mcore_rl.io.manifest import verify_manifest
 from mcore_rl.trainer.trainer import Trainer
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
 OVERRIDES = [
     MIXED_REWARD,
-    "trainer.total_training_steps=4",
+    "trainer.total_training_steps=5",
     "trainer.save_freq=2",
     "trainer.test_freq=-1",
     "logging.progress_bar=false",
@@ -25,11 +32,15 @@ OVERRIDES = [
 TIMING = ("time/", "tokens_per_s", "memory/")
 
 
-def _numbers(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records if r["stage"] == "rl"]
+def _numbers(records: list[dict], last: int) -> list[dict]:
+    return [
+        {k: v for k, v in r.items() if not k.startswith(TIMING)}
+        for r in records
+        if r["stage"] == "rl" and r["step"] <= last
+    ]
 
 
-def test_a_worker_killed_between_checkpoints_is_recovered_and_the_run_equals_the_uninterrupted_one(
+def test_a_worker_killed_between_checkpoints_is_recovered_exactly_and_sigterm_stops_with_a_checkpoint(
     tmp_path,
 ) -> None:
     import ray
@@ -39,33 +50,37 @@ def test_a_worker_killed_between_checkpoints_is_recovered_and_the_run_equals_the
     straight = tiny_run_config(data, [*OVERRIDES, f"trainer.default_local_dir={tmp_path / 'a'}"])
     with Trainer.from_config(straight, use_ray=False) as trainer:
         trainer.fit()
-        expected = _numbers(trainer.records)
+        expected = _numbers(trainer.records, 4)
 
     cfg = tiny_run_config(data, [*OVERRIDES, f"trainer.default_local_dir={tmp_path / 'b'}"])
     killed: list[float] = []
     with Trainer.from_config(cfg, use_ray=True) as trainer:
         (pid,) = trainer.actors.backend.group.run("pid")  # type: ignore[attr-defined]
-        scores = trainer.step.training_scores
+        scorer_score = trainer.scorer.score  # the scorer outlives the groups a recovery replaces
 
-        def kill_during_step_3(rollout, prompts):
-            if trainer.global_step == 3:  # after step 2's checkpoint, before step 4's
+        def faults(requests):
+            if trainer.global_step == 3 and not killed:  # after step 2's checkpoint, before step 4's
                 os.kill(pid, signal.SIGKILL)
                 killed.append(time.time())
-            return scores(rollout, prompts)
+            if trainer.global_step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # to this driver: Ray's handler would end the process
+            return scorer_score(requests)
 
-        trainer.step.training_scores = kill_during_step_3  # this step object only: the rebuilt one is new
-        trainer.fit()
-        got, records = _numbers(trainer.records), trainer.records
+        trainer.scorer.score = faults  # type: ignore[method-assign]
+        with pytest.raises(Preempted, match="stopped by SIGTERM after step 4"):
+            trainer.fit()
+        got, records = _numbers(trainer.records, 4), trainer.records
         (recovery,) = trainer.recoveries
         assert ray.is_initialized()  # the run's Ray survived the restart ...
     assert not ray.is_initialized()  # ... and was stopped with the run's last workers
-    assert killed and got == expected
+    assert killed and got == expected and [r["step"] for r in got] == [1, 2, 3, 4]
     assert (recovery.rank, recovery.failed_at_step, recovery.resumed_step, recovery.steps_lost) == (
         0,
         3,
         2,
         1,
     )
+    verify_manifest(str(tmp_path / "b" / "checkpoints" / "global_step_4"))
     (record,) = [r for r in records if r["stage"] == "recovery"]
     fault_to_training = record["unix_time"] - killed[0]
     print(

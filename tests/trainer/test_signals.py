@@ -65,6 +65,9 @@ def _assert_consistent(run: str) -> list[str]:
     return saved
 
 
+@pytest.mark.slow
+@pytest.mark.sweep  # a local Ray run in a process of its own (~25 s): `make test-sweep`; in make test the same
+# SIGTERM reaches a Ray driver in tests/trainer/test_recovery.py, and test_cli.py checks the exit code
 def test_sigterm_to_a_local_ray_run_ends_the_step_saves_and_exits_75(tmp_path) -> None:
     """The probe's case: SIGTERM to the driver alone was taken by Ray's C++ handler (a stack dump, exit 15)
     and left a half-written step folder. Now the step ends, its checkpoint is saved and the run exits 75."""
