@@ -99,6 +99,11 @@ class RolloutBatch:
     """[N] int64: response tokens per sequence."""
     prompt_index: Tensor
     """[N] int64: the prompt (group) each sequence continues."""
+    expert_choices: Tensor | None = None
+    """[N, S, L, k] int16, mixture-of-experts models (the embedded engine): the ``k`` experts each of the
+    ``L`` MoE layers routed the token at each position to while sampling (column ``t`` = the routing of
+    ``tokens[:, t]``); -1 where nothing was routed (padding, a response's last token). None: not recorded.
+    Read by the routing-agreement metric and router replay (``engine/moe.py``)."""
 
     @property
     def num_sequences(self) -> int:
@@ -148,6 +153,8 @@ class TrainBatch:
     """[N, S] float32."""
     ref_log_probs: Tensor
     """[N, S] float32: for the KL loss term; zeros when unused."""
+    expert_choices: Tensor | None = None
+    """[N, S, L, k] int16: the rollout's routing (``RolloutBatch.expert_choices``); None when not recorded."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,10 @@ class UpdateStats:
     evenly), mean over the optimizer steps and MoE layers; None when it is off."""
     moe_z_loss: float | None = None
     """Mixture-of-experts models: the router z-loss before its coefficient; None when it is off."""
+    moe_router_agreement: float | None = None
+    """Mixture-of-experts models: the fraction of (token, MoE layer) pairs whose top-k experts in the update's
+    first forward (the weights that sampled the rollout, before any step) equal the rollout engine's; with
+    router replay on, the trainer's own choice is compared before it is replaced. None: no recorded routing."""
 
 
 @dataclass

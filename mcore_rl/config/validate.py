@@ -84,7 +84,7 @@ def _hub_id_problems(cfg: RunConfig) -> list[str]:
 
 def _layout_problems(cfg: RunConfig) -> list[str]:
     """The training and rollout layouts fit the world size and the model."""
-    from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+    from mcore_rl.parallel.layout import LayoutError
 
     par, world = cfg.parallel, cfg.world_size
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -117,16 +117,17 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     except ConfigError as err:
         return [f"model: {err}"]
     try:
-        layout = ParallelLayout(
-            world, tp, pp, par.virtual_pipeline_model_parallel_size, par.sequence_parallel
-        )
+        layout = par.layout(world)
         layout.check_model(
             num_attention_heads=arch.num_attention_heads,
             num_query_groups=arch.num_query_groups,
             num_layers=arch.num_layers,
+            num_experts=arch.moe.num_experts if arch.moe else None,
+            moe_ffn_hidden_size=arch.moe.ffn_hidden_size if arch.moe else None,
         )
     except LayoutError as err:
         problems.append(f"parallel: {err}")
+    problems += _moe_problems(cfg, arch)
     for heads, name in ((arch.num_attention_heads, "attention heads"), (arch.num_query_groups, "kv heads")):
         if heads % tp_g:
             problems.append(f"rollout.tensor_model_parallel_size={tp_g} does not divide the {heads} {name}")
@@ -138,6 +139,29 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
             f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
             f"max_position_embeddings={arch.max_position_embeddings}"
         )
+    return problems
+
+
+def _moe_problems(cfg: RunConfig, arch: Any) -> list[str]:
+    """Mixture-of-experts settings that the model or the run cannot honour."""
+    problems = []
+    tp_g = cfg.rollout.tensor_model_parallel_size
+    if arch.moe is not None and arch.moe.ffn_hidden_size % tp_g:
+        problems.append(
+            f"rollout.tensor_model_parallel_size={tp_g} does not divide moe_intermediate_size="
+            f"{arch.moe.ffn_hidden_size} (every rollout rank holds a slice of every expert)"
+        )
+    if cfg.actor.router_replay:
+        if arch.moe is None:
+            problems.append("actor.router_replay=true applies to mixture-of-experts models only")
+        elif cfg.rollout.name == RolloutEngineName.VLLM:
+            problems.append(
+                "actor.router_replay=true needs rollout.name=local (vLLM does not return its routing)"
+            )
+        elif cfg.rollout.multi_turn.enable:
+            problems.append(
+                "actor.router_replay=true is not supported with rollout.multi_turn.enable=true yet"
+            )
     return problems
 
 

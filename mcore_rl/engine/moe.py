@@ -132,3 +132,121 @@ def balanced_for_experts(
     width = ctx.sequence_multiple  # sequence parallelism splits every sequence over TP
     filler = FillerMicroBatch(torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0))
     return micro_batches + [filler] * (int(count) - len(micro_batches))  # type: ignore[list-item]
+
+
+@dataclass
+class RoutingCounts:
+    """How often the trainer's top-k experts equal the rollout's, over (token, MoE layer) pairs that the
+    rollout routed (a set comparison: the order within the top-k does not matter)."""
+
+    agreed: int = 0
+    compared: int = 0
+    active: bool = False
+    """Count only while set (the update's first optimizer step: the weights that sampled the rollout)."""
+
+    def fraction(self) -> float | None:
+        return self.agreed / self.compared if self.compared else None
+
+
+class _RouterTap:
+    """Stands in for megatron's ``RouterReplay`` object on one ``TopKRouter`` (``router.router_replay``, read
+    by ``topk_routing_with_score_function``): computes the router's own top-k, compares it with the rollout's
+    choices for the current micro-batch, and with replay on returns the rollout's experts instead (the
+    routing weights still come from this router's scores, so its gradient flows)."""
+
+    def __init__(self, counts: RoutingCounts) -> None:
+        self.counts = counts
+        self.target: torch.Tensor | None = None  # [tokens, k] int64 in the model's token order, -1 unknown
+        self.replay = False
+
+    def get_replay_topk(
+        self, scores: torch.Tensor, topk: int, num_groups: Any, group_topk: Any, default_compute_topk: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.target
+        if target is None:
+            return probs, chosen
+        if target.shape != chosen.shape:
+            raise RuntimeError(
+                f"router replay: {tuple(target.shape)} recorded choices for {tuple(chosen.shape)}"
+            )
+        known = (target >= 0).all(dim=1)
+        if self.counts.active:
+            same = (chosen.sort(dim=1).values == target.sort(dim=1).values).all(dim=1)
+            self.counts.agreed += int((same & known).sum())
+            self.counts.compared += int(known.sum())
+        if not self.replay:
+            return probs, chosen
+        replayed = torch.where(known[:, None], target.to(chosen.dtype), chosen)
+        return scores.gather(1, replayed), replayed
+
+
+class RoutingTaps:
+    """The taps of every MoE router in this rank's model chunks, in global layer order; see :class:`_RouterTap`.
+
+    ``prepare(micro_batch)`` before each micro-batch's forward hands each tap that micro-batch's rollout choices
+    in the order the router sees tokens: megatron's [s, b] sequence-major order (the packed row's order with
+    remove-padding), this rank's slice of the sequence under sequence parallelism."""
+
+    def __init__(
+        self, chunks: list[Any], arch: ModelArch, ctx: ParallelContext, layer_offsets: list[int]
+    ) -> None:
+        assert arch.moe is not None
+        self.arch, self.ctx = arch, ctx
+        self.counts = RoutingCounts()
+        self.taps: dict[int, _RouterTap] = {}  # index among the model's MoE layers -> tap
+        for chunk, offset in zip(chunks, layer_offsets, strict=True):
+            for local, layer in enumerate(chunk.decoder.layers):
+                router = getattr(layer.mlp, "router", None)
+                if router is None:
+                    continue
+                if not hasattr(router, "router_replay"):
+                    raise RuntimeError(
+                        "this megatron-core's TopKRouter has no router_replay hook (0.16+ needed)"
+                    )
+                tap = _RouterTap(self.counts)
+                router.router_replay = tap
+                self.taps[arch.moe.layers.index(offset + local)] = tap
+
+    def set_replay(self, replay: bool) -> None:
+        for tap in self.taps.values():
+            tap.replay = replay
+
+    def prepare(self, micro_batch: Any) -> None:
+        """Hand every tap its share of ``micro_batch.expert_choices`` ([b, s, L, k]; None: none)."""
+        choices = getattr(micro_batch, "expert_choices", None)
+        if choices is None:
+            for tap in self.taps.values():
+                tap.target = None
+            return
+        ordered = _model_order(choices, micro_batch, self.ctx)  # [tokens, L, k]
+        for moe_layer, tap in self.taps.items():
+            tap.target = ordered[:, moe_layer].long()
+
+    def clear(self) -> None:
+        for tap in self.taps.values():
+            tap.target = None
+
+    def take_agreement(self) -> float | None:
+        """Collective over the world: the fraction of compared (token, layer) pairs that agreed since the last
+        call, over every rank (tokens are split over DP, SP and the pipeline's layers); None if none."""
+        totals = torch.tensor([self.counts.agreed, self.counts.compared], dtype=torch.float64)
+        dist.all_reduce(totals)
+        self.counts.agreed = self.counts.compared = 0
+        return float(totals[0] / totals[1]) if totals[1] > 0 else None
+
+
+def _model_order(choices: torch.Tensor, micro_batch: Any, ctx: ParallelContext) -> torch.Tensor:
+    """[b, s, L, k] per row position -> [tokens, L, k] in the order this rank's routers see the tokens."""
+    b, s = choices.shape[:2]
+    packed = micro_batch.packed
+    if packed is None:
+        ordered = choices.transpose(0, 1).reshape(s * b, *choices.shape[2:])  # megatron's [s, b]
+    else:  # the packed row: token j sits at row position index[j]; filler tokens have no rollout routing
+        flat = choices.reshape(b * s, *choices.shape[2:])
+        total = packed.tokens.shape[1]
+        ordered = torch.full((total, *choices.shape[2:]), -1, dtype=choices.dtype)
+        ordered[: packed.index.numel()] = flat.index_select(0, packed.index.cpu())
+    if ctx.layout.sp and ctx.tp_size > 1:  # the rank's contiguous slice of the sequence dimension
+        ordered = ordered.chunk(ctx.tp_size)[ctx.tp_rank]
+    return ordered.to(ctx.device)

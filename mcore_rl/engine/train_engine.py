@@ -19,11 +19,11 @@ never materialised (the fused ``linear_logprob_entropy`` op streams vocab chunks
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,17 +31,18 @@ import torch.distributed as dist
 from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
+from mcore_rl.engine.lm_head import HeadLoss, LMHeadInput, full_hidden, output_weight, skip_output_layer
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.moe import (
     FillerMicroBatch,
     RouterLosses,
+    RoutingTaps,
     balanced_for_experts,
     read_router_losses,
     router_loss_scope,
 )
 from mcore_rl.engine.optim import OptimConfig, use_fused_torch_adam
 from mcore_rl.engine.weights import load_full_state, unwrap
-from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 
 
@@ -60,6 +61,9 @@ class MicroBatch:
     """The model's input with the rows packed end to end (no padding computed); None: ``tokens`` as they are.
     Losses read ``tokens`` either way; a role's micro-batch subclass adds what its loss reads (its rows of the
     batch, masks), whose tensors follow the batch to the engine's device."""
+    expert_choices: torch.Tensor | None = None
+    """[b, s, L, k] int16, mixture-of-experts models: the rollout's routing of these rows
+    (``RolloutBatch.expert_choices``), for the routing-agreement metric and router replay (``engine/moe.py``)."""
 
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch (subclass and all) with every tensor in it on ``device``, nested records and
@@ -112,46 +116,6 @@ LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, M]]
 
 
 @dataclass(frozen=True)
-class LMHeadInput:
-    """What a :class:`HeadLoss` gets on the last pipeline stage instead of logits."""
-
-    hidden: torch.Tensor
-    """[b, s, h] final hidden states (after the final norm), every position on every TP rank; its gradient is
-    summed over TP in backward (each rank only sees its vocab shard)."""
-    weight: torch.Tensor
-    """[V_padded/tp, h] this rank's rows of the output layer (the embedding when they are tied)."""
-    ctx: ParallelContext
-    """The parallel layout (TP group and rank of the vocab shard)."""
-
-    def token_log_probs(
-        self, tokens: torch.Tensor, keep: torch.Tensor, vocab_size: int, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([b, s] log-prob of the next token, [b, s] entropy), computed only where ``keep`` [b, s] (bool) is
-        set and 0 elsewhere; differentiable w.r.t. the hidden states and the output weight."""
-        labels = torch.roll(tokens, -1, dims=1)  # the last column wraps around; never kept by a response mask
-        hidden = self.hidden[keep]
-        log_probs, entropy = linear_logprob_entropy(
-            hidden.to(self.weight.dtype),
-            self.weight,
-            labels[keep],
-            vocab_start=self.ctx.tp_rank * self.weight.shape[0],
-            vocab_size=vocab_size,
-            temperature=temperature,
-            tp_group=self.ctx.tp_group if self.ctx.tp_size > 1 else None,
-        )
-        zeros = torch.zeros(tokens.shape, dtype=log_probs.dtype, device=log_probs.device)
-        return zeros.masked_scatter(keep, log_probs), zeros.masked_scatter(keep, entropy)
-
-
-@dataclass(frozen=True)
-class HeadLoss(Generic[M]):
-    """A loss over the final hidden states and the output weight (see the module docstring)."""
-
-    fn: Callable[[LMHeadInput, MicroBatch], tuple[torch.Tensor, M]]
-    """(head input, micro-batch) -> (loss scalar, record), as :data:`LossFn`."""
-
-
-@dataclass(frozen=True)
 class StepResult:
     update_successful: bool
     grad_norm: float
@@ -188,6 +152,9 @@ class TrainEngine:
         """How the chunks were built (dtype, value head, ...): a copy is built alike."""
         self.router_losses = RouterLosses()
         """MoE models: the router's auxiliary losses of the last training forward-backward (engine/moe.py)."""
+        self.routing: RoutingTaps | None = None
+        """MoE models: taps on the routers comparing (or replacing) their choices with a micro-batch's
+        ``expert_choices``; :meth:`watch_routing` installs them."""
 
     @classmethod
     def forward_only(cls, arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> TrainEngine:
@@ -268,6 +235,16 @@ class TrainEngine:
             use_fused_torch_adam(megatron_optimizer.optimizer)
         return engine
 
+    def watch_routing(self) -> RoutingTaps:
+        """Install :class:`RoutingTaps` on this engine's routers (a mixture-of-experts model)."""
+        from mcore_rl.engine.weights import chunk_layer_offsets
+
+        if self.routing is None:
+            self.routing = RoutingTaps(
+                self.models, self.arch, self.ctx, chunk_layer_offsets(self.arch, self.ctx)
+            )
+        return self.routing
+
     @property
     def optimizers(self) -> list[Any]:
         """The megatron optimizers under ``optimizer`` (a ChainedOptimizer holds one per parameter kind)."""
@@ -337,7 +314,7 @@ class TrainEngine:
         router = router_loss_scope(self.arch, self.ctx, self.config, tokens, forward_only)
         with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad, router:
             records = get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, self.ctx, loss_fn),
+                forward_step_func=partial(_forward_step, self.ctx, loss_fn, self.routing),
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(micro_batches),
@@ -345,6 +322,8 @@ class TrainEngine:
                 micro_batch_size=micro_batches[0].tokens.shape[0],
                 forward_only=forward_only,
             )
+            if self.routing is not None:
+                self.routing.clear()
             if not forward_only:
                 self.router_losses = read_router_losses(self.arch, self.ctx, self.config, len(micro_batches))
         return [r for r in records if r is not _FILLER_RECORD]
@@ -393,10 +372,16 @@ def _filler_loss(output: torch.Tensor) -> tuple:
 
 
 def _forward_step(
-    ctx: ParallelContext, loss_fn: LossFn[Any] | HeadLoss[Any], data_iterator: Any, model: Any
+    ctx: ParallelContext,
+    loss_fn: LossFn[Any] | HeadLoss[Any],
+    routing: RoutingTaps | None,
+    data_iterator: Any,
+    model: Any,
 ) -> tuple[torch.Tensor, Callable[..., Any]]:
     micro_batch: MicroBatch = next(data_iterator)
     tokens, positions, seq_params = _model_input(micro_batch)
+    if routing is not None:  # the routers see this micro-batch's rollout choices during its forward
+        routing.prepare(micro_batch)
     if isinstance(micro_batch, FillerMicroBatch):  # keeps the EP group's exchanges in step; no loss
         return model(tokens, positions, None), _filler_loss
     gpt = unwrap(model)
@@ -405,10 +390,10 @@ def _forward_step(
         return output, partial(_loss_for_schedule, loss_fn, micro_batch)
     if not gpt.post_process:  # an earlier stage or chunk: its output feeds the next one
         return model(tokens, positions, None, packed_seq_params=seq_params), _no_loss
-    with _skip_output_layer(gpt):
+    with skip_output_layer(gpt):
         hidden = model(tokens, positions, None, packed_seq_params=seq_params)  # [s(/tp with SP), b, h]
-    full = _unpacked(_full_hidden(hidden, ctx), micro_batch)
-    head = LMHeadInput(full, _output_weight(gpt), ctx)
+    full = _unpacked(full_hidden(hidden, ctx), micro_batch)
+    head = LMHeadInput(full, output_weight(gpt), ctx)
     return hidden, partial(_head_loss_for_schedule, loss_fn, micro_batch, head)
 
 
@@ -433,57 +418,6 @@ def _unpacked(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     index = micro_batch.packed.index
     rows = output.new_zeros(b * s, output.shape[-1]).index_copy(0, index, output[0, : index.numel()])
     return rows.view(b, s, -1)
-
-
-@contextmanager
-def _skip_output_layer(gpt: Any) -> Iterator[None]:
-    """The last stage's GPTModel returns its final hidden states: with ``post_process`` off, megatron's
-    ``_postprocess`` returns before the output layer (the final norm lives in the decoder block)."""
-    if gpt.config.mtp_num_layers:
-        raise ValueError("HeadLoss does not support multi-token prediction layers (mtp_num_layers)")
-    gpt.post_process = False
-    try:
-        yield
-    finally:
-        gpt.post_process = True
-
-
-def _full_hidden(hidden: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """[b, s, h] on every TP rank, as megatron's column-parallel output layer sees its input: gathered over
-    the sequence with SP; in backward the per-vocab-shard gradients are summed over TP either way."""
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-    if ctx.tp_size > 1:
-        if ctx.layout.sp:
-            hidden = gather_from_sequence_parallel_region(hidden, True, ctx.tp_group)
-        else:
-            hidden = _SumGradOverTP.apply(hidden, ctx.tp_group)
-    return hidden.transpose(0, 1)
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group. megatron's
-    ``copy_to_tensor_model_parallel_region`` does the same only for a contiguous gradient: it all-reduces
-    ``grad.contiguous()`` and returns ``grad``, so a strided one (ours arrives through the transpose above)
-    came back unsummed, each rank training on its own vocab shard's share (the final norm drifted apart)."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _output_weight(gpt: Any) -> torch.Tensor:
-    """This rank's output-layer rows; the word embedding when tied and both live on this stage."""
-    if gpt.share_embeddings_and_output_weights:
-        return gpt.shared_embedding_or_output_weight()
-    return gpt.output_layer.weight
 
 
 def _no_loss(output: torch.Tensor) -> tuple:

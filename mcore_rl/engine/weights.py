@@ -28,7 +28,8 @@ def unwrap(module: Any) -> Any:
     return module
 
 
-def _chunk_layer_offsets(arch: ModelArch, ctx: ParallelContext) -> list[int]:
+def chunk_layer_offsets(arch: ModelArch, ctx: ParallelContext) -> list[int]:
+    """The global index of the first layer of each of this rank's model chunks."""
     return [r.start for r in ctx.layout.stage_layers(arch.num_layers)[ctx.pp_rank]]
 
 
@@ -40,7 +41,7 @@ def local_parameters(
     tied = arch.tie_word_embeddings and not _has_value_head(chunks)
     experts = ctx.layout.local_experts(ctx.rank, arch.moe.num_experts) if arch.moe is not None else range(0)
     seen: set[str] = set()
-    for chunk, offset in zip(chunks, _chunk_layer_offsets(arch, ctx), strict=True):
+    for chunk, offset in zip(chunks, chunk_layer_offsets(arch, ctx), strict=True):
         for name, param in unwrap(chunk).named_parameters():
             key = canonical_key(name, offset, tied=tied, expert_offset=experts.start)
             if key in seen:  # two local tensors under one key would silently shadow each other

@@ -60,7 +60,14 @@ class GRPOStep(StepBase):
         )
         advantages, importance = self.lag_correction(advantages, old_log_probs, rollout, lag)
         self.note_no_signal(advantages, step)
-        batch = TrainBatch(rollout.tokens, rollout.response_mask, old_log_probs, advantages, ref_log_probs)
+        batch = TrainBatch(
+            rollout.tokens,
+            rollout.response_mask,
+            old_log_probs,
+            advantages,
+            ref_log_probs,
+            rollout.expert_choices,
+        )
         wait_update = self.submit_update_for(batch, step, recompute)
         wait_sync = self.submit_sync_and_memory()  # queued behind the update (see StepBase)
         with timer("update"):

@@ -197,6 +197,7 @@ class PPOStep(StepBase):
             batch.log_probs.actor_log_probs,
             batch.advantages,
             batch.log_probs.ref_log_probs,
+            r.expert_choices,
         )
 
     def warm_started(self) -> None:

@@ -58,7 +58,9 @@ def generate_scored(step: StepBase, prompts: PromptBatch, sampling: SamplingPara
     step.actors.sync_weights()
     rollout = step.actors.generate(RolloutRequest(ids, torch.arange(len(ids))), sampling)
     keep = rollout.prompt_index < len(prompts)
-    rollout = RolloutBatch(*(getattr(rollout, f.name)[keep] for f in dataclasses.fields(RolloutBatch)))
+    rows: dict[str, Any] = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(RolloutBatch)}
+    kept: dict[str, Any] = {name: None if value is None else value[keep] for name, value in rows.items()}
+    rollout = RolloutBatch(**kept)
     scores = step.score(rollout, prompts).scores
     step.actors.phase_memory()  # validation's phases are not the next step's
     return ScoredRollout(rollout, scores)

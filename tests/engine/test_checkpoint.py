@@ -188,10 +188,12 @@ def test_train_engine_saves_and_loads_across_layouts(run_distributed, tmp_path):
         assert diffs == {"load": 0.0, "step": 0.0}
 
 
-def _resume_matches_uninterrupted(directory: str, parallel: dict, resume_parallel: dict) -> float:
+def _resume_matches_uninterrupted(
+    directory: str, parallel: dict, resume_parallel: dict, family: str = "llama"
+) -> float:
     """Train 2 steps, checkpoint, train 1 more; a fresh engine restored from the checkpoint and trained 1 step
     must reach the same weights (Adam moments and step count restored, not just the weights)."""
-    arch = tiny_arch("llama")
+    arch = tiny_arch(family)
     optim = OptimConfig(weight_decay=0.0, lr=1e-2, adam_beta2=0.99)
 
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
@@ -221,6 +223,13 @@ def _resume_matches_uninterrupted(directory: str, parallel: dict, resume_paralle
 )
 def test_training_checkpoint_resumes_exactly(run_distributed, tmp_path, parallel, resume_parallel):
     diffs = run_distributed(_resume_matches_uninterrupted, str(tmp_path / "ckpt"), parallel, resume_parallel)
+    assert max(diffs) < 1e-6, diffs
+
+
+def test_moe_training_checkpoint_resumes_exactly_at_ep2(run_distributed, tmp_path):
+    """Experts' weights and Adam state (sharded over the expert-data-parallel group) come back exactly."""
+    ep2 = {"expert_model_parallel_size": 2}
+    diffs = run_distributed(_resume_matches_uninterrupted, str(tmp_path / "ckpt"), ep2, ep2, "qwen3_moe")
     assert max(diffs) < 1e-6, diffs
 
 

@@ -13,13 +13,14 @@ from mcore_rl.data.demo_task import write_demo_dataset
 from tests.models import tiny_hf_config
 
 
-def tiny_run_config(folder: str, overrides: list[str] | None = None) -> RunConfig:
-    """8 prompts x 4 samples per step on a 4-layer h64 Llama with the 14-symbol tokenizer."""
+def tiny_run_config(folder: str, overrides: list[str] | None = None, family: str = "llama") -> RunConfig:
+    """8 prompts x 4 samples per step on a 4-layer h64 Llama (or ``family``'s tiny test model) with the
+    14-symbol tokenizer."""
     paths = {s: os.path.join(folder, f"{s}.jsonl") for s in ("train", "val", "test", "sft")}
     if not os.path.exists(paths["train"]):
         sizes = {"train": 64, "val": 16, "test": 16, "sft": 64}
         write_demo_dataset({**paths, "tokenizer": os.path.join(folder, "tokenizer")}, seed=1, sizes=sizes)
-    hf: dict[str, Any] = tiny_hf_config("llama", vocab_size=14, max_position_embeddings=32)
+    hf: dict[str, Any] = tiny_hf_config(family, vocab_size=14, max_position_embeddings=32)
     base = [
         f"data.train_files=[{paths['train']}]",
         f"data.val_files=[{paths['val']}]",

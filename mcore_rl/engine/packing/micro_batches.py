@@ -4,6 +4,7 @@ padded for sequence parallelism, and the passes' per-row outputs joined back (pu
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -93,7 +94,9 @@ def joined(parts: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def slice_rows(batch: TrainBatch, rows: slice) -> TrainBatch:
-    return TrainBatch(*(getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)))
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    sliced: dict[str, Any] = {name: None if value is None else value[rows] for name, value in fields.items()}
+    return TrainBatch(**sliced)
 
 
 def record_chunks(batch: TrainBatch, size: int) -> list[TrainBatch]:
@@ -111,9 +114,23 @@ def pad_width(tensor: torch.Tensor, multiple: int, value: float) -> torch.Tensor
 def pad_record(batch: TrainBatch, multiple: int, pad_id: int) -> TrainBatch:
     if multiple == 1:
         return batch
-    padded = {f.name: pad_width(getattr(batch, f.name), multiple, 0.0) for f in dataclasses.fields(batch)}
+    padded: dict[str, torch.Tensor | None] = {
+        f.name: pad_width(getattr(batch, f.name), multiple, 0.0)
+        for f in dataclasses.fields(batch)
+        if f.name != "expert_choices"
+    }
     padded["tokens"] = pad_width(batch.tokens, multiple, pad_id)
-    return TrainBatch(**padded)
+    padded["expert_choices"] = pad_positions(batch.expert_choices, multiple)
+    return TrainBatch(**padded)  # type: ignore[arg-type]
+
+
+def pad_positions(choices: torch.Tensor | None, multiple: int) -> torch.Tensor | None:
+    """[N, S, L, k] routing records right-padded along the positions to a multiple of ``multiple``, with -1
+    (nothing routed there)."""
+    if choices is None:
+        return None
+    extra = -choices.shape[1] % multiple
+    return torch.nn.functional.pad(choices, (0, 0, 0, 0, 0, extra), value=-1) if extra else choices
 
 
 def mini_batch_slices(num_rows: int, num_mini_batches: int) -> list[slice]:

@@ -109,8 +109,12 @@ def select_rows(record: T, rows: Sequence[int], width: int | None = None) -> T:
     seq = record.tokens.shape[1]  # type: ignore[attr-defined]
     values: dict[str, Any] = {}
     for field in dataclasses.fields(record):  # type: ignore[arg-type]
-        value = getattr(record, field.name)[index]
-        if width is not None and value.dim() == 2 and value.shape[1] == seq:
+        value = getattr(record, field.name)
+        if value is None:  # an optional field (e.g. a dense model's expert_choices)
+            values[field.name] = None
+            continue
+        value = value[index]
+        if width is not None and value.dim() >= 2 and value.shape[1] == seq:
             value = value[:, :width]
         values[field.name] = value
     return type(record)(**values)

@@ -102,6 +102,13 @@ class GenerationOutput:
     """[N] int64: response tokens per sequence, a final stop token included."""
     finish_reasons: list[str] = field(default_factory=list)
     """[N] ``'stop'`` or ``'length'``."""
+    prompt_experts: list[Tensor] | None = None
+    """Mixture-of-experts models, when the engine records its routing: per prompt ``j`` (not per sample: the
+    ``n`` samples share its prefill) [len_j, L, k] int16, the experts each MoE layer chose for each prompt
+    token."""
+    response_experts: Tensor | None = None
+    """[N, max_new_tokens, L, k] int16 with ``prompt_experts``: the experts chosen for response token ``t`` when
+    it was fed back in; -1 where it never was (the last token, padding)."""
 
     def __post_init__(self) -> None:
         num = self.prompt_index.shape[0]

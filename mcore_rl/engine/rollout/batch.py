@@ -45,7 +45,24 @@ def rollout_batch(
         response_ids=torch.where(valid, out.token_ids, pad_id),
         response_lengths=out.lengths.long(),
         prompt_index=prompt_index.long()[local],
+        expert_choices=_expert_choices(out, local, lengths, columns, width),
     )
+
+
+def _expert_choices(
+    out: GenerationOutput, local: Tensor, lengths: Tensor, columns: Tensor, width: int
+) -> Tensor | None:
+    """[N, S, L, k] int16 of the recorded routing, position-aligned like the tokens; -1 elsewhere."""
+    if out.prompt_experts is None or out.response_experts is None:
+        return None
+    layers, k = out.response_experts.shape[2:]
+    prompts = torch.full((len(out.prompt_experts), int(lengths.max()), layers, k), -1, dtype=torch.int16)
+    for j, experts in enumerate(out.prompt_experts):
+        prompts[j, : experts.shape[0]] = experts
+    choices = torch.full((local.shape[0], width, layers, k), -1, dtype=torch.int16)
+    choices[:, : prompts.shape[1]] = prompts[local]
+    index = columns[:, :, None, None].expand(-1, -1, layers, k)
+    return choices.scatter_(1, index, out.response_experts.to(torch.int16))
 
 
 def common_width(batches: Sequence[RolloutBatch], pad_id: int) -> list[RolloutBatch]:
@@ -65,6 +82,11 @@ def common_width(batches: Sequence[RolloutBatch], pad_id: int) -> list[RolloutBa
             response_ids=pad(b.response_ids, new, pad_id),
             response_lengths=b.response_lengths,
             prompt_index=b.prompt_index,
+            expert_choices=None
+            if b.expert_choices is None
+            else torch.nn.functional.pad(
+                b.expert_choices, (0, 0, 0, 0, 0, seq - b.tokens.shape[1]), value=-1
+            ),
         )
         for b in batches
     ]

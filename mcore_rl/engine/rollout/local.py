@@ -18,7 +18,8 @@ calls reuse it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,8 @@ class _Outputs:
     log_probs: Tensor  # [N, max_new] fp32, zeros
     lengths: Tensor  # [N] int64, max_new until a stop token says otherwise
     stopped: Tensor  # [N] bool
+    prompt_experts: list[Tensor] | None = None  # MoE routing records (``record_routing``), per prompt
+    response_experts: Tensor | None = None  # [N, max_new, L, k] int16, -1 where nothing was routed
 
 
 class LocalRolloutEngine:
@@ -107,6 +110,12 @@ class LocalRolloutEngine:
         self._cache: KVCache | None = None
         self._conversations = ConversationCache(self.decoder, self.config.dtype, self.device)
         """Multi-turn rollouts: each conversation's KV cache between turns (``continue_conversations``)."""
+        self.prefill_routing: Tensor | None = None
+        """[prompts, width, L, k] int16: the last prefill's routing (MoE models, while recording)."""
+        self.record_routing = arch.moe is not None
+        """Mixture-of-experts models: ``generate`` returns the experts each token was routed to
+        (``GenerationOutput.prompt_experts`` / ``response_experts``), for router replay and the routing-agreement
+        metric."""
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     @property
@@ -195,6 +204,11 @@ class LocalRolloutEngine:
             lengths=torch.full((num,), max_new, dtype=torch.long, device=self.device),
             stopped=torch.zeros(num, dtype=torch.bool, device=self.device),
         )
+        if self.record_routing and self.arch.moe is not None:
+            moe = self.arch.moe
+            out.prompt_experts = [torch.empty(0)] * len(prompts)
+            shape = (num, max_new, len(moe.layers), moe.top_k)
+            out.response_experts = torch.full(shape, -1, dtype=torch.int16, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self._resolve_seed(params.seed))
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         for first, last in self._waves(prompts, params):
@@ -206,6 +220,8 @@ class LocalRolloutEngine:
             log_probs=out.log_probs.cpu(),
             lengths=out.lengths.cpu(),
             finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in out.stopped.tolist()],
+            prompt_experts=out.prompt_experts,
+            response_experts=None if out.response_experts is None else out.response_experts.cpu(),
         )
 
     @torch.inference_mode()
@@ -316,10 +332,15 @@ class LocalRolloutEngine:
             tokens[row, width - len(prompt) :] = torch.as_tensor(prompt)
         tokens = tokens.to(self.device)
         per_chunk = max(1, self.config.max_prefill_tokens // width)
-        logits = []
+        logits: list[Tensor] = []
+        routing: list[Tensor] = []
         for i in range(0, len(prompts), per_chunk):
             rows = slice(i, min(i + per_chunk, len(prompts)))
-            logits.append(self.decoder.prefill(tokens[rows], None if pad is None else pad[rows], cache, rows))
+            with _routing_of(self.decoder, routing, (rows.stop - rows.start, width)):
+                logits.append(
+                    self.decoder.prefill(tokens[rows], None if pad is None else pad[rows], cache, rows)
+                )
+        self.prefill_routing = torch.cat(routing) if routing else None
         return torch.cat(logits), pad
 
     def _run_wave(
@@ -336,7 +357,12 @@ class LocalRolloutEngine:
         width = max(len(p) for p in prompts)
         num = len(prompts) * n
         cache = self._cache_for(num, width + max_new)
-        logits, pad = self._prefill(prompts, width, cache)
+        self.decoder.routing = None
+        logits, pad = (
+            self._prefill(prompts, width, cache)
+            if out.prompt_experts is None
+            else self._recorded_prefill(prompts, width, cache, first_row // n, out)
+        )
         if n > 1:
             cache.repeat_rows(len(prompts), n, width)
             logits = logits.repeat_interleave(n, 0)
@@ -364,13 +390,45 @@ class LocalRolloutEngine:
                     rows, tokens = rows[keep], tokens[keep]
                     pad = None if pad is None else pad[keep]
                     running = None
-            logits = self.decoder.decode(tokens, width + step, pad, cache)
+            if out.response_experts is None:
+                logits = self.decoder.decode(tokens, width + step, pad, cache)
+                continue
+            routing: list[Tensor] = []
+            with _routing_of(self.decoder, routing, (tokens.shape[0], 1)):
+                logits = self.decoder.decode(tokens, width + step, pad, cache)
+            out.response_experts[rows, step] = routing[0][:, 0].to(torch.int16)  # token ``step`` as input
+
+    def _recorded_prefill(
+        self, prompts: Sequence[Sequence[int]], width: int, cache: KVCache, first_prompt: int, out: _Outputs
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`_prefill`, keeping each prompt's routing (its last ``len`` columns: prompts are left-padded)."""
+        logits, pad = self._prefill(prompts, width, cache)
+        assert out.prompt_experts is not None and self.prefill_routing is not None
+        for row, prompt in enumerate(prompts):
+            out.prompt_experts[first_prompt + row] = self.prefill_routing[row, width - len(prompt) :].cpu()
+        return logits, pad
 
     def _stop_check_interval(self) -> int:
         interval = self.config.stop_check_interval
         if interval is not None:
             return interval
         return 1 if self.device.type == "cpu" else 8
+
+
+@contextlib.contextmanager
+def _routing_of(decoder: RolloutDecoder, sink: list[Tensor], shape: tuple[int, int]) -> Iterator[None]:
+    """While the block runs a forward of ``shape`` = [b, s] tokens, the decoder's MoE layers record their
+    choices; afterwards ``sink`` gets them as one [b, s, L, k] int16 tensor (nothing for a dense model)."""
+    if decoder.arch.moe is None:
+        yield
+        return
+    decoder.routing = []
+    try:
+        yield
+        layers = [choices.view(*shape, -1) for choices in decoder.routing]  # each [b * s, k]
+        sink.append(torch.stack(layers, dim=2).to(torch.int16))
+    finally:
+        decoder.routing = None
 
 
 def _record(
@@ -406,3 +464,6 @@ def _finish(out: _Outputs, stop_ids: Tensor) -> None:
     hit = torch.isin(out.token_ids, stop_ids)
     out.stopped = hit.any(dim=1)
     out.lengths = torch.where(out.stopped, hit.int().argmax(dim=1) + 1, out.lengths)
+    if out.response_experts is not None:  # a finished row decoded padding until the next stop check
+        steps = torch.arange(out.token_ids.shape[1], device=out.lengths.device)
+        out.response_experts[steps[None, :] >= out.lengths[:, None]] = -1

@@ -12,8 +12,9 @@ for samples); the others return None.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from mcore_rl.engine.packing.micro_batches import (
     micro_parts,
     mini_batch_slices,
     packed,
+    pad_positions,
     pad_record,
     pad_width,
     positions,
@@ -137,6 +139,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         # vLLM first: on a GPU it checks at construction that its share of the device is still free.
         vllm = build_vllm_rollout(spec.arch, ctx, spec.rollout_tp, spec.vllm) if spec.vllm else None
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
+        if spec.arch.moe is not None:  # the routing-agreement metric, and router replay when asked
+            self.engine.watch_routing().set_replay(spec.router_replay)
         if spec.load_dir is not None:
             self.engine.load_model(spec.load_dir)
         elif spec.hf_path is not None:
@@ -165,8 +169,12 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if self.hybrid.phase is Phase.ROLLOUT:
             return {}
         transition = self.hybrid.to_rollout()
+        received = transition.reshard.bytes_received if transition.reshard is not None else 0
         return {
             **{f"time/sync_{k}_s": v for k, v in transition.steps_s.items()},  # offload, reshard, load
+            # what this rank received (the plan's minimum for it), and what all ranks received (the plan's)
+            "sync/received_bytes": float(received),
+            "sync/received_bytes_all_ranks": float(self.hybrid.received_bytes_all_ranks()),
             "memory/rollout_phase_bytes": float(transition.memory_bytes),
             # vLLM's own weights and KV cache, resident in every phase where it cannot sleep (CPU)
             **(self.rollout.memory().metrics() if isinstance(self.rollout, VLLMRolloutEngine) else {}),
@@ -245,9 +253,11 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         multiple = self.ctx.sequence_multiple
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         masks = pad_width(batch.response_mask, multiple, 0.0).split(micro_batch_size)
+        choices = pad_positions(batch.expert_choices, multiple)
+        routing = [None] * len(masks) if choices is None else list(choices.split(micro_batch_size))
         return [  # only the response positions are projected (0 elsewhere)
-            self._packed(LogProbMicroBatch(t, positions(t), mask=m), m)
-            for t, m in zip(row_chunks(tokens, micro_batch_size), masks, strict=True)
+            self._packed(LogProbMicroBatch(t, positions(t), expert_choices=c, mask=m), m)
+            for t, m, c in zip(row_chunks(tokens, micro_batch_size), masks, routing, strict=True)
         ]
 
     @measured("update")
@@ -307,12 +317,17 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         steps = skipped = 0
         log_probs = None
         router: list[RouterLosses] = []
-        for _ in range(ppo_epochs):
-            for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
+        agreement: float | None = None
+        for epoch in range(ppo_epochs):
+            for index, rows in enumerate(mini_batch_slices(batch.tokens.shape[0], num_mini_batches)):
                 mini = slice_rows(batch, rows)
-                metrics, log_probs = self._optimizer_step(
-                    mini, settings, micro_batch_size, on_nonfinite, token_budget
-                )
+                first = epoch == 0 and index == 0  # the weights that sampled the rollout (lag 0)
+                with self._routing_counted(first):
+                    metrics, log_probs = self._optimizer_step(
+                        mini, settings, micro_batch_size, on_nonfinite, token_budget
+                    )
+                if first and self.engine.routing is not None:
+                    agreement = self.engine.routing.take_agreement()
                 if metrics is None:
                     skipped += 1
                     continue
@@ -334,6 +349,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             num_skipped=skipped,
             moe_load_balancing_loss=_mean_of([r.load_balancing for r in router]),
             moe_z_loss=_mean_of([r.z_loss for r in router]),
+            moe_router_agreement=agreement,
         )
         return stats, None if log_probs is None else log_probs[:, :width]
 
@@ -354,7 +370,10 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         parts = micro_parts(ctx.layout, mini, micro_batch_size, token_budget)
         micro: list[MicroBatch] = [
             self._packed(
-                PolicyMicroBatch(part.tokens, positions(part.tokens), train=part), part.response_mask
+                PolicyMicroBatch(
+                    part.tokens, positions(part.tokens), expert_choices=part.expert_choices, train=part
+                ),
+                part.response_mask,
             )
             for _, part in parts
         ]
@@ -373,6 +392,19 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         if out:
             dist.all_reduce(local, group=ctx.dp_group)
         return torch.cat([local, torch.tensor([result.grad_norm])]), log_probs
+
+    @contextlib.contextmanager
+    def _routing_counted(self, counted: bool) -> Iterator[None]:
+        """MoE models: within the block the routers count how often they agree with the rollout's choices."""
+        routing = self.engine.routing
+        if routing is None or not counted:
+            yield
+            return
+        routing.counts.active = True
+        try:
+            yield
+        finally:
+            routing.counts.active = False
 
     def set_optim(self, optim: OptimConfig, total_optimizer_steps: int) -> None:
         """Continue with the same optimizer state under new hyper-parameters and a fresh LR schedule

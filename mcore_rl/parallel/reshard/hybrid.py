@@ -118,6 +118,14 @@ class HybridEngine:
             self._restore()
         return self._record(Phase.TRAIN, start, steps, None)
 
+    def received_bytes_all_ranks(self) -> int:
+        """Bytes every rank together receives per reshard: the plan's total at the rollout dtype."""
+        if self.config.rollout_dtype:
+            element = getattr(torch, self.config.rollout_dtype).itemsize
+        else:  # the training dtype travels
+            element = next(iter(self.local_params().values())).element_size()
+        return sum(self.plan.received_bytes().values()) * element // self.plan.bytes_per_element
+
     def generate(self, prompts: Any, params: Any) -> Any:
         """``rollout_engine.generate`` in the ROLLOUT phase, guarded like the transitions."""
         self._expect(Phase.ROLLOUT)

@@ -1,0 +1,112 @@
+"""The language-model head seen by a :class:`HeadLoss`: the last stage hands the loss its final hidden states
+and its vocab shard of the output weight instead of logits, so a loss reading log-probs at a few positions
+projects only those (the fused ``linear_logprob_entropy`` op streams vocab chunks; the [tokens x vocab] logits
+are never materialised). ``engine/train_engine.py`` runs it inside megatron's schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+from mcore_rl.ops import linear_logprob_entropy
+from mcore_rl.parallel.context import ParallelContext
+
+if TYPE_CHECKING:
+    from mcore_rl.engine.train_engine import MicroBatch
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True)
+class LMHeadInput:
+    """What a :class:`HeadLoss` gets on the last pipeline stage instead of logits."""
+
+    hidden: torch.Tensor
+    """[b, s, h] final hidden states (after the final norm), every position on every TP rank; its gradient is
+    summed over TP in backward (each rank only sees its vocab shard)."""
+    weight: torch.Tensor
+    """[V_padded/tp, h] this rank's rows of the output layer (the embedding when they are tied)."""
+    ctx: ParallelContext
+    """The parallel layout (TP group and rank of the vocab shard)."""
+
+    def token_log_probs(
+        self, tokens: torch.Tensor, keep: torch.Tensor, vocab_size: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([b, s] log-prob of the next token, [b, s] entropy), computed only where ``keep`` [b, s] (bool) is
+        set and 0 elsewhere; differentiable w.r.t. the hidden states and the output weight."""
+        labels = torch.roll(tokens, -1, dims=1)  # the last column wraps around; never kept by a response mask
+        hidden = self.hidden[keep]
+        log_probs, entropy = linear_logprob_entropy(
+            hidden.to(self.weight.dtype),
+            self.weight,
+            labels[keep],
+            vocab_start=self.ctx.tp_rank * self.weight.shape[0],
+            vocab_size=vocab_size,
+            temperature=temperature,
+            tp_group=self.ctx.tp_group if self.ctx.tp_size > 1 else None,
+        )
+        zeros = torch.zeros(tokens.shape, dtype=log_probs.dtype, device=log_probs.device)
+        return zeros.masked_scatter(keep, log_probs), zeros.masked_scatter(keep, entropy)
+
+
+@dataclass(frozen=True)
+class HeadLoss(Generic[M]):
+    """A loss over the final hidden states and the output weight (see the module docstring)."""
+
+    fn: Callable[[LMHeadInput, MicroBatch], tuple[torch.Tensor, M]]
+    """(head input, micro-batch) -> (loss scalar, record), as :data:`LossFn`."""
+
+
+@contextmanager
+def skip_output_layer(gpt: Any) -> Iterator[None]:
+    """The last stage's GPTModel returns its final hidden states: with ``post_process`` off, megatron's
+    ``_postprocess`` returns before the output layer (the final norm lives in the decoder block)."""
+    if gpt.config.mtp_num_layers:
+        raise ValueError("HeadLoss does not support multi-token prediction layers (mtp_num_layers)")
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = True
+
+
+def full_hidden(hidden: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """[b, s, h] on every TP rank, as megatron's column-parallel output layer sees its input: gathered over
+    the sequence with SP; in backward the per-vocab-shard gradients are summed over TP either way."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    if ctx.tp_size > 1:
+        if ctx.layout.sp:
+            hidden = gather_from_sequence_parallel_region(hidden, True, ctx.tp_group)
+        else:
+            hidden = _SumGradOverTP.apply(hidden, ctx.tp_group)
+    return hidden.transpose(0, 1)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group. megatron's
+    ``copy_to_tensor_model_parallel_region`` does the same only for a contiguous gradient: it all-reduces
+    ``grad.contiguous()`` and returns ``grad``, so a strided one (ours arrives through the transpose above)
+    came back unsummed, each rank training on its own vocab shard's share (the final norm drifted apart)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def output_weight(gpt: Any) -> torch.Tensor:
+    """This rank's output-layer rows; the word embedding when tied and both live on this stage."""
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
