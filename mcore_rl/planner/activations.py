@@ -22,20 +22,30 @@ with 1F1B, and ``pp * (1 + (pp - 1) / (pp * vpp))`` with the interleaved schedul
 The last stage also holds one micro-batch's logits: the output layer's ``s b V_pad / t`` in the compute
 dtype, and in bf16 one fp32 copy for the loss (an upper bound for our fused log-prob op, which keeps its fp32
 temporaries to a chunk of rows).
+
+Mixture-of-experts layers keep the same attention side and norms (the router's input is the pre-MLP norm's
+output, the "fc1 input" above) but no dense MLP: their expert activations and router tensors are their own
+terms, sized in ``moe.py`` and summed here over the stage's MoE layers. Full recompute keeps only the layer
+inputs of MoE layers too, plus one layer's whole set (the largest of the stage's layers).
 """
 
 from __future__ import annotations
 
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
+from mcore_rl.planner.moe import expert_activation_bytes, router_bytes
 from mcore_rl.planner.spec import PlanInput
 
 TOKEN_ID_BYTES = 16
 """Per token on the first stage: int64 token ids and int64 position ids."""
 
+ACTIVATION_TERMS = ("activations", "expert activations", "router logits")
+"""The stored-activation terms of the train phase; the last two only for mixture-of-experts models."""
 
-def layer_activation_bytes(plan: PlanInput, recompute: str | None = None) -> float:
-    """Bytes one layer stores for one micro-batch on one GPU (see the module docstring)."""
+
+def layer_activation_bytes(plan: PlanInput, recompute: str | None = None, moe: bool = False) -> float:
+    """Bytes one layer stores for one micro-batch on one GPU (see the module docstring); for an MoE layer
+    (``moe``) without its expert activations and router tensors (``moe.py``)."""
     arch = plan.arch
     recompute = recompute or plan.recompute
     e = 2 if plan.bf16 else 4
@@ -45,12 +55,21 @@ def layer_activation_bytes(plan: PlanInput, recompute: str | None = None) -> flo
         return e * tokens * arch.hidden_size / sequence_split
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
+    mlp = 0 if moe else 3 * arch.ffn_hidden_size
     hidden_width = 4 * tokens * arch.hidden_size / sequence_split
-    tp_split = tokens * (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) / plan.tp
+    tp_split = tokens * (2 * q + 2 * kv + mlp) / plan.tp
     scores = 0.0
     if recompute == "none" and not plan.flash_attention:
         scores = arch.num_attention_heads * plan.seq_length * tokens / plan.tp
     return e * (hidden_width + tp_split + scores)
+
+
+def _layer_terms(plan: PlanInput, moe: bool, recompute: str | None = None) -> tuple[float, int, int]:
+    """(dense-side bytes, expert activations, router tensors) one layer stores for one micro-batch."""
+    dense = layer_activation_bytes(plan, recompute, moe)
+    if not moe or (recompute or plan.recompute) == "full":
+        return dense, 0, 0
+    return dense, expert_activation_bytes(plan), router_bytes(plan)
 
 
 def microbatches_in_flight(plan: PlanInput) -> float:
@@ -62,15 +81,23 @@ def microbatches_in_flight(plan: PlanInput) -> float:
     return float(min(plan.pp, plan.num_microbatches))
 
 
-def activation_bytes(plan: PlanInput) -> int:
-    """Peak stored activations of the first stage (the most loaded one under 1F1B)."""
-    layers = plan.arch.num_layers // plan.pp
-    in_flight = microbatches_in_flight(plan)
+def activation_terms(plan: PlanInput) -> dict[str, int]:
+    """Peak stored activations of the first stage (the most loaded one under 1F1B), by term: the dense side
+    of every layer and the token ids (``activations``), and for MoE models the experts' and routers'."""
+    arch = plan.arch
+    layers = [i for chunk in plan.layout.stage_layers(arch.num_layers)[0] for i in chunk]
+    kinds = [arch.is_moe_layer(i) for i in layers]
     tokens = plan.seq_length * plan.micro_batch_size
-    stored = (layers * layer_activation_bytes(plan) + TOKEN_ID_BYTES * tokens) * in_flight
-    if plan.recompute == "full":
-        stored += layer_activation_bytes(plan, recompute="selective")  # the layer being recomputed
-    return int(stored)
+    per_layer = [_layer_terms(plan, moe) for moe in kinds]
+    stored = [sum(term[j] for term in per_layer) for j in range(3)]
+    stored[0] += TOKEN_ID_BYTES * tokens
+    in_flight = microbatches_in_flight(plan)
+    stored = [value * in_flight for value in stored]
+    if plan.recompute == "full":  # the layer being recomputed holds its whole set
+        recomputed = max((_layer_terms(plan, moe, recompute="selective") for moe in set(kinds)), key=sum)
+        stored = [value + extra for value, extra in zip(stored, recomputed, strict=True)]
+    names = ACTIVATION_TERMS if arch.moe is not None else ACTIVATION_TERMS[:1]
+    return {name: int(value) for name, value in zip(names, stored, strict=False)}
 
 
 def logits_bytes(plan: PlanInput) -> int:

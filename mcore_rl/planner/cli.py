@@ -3,7 +3,8 @@
     mcore-rl plan RECIPE [key=value ...] [--gpu A100-80] [--recompute none|selective|full]
                   [--model-config config.json]
     mcore-rl plan --model-config config.json --gpu A100-80 --nodes 1 --gpus-per-node 8 --tp 2 [--pp 1]
-                  [--vpp V] [--sp] [--seq-length 4096] [--micro-batch-size 1] [--global-batch-size 256]
+                  [--vpp V] [--sp] [--ep E] [--etp T] [--seq-length 4096] [--micro-batch-size 1]
+                  [--global-batch-size 256]
                   [--rollout-tp 2] [--rollout-memory-fraction 0.5] [--critic] [--reference] [--fp32]
 
 With a recipe the layout, batch and rollout settings come from the run config (``key=value`` overrides as
@@ -35,6 +36,8 @@ _LAYOUT_FLAGS = {
     "pp": 1,
     "vpp": None,
     "sp": False,
+    "ep": 1,
+    "etp": None,
     "seq_length": 4096,
     "micro_batch_size": 1,
     "global_batch_size": 256,
@@ -45,6 +48,10 @@ _LAYOUT_FLAGS = {
     "fp32": False,
 }
 
+_FLAG_HELP = {
+    "ep": "expert-parallel size, mixture-of-experts models (default 1)",
+    "etp": "expert tensor-parallel size, mixture-of-experts models (default: --tp)",
+}
 
 EXIT_STATUS = "exit status: 0 fits, 1 DOES NOT FIT (a smaller layout that fits is proposed), 2 bad input"
 """Also the ``--help`` epilog. Bad input is 2 here, not 1 as elsewhere in ``mcore-rl``: 1 means "does not
@@ -77,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flags.add_argument(option, action="store_true", default=None)
         else:
             kind = float if isinstance(default, float) else int
-            flags.add_argument(option, type=kind, default=None, help=f"default {default}")
+            help_text = _FLAG_HELP.get(name, f"default {default}")
+            flags.add_argument(option, type=kind, default=None, help=help_text)
 
 
 def run(args: argparse.Namespace) -> int:

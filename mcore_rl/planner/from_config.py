@@ -4,7 +4,8 @@ Which key feeds which planner field (the run config stays the one schema; the pl
 
     trainer.nnodes * trainer.n_gpus_per_node    world_size (training and rollout colocated on all GPUs)
     trainer.n_gpus_per_node                     gpus_per_node
-    parallel.*                                  tp, pp, vpp, sp
+    parallel.*                                  tp, pp, vpp, sp, ep (expert_model_parallel_size),
+                                                etp (expert_tensor_parallel_size)
     data.max_prompt_length + max_response_length  seq_length (the longest training sequence)
     algorithm.ppo_micro_batch_size_per_gpu      micro_batch_size
     algorithm.ppo_mini_batch_size * rollout.n   global_batch_size (sequences per optimizer step)
@@ -41,6 +42,8 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         pp=par.pipeline_model_parallel_size,
         vpp=par.virtual_pipeline_model_parallel_size,
         sp=par.sequence_parallel,
+        ep=par.expert_model_parallel_size,
+        etp=par.expert_tensor_parallel_size,
         seq_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
         micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
         global_batch_size=algo.ppo_mini_batch_size * rollout.n,

@@ -7,15 +7,27 @@ them (gradients reduced in fp32)::
     bf16:  2 (weights) + 4 (fp32 grads) + 12 / d (fp32 main params + Adam m, v)   = 6 + 12/d
     fp32:  4 (weights) + 4 (grads)      +  8 / d (Adam m, v; the weights are the main params)
 
-(without the distributed optimizer ``d`` is 1). The phases follow the hybrid engine's state machine
-(``mcore_rl.parallel.reshard.hybrid``):
+(without the distributed optimizer ``d`` is 1). A mixture-of-experts model's experts follow the same table
+with the expert-data-parallel size ``edp = world / (etp * ep * pp)`` in place of ``d`` (megatron keeps them in
+their own grad buffers and optimizer, sharded over the expert-DP group), and are reported apart: ``weights``,
+``gradients`` and ``optimizer`` are then the dense parameters' (attention, norms, routers, embeddings, dense
+MLP layers), ``expert weights``, ``expert gradients`` and ``expert optimizer`` the ``E / ep`` experts of each
+MoE layer that this rank holds, each split over ETP (``params.py``).
+
+The phases follow the hybrid engine's state machine (``mcore_rl.parallel.reshard.hybrid``):
 
     train    actor (and critic) weights + grads + optimizer, reference weights, activations, logits,
-             and the rollout weights when the rollout sleeps at level 1 (level 1 frees only the KV cache)
+             and the rollout weights when the rollout sleeps at level 1 (level 1 frees only the KV cache);
+             for MoE also the experts' activations, the routers' tensors and the dispatcher's buffers
+             (``moe.py``)
     switch   train -> rollout after offloading optimizer / grad buffers: training weights + the rollout
              weights being filled + the reshard round's in-flight messages
     rollout  what training leaves on the GPU + the rollout engine's reservation, a fixed fraction of the
              total (vLLM ``gpu_memory_utilization``): its weights, its activation peak, the KV cache
+
+The rollout engine (vLLM, without expert parallelism) holds every expert on every rollout TP rank, each
+split over the rollout TP: for an MoE model its weights are not the training rank's, and the reshard moves
+each training rank's experts to every rollout rank that needs a slice of them.
 
 Each phase must fit ``GPU memory - reserved_bytes``; the run needs ``max`` over the phases, not their sum.
 Each term is taken at its own worst pipeline stage (weights at the most loaded one, activations at the
@@ -27,41 +39,54 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY, rollout_param_shapes
+from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
-from mcore_rl.planner.activations import activation_bytes, logits_bytes
-from mcore_rl.planner.params import model_params, rank_params
+from mcore_rl.planner.activations import activation_terms, logits_bytes
+from mcore_rl.planner.moe import dispatcher_bytes, rollout_mlp_token_bytes, rollout_weight_numel
+from mcore_rl.planner.params import active_params, model_params, rank_split
 from mcore_rl.planner.spec import PlanInput
 
 
 @dataclass(frozen=True)
 class TrainState:
-    """One trained model's static bytes on one GPU (its most loaded pipeline stage)."""
+    """One trained model's static bytes on one GPU (its most loaded pipeline stage). Each total includes the
+    rank's experts; the ``expert_*`` fields are their part (0 for a dense model)."""
 
     params: int
     """Parameters this rank holds."""
     weights_bytes: int
     grads_bytes: int
     optimizer_bytes: int
+    expert_params: int = 0
+    """Of :attr:`params`, the experts' (``E / ep`` per MoE layer, each split over ETP)."""
+    expert_weights_bytes: int = 0
+    expert_grads_bytes: int = 0
+    expert_optimizer_bytes: int = 0
+    """The experts' fp32 main params and moments, sharded over the expert-data-parallel ranks."""
 
 
 def train_state(plan: PlanInput, value_head: bool = False) -> TrainState:
-    _, params = rank_params(plan.arch, plan.layout, value_head)
-    shards = plan.dp if plan.use_distributed_optimizer else 1
+    _, split = rank_split(plan.arch, plan.layout, value_head)
+    dense_shards, expert_shards = (plan.dp, plan.expert_dp) if plan.use_distributed_optimizer else (1, 1)
     weight_size = 2 if plan.bf16 else 4
     optimizer_per_param = 12 if plan.bf16 else 8  # fp32 main params (bf16 only) + Adam's two moments
+    expert_optimizer = math.ceil(optimizer_per_param * split.expert / expert_shards)
     return TrainState(
-        params=params,
-        weights_bytes=weight_size * params,
-        grads_bytes=4 * params,
-        optimizer_bytes=math.ceil(optimizer_per_param * params / shards),
+        params=split.total,
+        weights_bytes=weight_size * split.total,
+        grads_bytes=4 * split.total,
+        optimizer_bytes=math.ceil(optimizer_per_param * split.dense / dense_shards) + expert_optimizer,
+        expert_params=split.expert,
+        expert_weights_bytes=weight_size * split.expert,
+        expert_grads_bytes=4 * split.expert,
+        expert_optimizer_bytes=expert_optimizer,
     )
 
 
 def rollout_weight_bytes(plan: PlanInput) -> int:
-    """One rollout TP rank's weights in the rollout layout (training dtype: the reshard keeps it)."""
-    numel = sum(math.prod(shape) for shape in rollout_param_shapes(plan.arch, plan.rollout_tp).values())
-    return numel * (2 if plan.bf16 else 4)
+    """One rollout TP rank's weights in the rollout layout (training dtype: the reshard keeps it); for an
+    MoE model all experts, each split over the rollout TP (``moe.rollout_weight_numel``)."""
+    return rollout_weight_numel(plan.arch, plan.rollout_tp) * (2 if plan.bf16 else 4)
 
 
 def kv_bytes_per_token(plan: PlanInput) -> int:
@@ -80,13 +105,13 @@ def kv_bytes_per_token(plan: PlanInput) -> int:
 def rollout_activation_bytes(plan: PlanInput) -> int:
     """Peak of one rollout forward over ``rollout_max_batched_tokens`` tokens (an estimate of what vLLM's
     profiling run measures): the residual stream, the norm output, the MLP's gate/up output and its
-    activation, ``2h + 3f / tp`` per token, plus the sampler's fp32 logits gathered to the full vocab for
-    ``rollout_max_num_seqs`` sequences."""
+    activation, ``2h + 3f / tp`` per token (an MoE layer's fused-expert caches instead, ``moe.py``), plus the
+    sampler's fp32 logits gathered to the full vocab for ``rollout_max_num_seqs`` sequences."""
     arch, rtp = plan.arch, plan.rollout_tp
     e = 2 if plan.bf16 else 4
-    per_token = 2 * arch.hidden_size + 3 * arch.ffn_hidden_size // rtp
+    per_token = 2 * arch.hidden_size * e + rollout_mlp_token_bytes(plan)
     vocab = padded_vocab_size(arch.vocab_size, rtp, VOCAB_DIVISIBLE_BY)
-    return e * plan.rollout_max_batched_tokens * per_token + 4 * plan.rollout_max_num_seqs * vocab
+    return plan.rollout_max_batched_tokens * per_token + 4 * plan.rollout_max_num_seqs * vocab
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,8 @@ class MemoryPlan:
     plan: PlanInput
     model_params: int
     """Whole-model parameter count (real vocab)."""
+    active_params: int
+    """Parameters one token uses (MoE: ``top_k`` of each layer's experts); ``model_params`` when dense."""
     actor: TrainState
     train: PhaseMemory
     switch: PhaseMemory
@@ -146,8 +173,16 @@ def _training_state_terms(plan: PlanInput) -> tuple[dict[str, int], dict[str, in
     """(weights of every colocated model, their grads and optimizer state, the actor's state)."""
     actor = train_state(plan)
     critic = train_state(plan, value_head=True) if plan.critic else None
-    weights: dict[str, int] = {"weights": actor.weights_bytes}
-    state = {"gradients": actor.grads_bytes, "optimizer": actor.optimizer_bytes}
+    weights: dict[str, int] = {"weights": actor.weights_bytes - actor.expert_weights_bytes}
+    state = {
+        "gradients": actor.grads_bytes - actor.expert_grads_bytes,
+        "optimizer": actor.optimizer_bytes - actor.expert_optimizer_bytes,
+    }
+    if plan.arch.moe is not None:
+        weights["expert weights"] = actor.expert_weights_bytes
+        state.update(
+            {"expert gradients": actor.expert_grads_bytes, "expert optimizer": actor.expert_optimizer_bytes}
+        )
     if critic:
         weights["critic weights"] = critic.weights_bytes
         state.update({"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes})
@@ -184,15 +219,17 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
         if not offloaded:
             kept[name] = size
 
-    train_terms = {**weights, **state, "activations": activation_bytes(plan), "logits": logits_bytes(plan)}
+    train_terms = {**weights, **state, **activation_terms(plan), "logits": logits_bytes(plan)}
+    if plan.arch.moe is not None:
+        train_terms["dispatcher buffers"] = dispatcher_bytes(plan)
     if plan.sleep_level == 1:
         train_terms["rollout weights (asleep)"] = rollout_weights
     switch_terms = {
         **kept,
         "rollout weights": rollout_weights,
-        # A round's messages hold real tensors: never more than this rank sends (its weights) plus receives
-        # (its rollout weights) in the whole sync, however large the in-flight cap.
-        "reshard buffers": min(plan.reshard_inflight_bytes, sum(weights.values()) + rollout_weights),
+        # A round's messages hold real tensors: never more than this rank sends (its actor weights, experts
+        # included) plus receives (its rollout weights) in the whole sync, however large the in-flight cap.
+        "reshard buffers": min(plan.reshard_inflight_bytes, actor.weights_bytes + rollout_weights),
     }
     rollout_act = rollout_activation_bytes(plan)
     kv = max(0, int(plan.rollout_memory_fraction * plan.gpu_bytes) - rollout_weights - rollout_act)
@@ -211,6 +248,7 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
     return MemoryPlan(
         plan=plan,
         model_params=model_params(plan.arch),
+        active_params=active_params(plan.arch),
         actor=actor,
         train=phases[0],
         switch=phases[1],

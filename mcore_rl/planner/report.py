@@ -23,10 +23,30 @@ def _phase_lines(phase: PhaseMemory) -> list[str]:
 def describe_layout(result: MemoryPlan) -> str:
     p = result.plan
     vpp = f" vpp={p.vpp}" if p.vpp else ""
+    experts = f" ep={p.ep} etp={p.layout.expert_tp} edp={p.expert_dp}" if p.arch.moe else ""
     return (
-        f"{p.world_size} x {p.gpu}: tp={p.tp} pp={p.pp}{vpp} dp={p.dp} sp={p.sp} recompute={p.recompute}, "
-        f"rollout_tp={p.rollout_tp} rollout_memory_fraction={p.rollout_memory_fraction}"
+        f"{p.world_size} x {p.gpu}: tp={p.tp} pp={p.pp}{vpp} dp={p.dp}{experts} sp={p.sp} "
+        f"recompute={p.recompute}, rollout_tp={p.rollout_tp} rollout_memory_fraction={p.rollout_memory_fraction}"
     )
+
+
+def _model_line(result: MemoryPlan) -> str:
+    """Whole model, and what this rank holds: for MoE also the per-token count and the rank's experts."""
+    p, actor = result.plan, result.actor
+    line = f"model: {result.model_params:,} parameters"
+    if p.arch.moe is not None:
+        moe = p.arch.moe
+        line += (
+            f" ({result.active_params:,} active per token: {moe.top_k} of {moe.num_experts} experts in "
+            f"{len(moe.layers)} MoE layers)"
+        )
+    line += f"; this rank holds {actor.params:,}"
+    if p.arch.moe is not None:
+        line += (
+            f", {actor.expert_params:,} of them in its {p.arch.moe.num_experts // p.ep} experts per MoE layer "
+            f"(each split over etp={p.layout.expert_tp})"
+        )
+    return line + _padding_note(p)
 
 
 def _padding_note(p: Any) -> str:
@@ -43,7 +63,7 @@ def _padding_note(p: Any) -> str:
 def format_plan(result: MemoryPlan, proposal: MemoryPlan | None = None, searched: bool = False) -> str:
     p = result.plan
     lines = [
-        f"model: {result.model_params:,} parameters; this rank holds {result.actor.params:,}{_padding_note(p)}",
+        _model_line(result),
         f"layout: {describe_layout(result)}",
         f"batch: {p.global_batch_size} sequences x {p.seq_length} tokens per step, micro-batch "
         f"{p.micro_batch_size}, {p.num_microbatches} micro-batches per DP rank",

@@ -3,12 +3,16 @@ rank allocates with what the planner says it will (``mcore-rl plan --self-check`
 
 Per rank, with random weights and one optimizer step (Adam creates its moments on the first one):
 
-    parameters   exactly the planner's count for the rank's pipeline stage
+    parameters   exactly the planner's count for the rank's pipeline stage; with expert parallelism also
+                 the experts' part (megatron marks them ``allreduce=False``)
     weights      parameters x dtype size, exactly
-    gradients    the DDP fp32 grad buffers: the planner's 4 B/param, plus megatron's padding (each parameter's
-                 start rounded to 64 elements, each bucket's end to lcm(dp, 128))
+    gradients    the DDP fp32 grad buffers (dense and expert-parallel ones): the planner's 4 B/param, plus
+                 megatron's padding (each parameter's start rounded to 64 elements, each bucket's end to
+                 lcm(dp, 128), or lcm(edp, 128) for the expert buffers)
     optimizer    fp32 main params (bf16 only; in fp32 they are views of the weights) and Adam's moments,
-                 summed over the rank's DP group: exactly the planner's 12 (bf16) or 8 (fp32) B/param
+                 summed over the rank's DP group: exactly the planner's 12 (bf16) or 8 (fp32) B/param; with
+                 EP > 1 the experts' optimizer (its own param groups) summed over the expert-DP group instead
+                 (at EP 1 megatron treats experts as dense weights, and edp == dp)
 
 Only tensor bytes are compared (no allocator or activation peak): they are what the formulas claim exactly.
 """
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.planner.params import stage_params
+from mcore_rl.planner.params import stage_split
 from mcore_rl.planner.spec import PlanInput
 
 
@@ -38,25 +42,37 @@ class RankBytes:
     grad_buckets: int
     optimizer_bytes: int
     """fp32 main params that own their memory, plus every Adam state tensor except the step count."""
+    expert_params: int = 0
+    """Of :attr:`params`, those megatron reduces over the expert-DP group (experts, with EP > 1)."""
+    expert_optimizer_bytes: int = 0
+    """Of :attr:`optimizer_bytes`, the expert-parallel param groups'."""
 
 
 def _tensor_bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _optimizer_bytes(opt: Any, weight_storages: set[int]) -> tuple[int, int]:
+    """(all, expert-parallel groups') bytes of one megatron optimizer's main params and Adam state."""
+    total = expert = 0
+    for group in opt.optimizer.param_groups:
+        size = 0
+        for main_param in group["params"]:
+            if main_param.untyped_storage().data_ptr() not in weight_storages:
+                size += _tensor_bytes([main_param])
+            state = opt.optimizer.state.get(main_param, {})
+            size += _tensor_bytes(v for k, v in state.items() if k != "step" and torch.is_tensor(v))
+        total += size
+        expert += size if group.get("is_expert_parallel") else 0
+    return total, expert
+
+
 def measure_engine(engine: Any) -> RankBytes:
     """Tensor bytes of ``engine``'s weights, grad buffers and optimizer state on this rank."""
     params = [p for model in engine.models for p in model.parameters()]
-    buffers = [buffer for chunk in engine.chunks for buffer in chunk.buffers]
+    buffers = [b for chunk in engine.chunks for b in [*chunk.buffers, *chunk.expert_parallel_buffers]]
     weight_storages = {b.param_data.untyped_storage().data_ptr() for b in buffers if b.param_data is not None}
-    optimizer = 0
-    for opt in engine.optimizers:
-        for group in opt.optimizer.param_groups:
-            for main_param in group["params"]:
-                if main_param.untyped_storage().data_ptr() not in weight_storages:
-                    optimizer += _tensor_bytes([main_param])
-                state = opt.optimizer.state.get(main_param, {})
-                optimizer += _tensor_bytes(v for k, v in state.items() if k != "step" and torch.is_tensor(v))
+    sizes = [_optimizer_bytes(opt, weight_storages) for opt in engine.optimizers]
     return RankBytes(
         stage=engine.ctx.pp_rank,
         params=sum(p.numel() for p in params),
@@ -64,27 +80,44 @@ def measure_engine(engine: Any) -> RankBytes:
         weights_bytes=_tensor_bytes(params),
         grads_bytes=_tensor_bytes(b.grad_data for b in buffers),
         grad_buckets=sum(len(b.buckets) for b in buffers),
-        optimizer_bytes=optimizer,
+        optimizer_bytes=sum(total for total, _ in sizes),
+        expert_params=sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
+        expert_optimizer_bytes=sum(expert for _, expert in sizes),
     )
 
 
-def check_rank(plan: PlanInput, measured: RankBytes, dp_optimizer_bytes: int) -> list[str]:
-    """Mismatches between ``measured`` (and its DP group's optimizer total) and the planner, one per line."""
-    expected = stage_params(plan.arch, plan.layout, measured.stage)
+def check_rank(
+    plan: PlanInput, measured: RankBytes, dp_optimizer_bytes: int, edp_expert_optimizer_bytes: int = 0
+) -> list[str]:
+    """Mismatches between ``measured`` and the planner, one per line. ``dp_optimizer_bytes``: the dense
+    optimizer state summed over the rank's DP group; ``edp_expert_optimizer_bytes``: the experts' summed over
+    its expert-DP group (0 without expert parallelism, where megatron keeps experts with the dense state)."""
+    split = stage_split(plan.arch, plan.layout, measured.stage)
+    expected, expert = split.total, (split.expert if plan.ep > 1 else 0)
     weight_size = 2 if plan.bf16 else 4
-    padding = 64 * measured.param_tensors + math.lcm(plan.dp, 128) * measured.grad_buckets
-    optimizer = (12 if plan.bf16 else 8) * expected
+    bucket_pad = max(math.lcm(plan.dp, 128), math.lcm(plan.expert_dp, 128))
+    padding = 64 * measured.param_tensors + bucket_pad * measured.grad_buckets
+    per_param = 12 if plan.bf16 else 8
     problems = []
     if measured.params != expected:
         problems.append(f"parameters {measured.params:,} != planned {expected:,}")
+    if measured.expert_params != expert:
+        problems.append(f"expert-parallel parameters {measured.expert_params:,} != planned {expert:,}")
     if measured.weights_bytes != weight_size * expected:
         problems.append(f"weight bytes {measured.weights_bytes:,} != planned {weight_size * expected:,}")
     if not 0 <= measured.grads_bytes - 4 * expected <= 4 * padding:
         problems.append(
             f"grad bytes {measured.grads_bytes:,} != planned {4 * expected:,} + padding <= {4 * padding:,}"
         )
-    if dp_optimizer_bytes != optimizer:
-        problems.append(f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {optimizer:,}")
+    if dp_optimizer_bytes != per_param * (expected - expert):
+        problems.append(
+            f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {per_param * (expected - expert):,}"
+        )
+    if edp_expert_optimizer_bytes != per_param * expert:
+        problems.append(
+            f"expert optimizer bytes over the expert-DP group {edp_expert_optimizer_bytes:,} != planned "
+            f"{per_param * expert:,}"
+        )
     return problems
 
 
@@ -102,6 +135,8 @@ def self_check_reports(plan: PlanInput) -> tuple[PlanInput, list[tuple[RankBytes
         pipeline_model_parallel_size=plan.pp,
         virtual_pipeline_model_parallel_size=plan.vpp,
         sequence_parallel=plan.sp,
+        expert_model_parallel_size=plan.ep,
+        expert_tensor_parallel_size=plan.etp,
     )
     with ParallelContext.initialize(config) as ctx:
         plan = plan.with_layout(world_size=ctx.world_size)
@@ -111,9 +146,11 @@ def self_check_reports(plan: PlanInput) -> tuple[PlanInput, list[tuple[RankBytes
         engine.zero_grad()
         engine.step()
         measured = measure_engine(engine)
-        dp_total = torch.tensor([measured.optimizer_bytes], dtype=torch.int64)
-        dist.all_reduce(dp_total, group=ctx.dp_group)
-        problems = check_rank(plan, measured, int(dp_total.item()))
+        dense = torch.tensor([measured.optimizer_bytes - measured.expert_optimizer_bytes], dtype=torch.int64)
+        expert = torch.tensor([measured.expert_optimizer_bytes], dtype=torch.int64)
+        dist.all_reduce(dense, group=ctx.dp_group)
+        dist.all_reduce(expert, group=ctx.expert_dp_group)
+        problems = check_rank(plan, measured, int(dense.item()), int(expert.item()))
         reports: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(reports, (measured, problems))
     return plan, reports
@@ -128,7 +165,8 @@ def run_self_check(plan: PlanInput) -> int:
 
 
 def _print_report(plan: PlanInput, reports: list[Any]) -> None:
-    print(f"self-check: tp={plan.tp} pp={plan.pp} dp={plan.dp} on {plan.world_size} ranks")
+    experts = f" ep={plan.ep} etp={plan.layout.expert_tp} edp={plan.expert_dp}" if plan.arch.moe else ""
+    print(f"self-check: tp={plan.tp} pp={plan.pp} dp={plan.dp}{experts} on {plan.world_size} ranks")
     for rank, (measured, problems) in enumerate(reports):
         verdict = "ok" if not problems else "MISMATCH: " + "; ".join(problems)
         print(

@@ -51,7 +51,13 @@ class PlanInput:
     vpp: int | None = None
     """Virtual pipeline chunks per stage (interleaved 1F1B); None = no interleaving."""
     sp: bool = False
-    """Sequence parallelism over the TP group (needs tp >= 2)."""
+    """Sequence parallelism over the TP group (needs tp >= 2; a mixture-of-experts model with tp >= 2 needs it)."""
+    ep: int = 1
+    """Expert-parallel size (``parallel.expert_model_parallel_size``): each MoE layer's experts split over
+    this many ranks, folded into DP; must divide the experts."""
+    etp: int | None = None
+    """Expert tensor-parallel size (``parallel.expert_tensor_parallel_size``); None = ``tp``. ``etp * ep``
+    must divide the ``tp * dp`` ranks of a pipeline stage."""
     seq_length: int = 2048
     """Longest training sequence (prompt + response) in tokens."""
     micro_batch_size: int = 1
@@ -115,13 +121,21 @@ class PlanInput:
     def layout(self) -> ParallelLayout:
         """The training layout (raises :class:`PlanError` naming the field when it is impossible)."""
         try:
-            return ParallelLayout(self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, sp=self.sp)
+            return ParallelLayout(
+                self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, sp=self.sp, ep=self.ep, etp=self.etp
+            )
         except LayoutError as err:
             raise PlanError(str(err)) from None
 
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: ranks holding the same expert shard, over which the distributed
+        optimizer shards the experts' state (``world / (etp * ep * pp)``)."""
+        return self.layout.expert_dp
 
     @property
     def num_microbatches(self) -> int:
@@ -137,7 +151,7 @@ class PlanInput:
 
     def validate(self) -> None:
         """Every divisibility rule a launch needs; raises :class:`PlanError` naming the field."""
-        layout = self.layout
+        layout, moe = self.layout, self.arch.moe
         try:
             layout.check_model(
                 num_attention_heads=self.arch.num_attention_heads,
@@ -145,10 +159,18 @@ class PlanInput:
                 num_layers=self.arch.num_layers,
                 vocab_size=self.arch.vocab_size,
                 seq_length=self.seq_length,
+                num_experts=moe.num_experts if moe else None,
+                moe_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
             )
             check_rollout_tp(self.arch, self.rollout_tp)
         except (LayoutError, RolloutLayoutError) as err:
             raise PlanError(str(err)) from None
+        if moe is not None and moe.ffn_hidden_size % self.rollout_tp:
+            # vLLM without expert parallelism splits every expert's intermediate over its TP ranks
+            raise PlanError(
+                f"moe_intermediate_size={moe.ffn_hidden_size} is not divisible by the rollout "
+                f"tensor_model_parallel_size={self.rollout_tp}"
+            )
         if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
             raise PlanError(
                 f"tensor_model_parallel_size={self.tp} must divide gpus_per_node={self.gpus_per_node} "

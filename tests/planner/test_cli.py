@@ -101,3 +101,19 @@ def test_the_report_names_its_assumptions(capsys):
     assert sizes["reshard buffers"] == ["4.1", "MiB"], sizes  # its weights sent + rollout weights received
     assert main(["plan", str(REPO / "recipes" / "demo_cpu.yaml"), "--gpu", "H100-80"]) == 0
     assert "assumed" not in capsys.readouterr().out
+
+
+def test_flags_form_expert_parallel(tmp_path, capsys):
+    """``--ep`` / ``--etp`` for a mixture-of-experts model; a size the experts do not divide is exit 2."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_hf_config("qwen3_moe")))
+    common = ["plan", "--model-config", str(path), "--seq-length", "16", "--global-batch-size", "8"]
+    argv = [*common, "--gpus-per-node", "2", "--tp", "2", "--sp", "--ep", "2", "--etp", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 x A100-80: tp=2 pp=1 dp=1 ep=2 etp=1 edp=1 sp=True" in out
+    assert "in its 2 experts per MoE layer (each split over etp=1)" in out
+    assert main([*common, "--gpus-per-node", "6", "--ep", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: num_experts=4 is not divisible by expert_model_parallel_size=3"
+    )

@@ -9,13 +9,30 @@ from mcore_rl.planner import PlanInput, stage_params
 from mcore_rl.planner.selfcheck import RankBytes, check_rank, self_check_reports
 from tests.models import tiny_arch
 
-# (family, tp, pp, bf16) on 2 ranks: TP2, DP2 (TP1) in bf16 and fp32, PP2 with tied embeddings.
-LAYOUTS = [("llama", 2, 1, True), ("llama", 1, 1, True), ("llama", 1, 1, False), ("qwen2", 1, 2, True)]
+# (family, tp, pp, bf16, ep, etp) on 2 ranks: TP2, DP2 (TP1) in bf16 and fp32, PP2 with tied embeddings;
+# Qwen3-MoE (layer 1 dense) at TP2 (SP) x EP2 with ETP1: attention split over TP, the router replicated, each
+# rank 2 whole experts of the 4.
+LAYOUTS = [
+    ("llama", 2, 1, True, 1, None),
+    ("llama", 1, 1, True, 1, None),
+    ("llama", 1, 1, False, 1, None),
+    ("qwen2", 1, 2, True, 1, None),
+    ("qwen3_moe", 2, 1, True, 2, 1),
+]
 
 
-def _plan(family: str, tp: int, pp: int, bf16: bool) -> PlanInput:
+def _plan(family: str, tp: int, pp: int, bf16: bool, ep: int = 1, etp: int | None = None) -> PlanInput:
     return PlanInput(
-        arch=tiny_arch(family), gpu="A100-80", world_size=2, tp=tp, pp=pp, seq_length=16, bf16=bf16
+        arch=tiny_arch(family),
+        gpu="A100-80",
+        world_size=2,
+        tp=tp,
+        pp=pp,
+        sp=tp > 1 and family == "qwen3_moe",
+        ep=ep,
+        etp=etp,
+        seq_length=16,
+        bf16=bf16,
     )
 
 
@@ -40,6 +57,12 @@ def test_train_engine_matches_the_planner_at_tp2_dp2_pp2(run_distributed):
     # PP2 with tied embeddings: the last stage keeps its own copy of the embedding as the output layer.
     stages = {measured.stage: measured.params for measured, _ in rank0[3]}
     assert stages[1] - stages[0] == 64  # the final norm: both stages hold 256 x 64 vocab rows
+    # TP2 x EP2, ETP1: each rank holds 2 whole experts of the 4 in each of the 3 MoE layers, 3 x 2 x (3 x 32 x 64)
+    # params, whose optimizer state megatron keeps in its own groups over the expert-DP group (edp = 2 / (etp 1 x
+    # ep 2) = 1: unsharded, 12 B/param on each rank).
+    for measured, _ in rank0[4]:
+        assert measured.expert_params == 3 * 2 * 3 * 32 * 64 == 36_864
+        assert measured.expert_optimizer_bytes == 12 * 36_864
 
 
 def test_check_rank_names_each_mismatch():

@@ -29,7 +29,7 @@ def test_model_params_match_the_published_counts(config, expected):
     assert model_params(ModelArch.from_hf_config(config)) == expected
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"])
 def test_model_params_match_transformers_on_the_tiny_models(family):
     import transformers
 
