@@ -116,3 +116,69 @@ def test_qwen3_8b_recipe_fits_an_h100_80_with_the_numbers_in_its_comments(tmp_pa
     assert round(result.train.total_bytes / GIB, 1) == 65.3
     assert 11 * GIB < result.train.capacity_bytes - result.peak_bytes < 12 * GIB
     assert round(result.kv_cache_tokens, -4) == 460_000 and result.kv_bytes_per_token == 73_728
+
+
+def _header(path: str) -> str:
+    """A recipe's leading comment as one line of text (line breaks are where the wrapping fell)."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("#"):
+                break
+            lines.append(line[1:].strip())
+    return " ".join(lines)
+
+
+def test_qwen3_30b_a3b_recipe_fits_two_h100_nodes_with_the_figures_in_its_header(tmp_path):
+    from mcore_rl.planner.memory import gib
+    from tests.planner.hf_configs import QWEN3_30B_A3B
+
+    path = "recipes/qwen3_30b_a3b_grpo_h100.yaml"
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    cfg = load_config(path, [f"model.path={tmp_path}"])
+    assert cfg.rollout.name == "vllm" and cfg.model.moe_aux_loss_coeff == 0.0
+    plan = plan_input_from_config(cfg, gpu="H100-80")
+    layout = (plan.world_size, plan.tp, plan.pp, plan.dp, plan.ep, plan.layout.expert_tp, plan.expert_dp)
+    assert layout == (16, 4, 1, 4, 8, 1, 2) and plan.rollout_tp == 4
+    assert plan.sp and plan.reference and plan.sleep_level == 2
+    result = plan_memory(plan)
+    assert result.fits, result.problems
+    header, train = _header(path), result.train.terms
+    quoted = [
+        f"{result.model_params / 1e9:.1f}B parameters, {result.active_params / 1e9:.2f}B used per token",
+        f"A rank holds {result.actor.params / 1e9:.2f}B parameters, {result.actor.expert_params / 1e9:.2f}B",
+        f"its {128 // plan.ep} whole experts",
+        *(
+            f"{name} {gib(train[name])}"
+            for name in (
+                "expert weights",
+                "expert gradients",
+                "expert optimizer",
+                "reference weights",
+                "expert activations",
+                "activations",
+                "logits",
+                "dispatcher buffers",
+                "router logits",
+            )
+        ),
+        f"the {(result.actor.params - result.actor.expert_params) / 1e9:.2f}B dense ones (attention, routers, "
+        f"the vocabulary padded to 152,064 rows) "
+        f"{train['weights'] / GIB:.1f} + {train['gradients'] / GIB:.1f} + {train['optimizer'] / GIB:.1f} GiB",
+        f"train phase {gib(result.train.total_bytes)}, the largest",
+        f"~{round((result.train.capacity_bytes - result.peak_bytes) / GIB)} GiB left",
+        f"rollout weights {gib(result.rollout.terms['rollout weights'])}",
+        f"kv cache {gib(result.rollout.terms['kv cache'])}",
+        f"{result.kv_cache_tokens:,} tokens per engine ({result.kv_bytes_per_token:,} B per token",
+        f"{result.kv_cache_tokens // plan.seq_length} full {plan.seq_length}-token sequences",
+    ]
+    missing = [phrase for phrase in quoted if phrase not in header]
+    assert not missing, missing
+    assert result.peak_bytes == result.train.total_bytes  # the train phase is the largest
+    # The rejected alternative, one node: expert-DP1 leaves the expert optimizer unsharded, and even
+    # micro-batch 1 leaves under half a GiB (micro-batch 2 does not fit).
+    one_node = plan.with_layout(world_size=8, gpus_per_node=8)
+    assert not plan_memory(one_node).fits
+    tight = plan_memory(one_node.with_layout(micro_batch_size=1))
+    assert tight.fits and f"expert optimizer {gib(tight.train.terms['expert optimizer'])} unsharded" in header
+    assert f"leaves {(tight.train.capacity_bytes - tight.peak_bytes) / GIB:.1f} GiB" in header
