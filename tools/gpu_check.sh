@@ -8,7 +8,9 @@
 #   3. the `gpu` tests: CUDA kernels vs references, out-of-range targets refused on CUDA, one bf16
 #      megatron train step on the local spec with the fusion switch as chosen and forced on (the forced run
 #      must fail with the missing softmax kernel where megatron's compiled kernels are absent), and the fp32
-#      RL step on CUDA (reshard -> rollout -> trainer log-probs within 1e-5 -> update, twice);
+#      RL step on CUDA (reshard -> rollout -> trainer log-probs within 1e-5 -> update, twice) for a dense
+#      Llama and a Qwen3-MoE (megatron's CUDA all-to-all dispatcher and fp32 router against our rollout
+#      decoder's MoE; never run on a GPU yet: it has been written without a device);
 #   4. the vLLM engine tests (construction, in-place weight sync from megatron, log-probs equal the actor's,
 #      TP 2), which skip where vLLM is absent (the device image has no vLLM 0.33 / torch 2.14, and its wheels
 #      are too large to carry).

@@ -130,3 +130,18 @@ def test_checkpoint_with_other_expert_count_is_named(tmp_path):
     with pytest.raises(ConvertError, match=r"mlp\.gate\.weight has shape \[4, 64\].*num_experts=8"):
         convert_hf_to_mcore(HfToMcoreOptions(str(tmp_path / "hf"), str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
+
+
+def test_megatron_checkpoint_with_other_expert_count_is_named(tmp_path):
+    hf_dir = save_hf_model(str(tmp_path / "hf"), "qwen3_moe")
+    ckpt = convert_hf_to_mcore(HfToMcoreOptions(hf_dir, str(tmp_path / "ckpt")))
+    info = tmp_path / "ckpt" / "mcore_rl_model.json"
+    saved = json.loads(info.read_text())
+    saved["hf_config"]["num_local_experts"] = 8
+    info.write_text(json.dumps(saved))
+    with pytest.raises(
+        ConvertError,
+        match=r"ckpt: decoder\.layers\.0\.mlp\.router\.weight has shape \[4, 64\], the config implies \[8, 64\]",
+    ):
+        convert_mcore_to_hf(McoreToHfOptions(ckpt, str(tmp_path / "back")))
+    assert not (tmp_path / "back").exists()

@@ -3,6 +3,8 @@ rollout engine -> trainer forward through the fused LM-head log-prob op (padded 
 
 The bar of the CPU suite, on the GPU: the rollout engine's log-probs equal the trainer's within 1e-5 before
 and after an update, the update is finite and moves the weights. Runs only where CUDA is (``gpu`` marker).
+For the mixture-of-experts model (Qwen3-MoE) it is megatron's own CUDA all-to-all dispatcher and router on
+the trainer's side (the CPU shims are off), with router weights scaled up so no fp32 rounding flips a choice.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def _trainer_log_probs(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal() -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal(family: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the 1e-5 bar
-    arch = tiny_arch("llama")
+    arch = tiny_arch(family)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, arch.vocab_size, (4, 6), generator=gen).tolist()
     with ParallelContext.initialize(ParallelConfig()) as ctx:
@@ -62,6 +65,10 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal() -> None:
         engine = TrainEngine.build(
             arch, ctx, ModelOptions(dtype=torch.float32), OptimConfig(weight_decay=0.0, lr=1e-2)
         )
+        with torch.no_grad():  # decisive MoE routing (no near-ties for rounding to flip)
+            for name, param in engine.models[0].named_parameters():
+                if name.endswith("router.weight"):
+                    param.mul_(20.0)
         hybrid, _ = build_local_hybrid(engine)
         before = {n: p.detach().clone() for n, p in engine.models[0].named_parameters()}
         for step in range(2):
