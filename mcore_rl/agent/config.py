@@ -44,9 +44,9 @@ class MultiTurnConfig:
     Hermes' templates list them in the system turn); false when the data's prompts describe the tools
     themselves. A template without a ``tools`` section leaves them out either way."""
     environment: str | None = None
-    """``module:Class`` or ``file.py:Class`` of an environment that answers every model turn instead of (or
-    after) tools: ``step(conversation, extra_info) -> EnvStep(observation, reward, done)``
-    (``agent/environment.py``); None: tools alone."""
+    """``module:Class`` or ``file.py:Class`` of an environment that answers each model turn that calls no tool:
+    ``step(conversation, extra_info) -> EnvStep(observation, reward, done)`` (``agent/environment.py``, as
+    NeMo-RL's); None: a turn without a tool call ends the conversation."""
     tool_parser: str = "hermes"
     """How tool calls are read from a model turn: hermes (Qwen's ``<tool_call>{"name": ..., "arguments":
     ...}</tool_call>``) or ``module:Class`` of a parser with ``parse(text) -> ParsedTurn``."""

@@ -133,9 +133,12 @@ def _worker_main(
     if limits.memory_limit_bytes is not None:
         cap_memory(limits.memory_limit_bytes)
     conn.send("ready")
-    while (message := conn.recv()) is not None:
-        index, task = message
-        conn.send((index, *run_task(handler, task)))
+    try:
+        while (message := conn.recv()) is not None:
+            index, task = message
+            conn.send((index, *run_task(handler, task)))
+    except (EOFError, OSError):  # the pool's process ended without closing it: nothing left to answer
+        pass
 
 
 class _Worker:

@@ -254,7 +254,7 @@ def evaluate_model(
     cfg.logging.log_dir = tempfile.mkdtemp(prefix="mcore-rl-eval-")
     actors = build_actor_group(cfg, worker_spec(cfg, total_optimizer_steps=1), use_ray)
     scorer = RewardScorer(cfg.reward)
-    finished = False
+    finished, step = False, None
     try:
         step = StepBase(cfg, actors, tokenizer, scorer)
         batches = dataset.batches(cfg.data.val_batch_size)
@@ -264,6 +264,8 @@ def evaluate_model(
         finished = True
     finally:
         scorer.close()
+        if step is not None:
+            step.close()  # multi-turn rollouts: their tool workers
         actors.shutdown()
         if finished:
             shutil.rmtree(cfg.logging.log_dir, ignore_errors=True)
