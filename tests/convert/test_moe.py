@@ -60,11 +60,17 @@ def _parity(run_distributed, tmp_path, variant: str, layouts: dict, world_size: 
     assert all(d <= ATOL for d in diffs.values()), diffs
 
 
-@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+# CI time: Qwen3-MoE in the default tier; Mixtral, the unnormalised top-k and the world-4 layouts in the sweep
+# tier (the hybrid test runs TP2xEP2 in the default tier; the driver test EP2 through Ray)
+@pytest.mark.parametrize(
+    "variant",
+    [v if v == "qwen3-moe" else pytest.param(v, marks=pytest.mark.sweep) for v in sorted(MOE_VARIANTS)],
+)
 def test_moe_logits_match_transformers_tp1_ep2(run_distributed, tmp_path, variant):
     _parity(run_distributed, tmp_path, variant, LAYOUTS_WORLD2, world_size=2)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
 def test_moe_logits_match_transformers_tp2xep2_pp2xep2(run_distributed, tmp_path, variant):
     _parity(run_distributed, tmp_path, variant, LAYOUTS_WORLD4, world_size=4)
@@ -81,9 +87,10 @@ def _megatron_and_converted(hf_dir: str, tmp: str, parallel: dict, options: dict
     ("parallel", "options"),
     [
         (EP2, {"ep": 2}),
-        (
+        pytest.param(
             {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_tensor_parallel_size": 2},
             {"tp": 2},
+            marks=pytest.mark.sweep,
         ),
     ],
     ids=["ep2", "tp2-etp2"],
@@ -105,7 +112,11 @@ def _round_trip(hf_dir: str, ckpt: str, out: str, options: dict) -> None:
 
 @pytest.mark.parametrize(
     ("variant", "options"),
-    [("qwen3-moe", {"ep": 2}), ("mixtral", {"tp": 2}), ("qwen3-moe-unnormed", {"tp": 2, "ep": 2, "etp": 1})],
+    [
+        pytest.param("qwen3-moe", {"ep": 2}, marks=pytest.mark.sweep),
+        ("mixtral", {"tp": 2}),
+        ("qwen3-moe-unnormed", {"tp": 2, "ep": 2, "etp": 1}),
+    ],
 )
 def test_moe_hf_mcore_hf_is_bit_exact(run_distributed, tmp_path, variant, options):
     family, overrides = MOE_VARIANTS[variant]

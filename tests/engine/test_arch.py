@@ -135,17 +135,29 @@ def test_moe_fields_read_from_qwen3_moe_and_mixtral():
 @pytest.mark.parametrize(
     ("family", "overrides", "message"),
     [
-        ("qwen3_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 is larger than the number of experts"),
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 5},
+            "num_experts_per_tok=5 is larger than the number of experts",
+        ),
         ("qwen3_moe", {"num_experts": "4"}, "num_experts must be a positive integer, got '4'"),
         ("qwen3_moe", {"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive integer"),
         ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
         ("qwen3_moe", {"mlp_only_layers": [0, 9]}, "mlp_only_layers must be a list of layer indices below 4"),
         ("qwen3_moe", {"mlp_only_layers": [0, 1, 2, 3]}, "no layer is a mixture-of-experts layer"),
-        ("qwen3_moe", {"num_experts": 8, "num_local_experts": 4}, "num_experts=8 and num_local_experts=4 differ"),
+        (
+            "qwen3_moe",
+            {"num_experts": 8, "num_local_experts": 4},
+            "num_experts=8 and num_local_experts=4 differ",
+        ),
         ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true is not supported for Qwen3_moe"),
         ("mixtral", {"num_local_experts": None}, "missing field 'num_local_experts'"),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise > 0 is not supported"),
-        ("mixtral", {"num_experts_per_tok": True}, "num_experts_per_tok must be a positive integer, got True"),
+        (
+            "mixtral",
+            {"num_experts_per_tok": True},
+            "num_experts_per_tok must be a positive integer, got True",
+        ),
     ],
 )
 def test_bad_moe_configs_name_the_field(family, overrides, message):

@@ -77,7 +77,7 @@ def _compare(results: list[dict]) -> dict[str, float]:
     return diffs
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.sweep)])
 def test_moe_router_off_equals_plain_pytorch_at_ep2(run_distributed, family):
     _check(run_distributed(_layout_run, family, EP2), atol=1e-5)
 
@@ -95,6 +95,7 @@ def test_moe_router_losses_layout_parity_world2(run_distributed, parallel):
     print(f"\n{parallel} vs TP1 with router losses: {diffs}")
 
 
+@pytest.mark.sweep  # CI time: the world-4 hybrid test trains TP2xEP2 in the default tier
 @pytest.mark.parametrize(
     "parallel",
     [
@@ -117,6 +118,7 @@ def _router_updates() -> float:
     return float((with_losses["router_after"] - without["router_after"]).abs().max())
 
 
+@pytest.mark.sweep
 def test_router_loss_terms_reach_the_update(run_distributed):
     """The router losses move the router's update by far more than the parity tolerance, so the parity
     above would catch a layout that dropped or mis-scaled them."""

@@ -84,18 +84,18 @@ def _replay_runs(perturb: bool) -> dict:
         return result
 
 
-def test_unperturbed_rollout_routes_like_the_trainer(run_distributed):
-    for result in run_distributed(_replay_runs, False):
-        assert result["recorded"] > 0.7  # prompt and response tokens carry the rollout's choices
-        for replay in (False, True):
-            assert result[replay]["agreement"] == 1.0
-            assert result[replay]["gap"] < 1e-5, result
+def _both_runs() -> tuple[dict, dict]:
+    return _replay_runs(False), _replay_runs(True)
 
 
-def test_router_replay_makes_a_perturbed_rollout_agree(run_distributed):
-    for result in run_distributed(_replay_runs, True):
-        own, replayed = result[False], result[True]
+def test_router_replay_agreement_and_a_perturbed_rollout(run_distributed):
+    for unperturbed, perturbed in run_distributed(_both_runs):
+        assert unperturbed["recorded"] > 0.7  # prompt and response tokens carry the rollout's choices
+        for replay in (False, True):  # the rollout routes as the trainer does
+            assert unperturbed[replay]["agreement"] == 1.0
+            assert unperturbed[replay]["gap"] < 1e-5, unperturbed
+        own, replayed = perturbed[False], perturbed[True]
         assert own["agreement"] < 0.9  # the trainer's own choices differ from the rollout's
         assert own["gap"] > 1e-2  # and so do its log-probs
-        assert replayed["gap"] < 1e-5, result  # the rollout's experts replayed: equal by construction
+        assert replayed["gap"] < 1e-5, perturbed  # the rollout's experts replayed: equal by construction
         assert replayed["agreement"] == own["agreement"]  # measured on the trainer's own choice either way
