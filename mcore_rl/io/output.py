@@ -344,16 +344,19 @@ def interrupted_swap(path: str) -> str | None:
     renames of :meth:`OutputFolder.commit` left moved aside (``.<name>.mcore_rl-old-<pid>-<token>``), or None.
     The next write into ``path`` puts it back; a reader can point at it."""
     real = _real(path)
-    parent = os.path.dirname(real)
+    parent, name = os.path.split(real)
     if os.path.lexists(real) or not os.path.isdir(parent):
         return None
     for entry in sorted(os.listdir(parent)):
         match = _AUX_NAME.match(entry)
         folder = os.path.join(parent, entry)
-        if match is None or match.group(1) != "old":
+        if match is None or match.group(1) != "old" or os.path.islink(folder):
             continue
         marker = _read_marker(folder)
-        if marker is not None and marker.get("target") == real and not os.path.islink(folder):
+        # by its name (a run folder may have been copied or moved since: the marker's path is the old one), or
+        # by the marker's target when the name was shortened to fit
+        named = entry.startswith(f".{name}.mcore_rl-old-")
+        if marker is not None and (named or os.path.basename(str(marker.get("target"))) == name):
             return folder
     return None
 

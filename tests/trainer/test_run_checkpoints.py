@@ -242,3 +242,49 @@ def test_a_damaged_checkpoint_is_named_before_any_worker_and_auto_resumes_the_pr
     note = capfd.readouterr().err
     assert f"{newest} cannot be resumed (" in note and named in note and "resuming from" in note
     assert os.path.isdir(newest)  # the damaged one is left for the user to look at
+
+
+def test_the_checkpoint_loader_names_what_is_wrong_before_megatron_reads(tmp_path, saved_run) -> None:
+    """The probe's findings for ``load_training_checkpoint``: a truncated ``.distcp`` and a missing ``common.pt``
+    were raw tracebacks (a CheckpointException, "'str' object has no attribute 'iterdir'"), a checkpoint of
+    another model shape a raw CheckpointException, and a kill between the two renames of a swap left
+    ``.<dir>.mcore_rl-old-*`` only, loading ``<dir>`` saying "not a training checkpoint" without pointing at it."""
+    from mcore_rl.engine.trainer_checkpoint import load_training_checkpoint, read_trainer_state
+    from mcore_rl.io.errors import InputError
+
+    data, source = saved_run
+    run = str(tmp_path / "run")
+    shutil.copytree(source, run)
+    root = os.path.join(run, "checkpoints")
+    cfg = tiny_run_config(
+        data,
+        [
+            *OVERRIDES,
+            f"trainer.default_local_dir={tmp_path / 'other'}",
+            "model.hf_config.intermediate_size=128",
+        ],
+    )
+    with Trainer.from_config(cfg, use_ray=False) as other:
+        engine = other.actors.backend.worker.engine  # type: ignore[attr-defined]
+        with pytest.raises(
+            InputError, match=r"global_step_3: saved for another model \(ffn_hidden_size=96 saved, 128"
+        ):
+            load_training_checkpoint(engine, os.path.join(root, "global_step_3"))
+        _truncate(os.path.join(root, "global_step_2"))
+        with pytest.raises(
+            CheckpointIntegrityError, match=r"global_step_2/__0_0.distcp: truncated \(1000 bytes"
+        ):
+            load_training_checkpoint(engine, os.path.join(root, "global_step_2"))
+        os.remove(os.path.join(root, "global_step_1", "common.pt"))
+        with pytest.raises(InputError, match=r"global_step_1: common.pt is missing"):
+            load_training_checkpoint(engine, os.path.join(root, "global_step_1"))
+    newest = os.path.join(root, "global_step_3")
+    aside = os.path.join(
+        root, ".global_step_3.mcore_rl-old-999999-0123abcd"
+    )  # what a kill between renames leaves
+    os.rename(newest, aside)
+    with pytest.raises(
+        InputError,
+        match=rf"global_step_3: missing; a save killed while replacing it left the previous checkpoint at {aside}",
+    ):
+        read_trainer_state(newest)
