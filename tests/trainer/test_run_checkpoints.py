@@ -44,7 +44,10 @@ def _checkpoints(run) -> list[str]:
     return sorted(os.listdir(os.path.join(run, "checkpoints")))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize(
+    "signum",
+    [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.sweep)],  # one path: CI time
+)
 def test_a_stop_signal_ends_the_step_saves_it_and_the_next_run_resumes_there(tmp_path, signum) -> None:
     data, run = str(tmp_path / "data"), str(tmp_path / "run")
     cfg = tiny_run_config(data, [*OVERRIDES, f"trainer.default_local_dir={run}", "trainer.save_freq=-1"])

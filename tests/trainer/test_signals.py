@@ -122,7 +122,13 @@ SAVE_POINTS = {
 }
 
 
-@pytest.mark.parametrize("point", list(SAVE_POINTS))
+@pytest.mark.parametrize(
+    "point",
+    [
+        pytest.param(p, marks=pytest.mark.sweep) if p in ("ranks-start", "manifest") else p
+        for p in SAVE_POINTS
+    ],
+)
 def test_an_interrupt_anywhere_in_a_save_leaves_the_checkpoint_complete_or_absent(tmp_path, point) -> None:
     """Found by a probe: SIGINT between publishing ``global_step_6`` and writing its config.yaml left the folder
     without it while ``latest`` named step 5. Here SIGINT lands inside step 2's save at each of its parts: step
