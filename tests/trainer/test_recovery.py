@@ -88,3 +88,47 @@ def test_a_worker_killed_between_checkpoints_is_recovered_exactly_and_sigterm_st
         f"fault noticed, {fault_to_training:.1f} s from the kill to training again"
     )
     assert 0 < recovery.seconds <= fault_to_training
+
+
+PPO = [
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_ctrl.type=adaptive",
+    "critic.warmup_steps=1",
+    "critic.optim.lr=1e-3",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.sweep  # ~1 minute of Ray on 2 cores: `make test-sweep`; GRPO's recovery runs in make test
+@pytest.mark.parametrize(
+    "layout",
+    [["trainer.n_gpus_per_node=2", "algorithm.ppo_micro_batch_size_per_gpu=4"], PPO],
+    ids=["grpo-dp2-rank1-lost", "ppo-critic-colocated"],
+)
+def test_recovery_at_dp2_and_with_a_critic_equals_the_uninterrupted_run(tmp_path, layout) -> None:
+    """A lost rank 1 of 2 (the group's other rank waited in a collective), and PPO's critic and adaptive KL
+    controller restored with the actor: the recovered run's RL metrics equal the uninterrupted Ray run's."""
+    data = str(tmp_path / "data")
+    overrides = [*OVERRIDES, "trainer.total_training_steps=4", *layout]
+    straight = tiny_run_config(data, [*overrides, f"trainer.default_local_dir={tmp_path / 'a'}"])
+    with Trainer.from_config(straight, use_ray=True) as trainer:
+        trainer.fit()
+        expected = _numbers(trainer.records, 4)
+    cfg = tiny_run_config(data, [*overrides, f"trainer.default_local_dir={tmp_path / 'b'}"])
+    with Trainer.from_config(cfg, use_ray=True) as trainer:
+        pids = trainer.actors.backend.group.run("pid")  # type: ignore[attr-defined]
+        scorer_score = trainer.scorer.score
+        killed: list[int] = []
+
+        def fault(requests):
+            if trainer.global_step == 3 and not killed:
+                os.kill(pids[-1], signal.SIGKILL)
+                killed.append(pids[-1])
+            return scorer_score(requests)
+
+        trainer.scorer.score = fault  # type: ignore[method-assign]
+        trainer.fit()
+        assert [(r.rank, r.resumed_step) for r in trainer.recoveries] == [(len(pids) - 1, 2)]
+        assert _numbers(trainer.records, 4) == expected
