@@ -107,7 +107,9 @@ class TrainerConfig:
     checkpoint, and any collective inside them) that has not finished after this many seconds is a hang:
     every rank still in it writes its Python stack to ``<logging.log_dir>/stacks/`` and the run ends naming
     the phase and those ranks. Set it above the slowest phase the run can have; null waits forever (then the
-    process group's own timeout decides). Worker start-up and model building are not phases."""
+    process group's own timeout decides). Worker start-up and model building are not phases. The workers'
+    collective timeout (``parallel.timeout_minutes``) is raised past it when lower, so the watchdog names a hung
+    collective first."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Run output folder: checkpoints, logs and the resolved ``config.yaml``."""
     seed: int = 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from mcore_rl.config.model import RolloutEngineName
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
 from mcore_rl.controller.resources import cluster_cpus, ray_shut_down_on_failure
+from mcore_rl.controller.watchdog import GRACE_S
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutConfig
 from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
@@ -199,7 +201,7 @@ def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelCon
     return WorkerGroup.spawn(
         worker,
         ranks,
-        parallel,
+        collectives_outlast_the_watchdog(parallel, cfg.trainer.phase_timeout_s),
         pool=pool,
         take_pool=True,
         seed=cfg.trainer.seed,
@@ -211,6 +213,22 @@ def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelCon
 
 STACKS_DIR = "stacks"
 """Under ``logging.log_dir``: each rank's Python stacks of a phase past ``trainer.phase_timeout_s``."""
+
+
+def collectives_outlast_the_watchdog(
+    parallel: ParallelConfig, phase_timeout_s: float | None
+) -> ParallelConfig:
+    """``parallel`` with its collective timeout (``timeout_minutes``) raised past ``trainer.phase_timeout_s``
+    and the watchdog's grace when it is not already: a rank stuck in a collective is then named by the
+    watchdog, with every rank's stack, instead of ending first in the process group's own timeout error."""
+    if phase_timeout_s is None:
+        return parallel
+    minutes = math.ceil((phase_timeout_s + 2 * GRACE_S) / 60) + 1
+    return (
+        parallel
+        if parallel.timeout_minutes >= minutes
+        else dataclasses.replace(parallel, timeout_minutes=minutes)
+    )
 
 
 def _cpus_per_rank(cfg: RunConfig) -> float:

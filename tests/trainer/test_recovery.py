@@ -132,3 +132,15 @@ def test_recovery_at_dp2_and_with_a_critic_equals_the_uninterrupted_run(tmp_path
         trainer.fit()
         assert [(r.rank, r.resumed_step) for r in trainer.recoveries] == [(len(pids) - 1, 2)]
         assert _numbers(trainer.records, 4) == expected
+
+
+def test_the_process_groups_collective_timeout_outlasts_the_watchdog() -> None:
+    """A hang is named by the watchdog (phase, ranks, stacks), not ended first by the process group's timeout."""
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.trainer.build import collectives_outlast_the_watchdog
+
+    default = ParallelConfig()
+    assert default.timeout_minutes * 60 <= 1800  # the default phase limit would not come first on its own
+    assert collectives_outlast_the_watchdog(default, 1800.0).timeout_minutes == 32
+    assert collectives_outlast_the_watchdog(ParallelConfig(timeout_minutes=90), 1800.0).timeout_minutes == 90
+    assert collectives_outlast_the_watchdog(default, None) is default
