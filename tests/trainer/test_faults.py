@@ -37,3 +37,28 @@ def test_an_overflowing_loss_stops_the_run_naming_the_step_or_is_skipped(tmp_pat
     with open(os.path.join(run, "logs", "metrics.jsonl")) as f:
         rl = [r for r in map(json.loads, f) if r["stage"] == "rl"]
     assert [(r["num_skipped"], r["num_optimizer_steps"]) for r in rl] == [(1, 0), (1, 0)]
+
+
+def failing_scorer(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
+    """A user scorer with a bug: it raises on the first answer it sees."""
+    raise ZeroDivisionError("division by zero in the user's scorer")
+
+
+def test_a_scorer_that_raises_stops_the_run_in_one_line_naming_it_or_scores_zero(tmp_path, capsys) -> None:
+    """``reward.on_error=raise``: one ``error:`` line naming the scorer and the row, exit 1 (it was an internal
+    error with a traceback hint); the default ``zero`` scores such answers 0 and counts them."""
+    data = str(tmp_path / "data")
+    tiny_run_config(data)
+    scorer = f"reward.custom_function={os.path.abspath(__file__)}:failing_scorer"
+    args = [*_args(data, str(tmp_path / "raise"))[:-1], "trainer.total_training_steps=1", scorer]
+    assert main(["train", "recipes/demo_cpu.yaml", *args, "reward.on_error=raise", "--in-process"]) == 1
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mcore-rl train")]
+    assert len(lines) == 1 and lines[0].startswith(f"mcore-rl train: error: {scorer} failed on row 0 (")
+    assert "ZeroDivisionError: division by zero in the user's scorer" in lines[0]
+
+    run = str(tmp_path / "zero")
+    args = [*_args(data, run)[:-1], "trainer.total_training_steps=1", scorer]
+    assert main(["train", "recipes/demo_cpu.yaml", *args, "--in-process"]) == 0
+    with open(os.path.join(run, "logs", "metrics.jsonl")) as f:
+        (rl,) = [r for r in map(json.loads, f) if r["stage"] == "rl"]
+    assert rl["reward"] == 0.0 and rl["reward/scorer_errors"] == 16
