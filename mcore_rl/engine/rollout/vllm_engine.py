@@ -15,9 +15,10 @@ How it fits the hybrid engine (the worker calls :func:`build_vllm_hybrid` where 
   TP groups are vLLM's "external DP" and generate independently.
 - vLLM's TP groups are consecutive ranks and it pads the vocab to 64, so the reshard plan comes from
   :func:`~mcore_rl.engine.rollout.vllm_layout.build_vllm_plan`. :meth:`load_weights` writes this rank's shards
-  into vLLM's live parameters (no rebuild, no file, no full model on any rank), refusing a shard for the wrong
-  TP rank, name or shape; :meth:`generate` refuses to run until every parameter has been loaded since
-  construction or the last level-2 sleep (vLLM starts from dummy weights).
+  into vLLM's live parameters (no rebuild, no file, no full model on any rank; an MoE expert's shard into its
+  slice of vLLM's fused expert parameters), refusing a shard for the wrong TP rank, name or shape;
+  :meth:`generate` refuses to run until every parameter has been loaded since construction or the last level-2
+  sleep (vLLM starts from dummy weights).
 - Memory: on GPU the engine sleeps at level 2 between rollouts (level 1 would *offload the weights to pinned
   host memory*, a copy per step that the next load overwrites anyway). vLLM's CPU build has no sleep mode, so
   there weights and KV cache stay resident; :meth:`memory` says what is resident, per phase, on both.
@@ -66,6 +67,7 @@ from mcore_rl.engine.rollout.vllm_layout import (
     check_vllm_sampling,
     vllm_param_name,
     vllm_param_shapes,
+    vllm_target,
 )
 
 if TYPE_CHECKING:
@@ -233,7 +235,7 @@ class VLLMRolloutEngine:
             shutil.rmtree(self._config_dir, ignore_errors=True)
             raise
         self._closed = False
-        self._check_parameters(self.llm.apply_model(_param_shapes)[0])
+        self._check_parameters(self.llm.apply_model(vllm_compat.checkpoint_shapes)[0])
         self._unloaded = set(self._shapes)
         self._asleep: set[str] = set()
         self.cached_tokens = 0
@@ -289,7 +291,7 @@ class VLLMRolloutEngine:
         self._check_open()
         if "weights" in self._asleep:
             raise RuntimeError("load_weights() while the weights are asleep; call wake_up() first")
-        shards = {vllm_param_name(name): tensor for name, tensor in named_tensors}
+        shards = {vllm_target(name, self.arch): tensor for name, tensor in named_tensors}  # experts: slices
         check_shard_shapes(
             self._shapes,
             {name: tuple(t.shape) for name, t in shards.items()},
@@ -297,7 +299,7 @@ class VLLMRolloutEngine:
             expected=self.expected_tp_rank,
         )
         self.llm.apply_model(lambda model: vllm_compat.load_in_place(model, shards))
-        self._unloaded -= set(shards)
+        self._unloaded -= {target.name for target in shards}
         self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
 
     def sleep(self, level: int = 1) -> None:
@@ -488,10 +490,6 @@ def build_vllm_hybrid(
         ctx=ctx,
     )
     return hybrid, rollout
-
-
-def _param_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _tp_rank() -> int:

@@ -12,6 +12,20 @@ What differs from our embedded engine's layout (``rollout/layout.py``), read fro
 - **Names.** vLLM's Llama/Qwen2/Mistral put ``model.`` before every name but ``lm_head``; with tied
   embeddings ``lm_head`` *is* ``embed_tokens`` (the same Parameter), so ``named_parameters()`` lists only
   ``model.embed_tokens.weight``.
+- **Experts** (Qwen3-MoE, Mixtral; vLLM's ``FusedMoE``, 0.32 and 0.33 alike). The MoE block's ``experts`` is a
+  runner module whose ``routed_experts`` submodule holds every expert of the layer stacked in two parameters,
+  and the router is the block's ``gate``; Mixtral's block is ``block_sparse_moe``, Qwen3-MoE's ``mlp``
+  (its ``mlp_only_layers`` keep the dense MLP's names)::
+
+      model.layers.{i}.{mlp|block_sparse_moe}.gate.weight                       [E, hidden]
+      model.layers.{i}.{mlp|block_sparse_moe}.experts.routed_experts.w13_weight [E, 2 * moe_ffn / tp, hidden]
+      model.layers.{i}.{mlp|block_sparse_moe}.experts.routed_experts.w2_weight  [E, hidden, moe_ffn / tp]
+
+  ``w13`` rows are ``[w1 (gate) shard; w3 (up) shard]``, our ``gate_up_proj`` order; expert ``e`` of our
+  per-expert rollout names is slice ``e`` of the fused tensor (:func:`vllm_target`). Without vLLM's expert
+  parallelism (our engine never turns it on) every rank holds all ``E`` experts, each split over the TP ranks
+  like a dense MLP: the rollout layout's split. vLLM's CPU kernel pads ``moe_ffn / tp`` up to a multiple of 32
+  and repacks both tensors after loading; the load path re-runs that (``vllm_compat.load_in_place``).
 
 Everything here is pure (no vLLM import), so the default suite checks it on CPU; ``tests_vllm/`` checks the
 same shapes and names against vLLM's own model classes.
@@ -19,7 +33,9 @@ same shapes and names against vLLM's own model classes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout.base import SamplingParams, SamplingParamsError
@@ -42,9 +58,39 @@ class VLLMWeightError(ValueError):
     """A weight load that does not match vLLM's parameters exactly; the message names the parameter."""
 
 
+VLLM_EXPERTS = "experts.routed_experts"
+"""Where a vLLM MoE block keeps its fused expert parameters (``FusedMoE``'s runner -> ``RoutedExperts``)."""
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight$")
+_ROUTER = re.compile(r"^layers\.(\d+)\.mlp\.gate\.weight$")
+_FUSED = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
+class VLLMSlice(NamedTuple):
+    """Where one rollout tensor goes in vLLM: a whole parameter (``expert`` None) or expert ``expert``'s slice
+    (index into the first dimension) of a fused expert parameter."""
+
+    name: str
+    expert: int | None = None
+
+
 def vllm_param_name(rollout_name: str) -> str:
-    """Our rollout-layout name -> vLLM's parameter name (Llama/Qwen2/Mistral share one layout)."""
+    """Our rollout-layout name -> vLLM's parameter name (dense layers: every family shares one layout)."""
     return rollout_name if rollout_name.startswith("lm_head") else f"model.{rollout_name}"
+
+
+def _moe_block(arch: ModelArch) -> str:
+    return "block_sparse_moe" if arch.family == "mixtral" else "mlp"
+
+
+def vllm_target(rollout_name: str, arch: ModelArch) -> VLLMSlice:
+    """Our rollout-layout name -> the vLLM parameter (and expert slice) it is written into."""
+    if expert := _EXPERT.match(rollout_name):
+        layer, index, kind = expert.groups()
+        return VLLMSlice(f"model.layers.{layer}.{_moe_block(arch)}.{VLLM_EXPERTS}.{_FUSED[kind]}", int(index))
+    if router := _ROUTER.match(rollout_name):
+        return VLLMSlice(f"model.layers.{router.group(1)}.{_moe_block(arch)}.gate.weight")
+    return VLLMSlice(vllm_param_name(rollout_name))
 
 
 def vllm_vocab_divisible_by(tp: int) -> int:
@@ -62,14 +108,26 @@ def vllm_padded_vocab(vocab_size: int) -> int:
 
 
 def vllm_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]:
-    """vLLM name -> shape of one TP rank's parameter, for every parameter vLLM's model has."""
+    """vLLM name -> shape of one TP rank's parameter, for every parameter vLLM's model has (a fused expert
+    parameter as loaded, before the CPU kernel pads it)."""
     rows = vllm_padded_vocab(arch.vocab_size) // tp
     vllm_vocab_divisible_by(tp)  # refuses a tp that does not divide the padding
-    shapes = {}
+    if arch.family == "qwen3_moe" and arch.moe is not None and tp > arch.moe.num_experts:
+        raise RolloutLayoutError(  # Qwen3MoeSparseMoeBlock refuses it at construction
+            f"rollout tensor_model_parallel_size={tp} is larger than num_experts={arch.moe.num_experts}: "
+            "vLLM's Qwen3-MoE refuses it"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    experts: dict[str, int] = {}
     for name, shape in rollout_param_shapes(arch, tp).items():
         if name in ("embed_tokens.weight", "lm_head.weight"):
             shape = (rows, *shape[1:])
-        shapes[vllm_param_name(name)] = shape
+        target = vllm_target(name, arch)
+        if target.expert is None:
+            shapes[target.name] = shape
+        else:
+            experts[target.name] = max(experts.get(target.name, 0), target.expert + 1)
+            shapes[target.name] = (experts[target.name], *shape)
     return shapes
 
 
@@ -91,28 +149,50 @@ def build_vllm_plan(
 
 def check_shard_shapes(
     params: Mapping[str, tuple[int, ...]],
-    shards: Mapping[str, tuple[int, ...]],
+    shards: Mapping[VLLMSlice, tuple[int, ...]],
     *,
     tp_rank: int,
     expected: int,
 ) -> None:
-    """Refuse a load that is not an exact match: the rank, each name, each shape (nothing is truncated).
+    """Refuse a load that is not an exact match: the rank, each name, each shape (nothing is truncated), and
+    every expert of a fused expert parameter (it is written whole: vLLM's CPU kernel repacks all experts).
 
-    ``params``: vLLM's parameter shapes on this rank; ``shards``: what is about to be copied; ``tp_rank``:
-    vLLM's TP rank of this process; ``expected``: the TP coordinate the reshard plan built the shards for.
+    ``params``: vLLM's parameter shapes on this rank; ``shards``: where each tensor about to be copied goes,
+    and its shape; ``tp_rank``: vLLM's TP rank of this process; ``expected``: the TP coordinate the reshard
+    plan built the shards for.
     """
     if tp_rank != expected:
         raise VLLMWeightError(
             f"vLLM's tensor-parallel rank is {tp_rank} but the reshard plan built shards for coordinate "
             f"{expected}: build the plan with build_vllm_plan (consecutive rollout ranks)"
         )
-    unknown = sorted(set(shards) - set(params))
+    unknown = sorted({s.name for s in shards} - set(params))
     if unknown:
         raise VLLMWeightError(f"vLLM model has no parameters named {unknown}")
-    for name, shape in shards.items():
-        if tuple(shape) != tuple(params[name]):
+    experts: dict[str, set[int]] = {}
+    for target, shape in shards.items():
+        full = tuple(params[target.name])
+        want = full if target.expert is None else full[1:]
+        if target.expert is not None:
+            if not 0 <= target.expert < full[0]:
+                raise VLLMWeightError(f"{target.name}: expert {target.expert} of {full[0]}")
+            experts.setdefault(target.name, set()).add(target.expert)
+        if tuple(shape) != want:
+            where = "" if target.expert is None else f" (expert {target.expert})"
             raise VLLMWeightError(
-                f"{name}: shard shape {tuple(shape)} != vLLM's {tuple(params[name])} on TP rank {tp_rank}"
+                f"{target.name}{where}: shard shape {tuple(shape)} != vLLM's {want} on TP rank {tp_rank}"
+            )
+    for name, seen in experts.items():
+        if len(seen) != params[name][0]:
+            missing = sorted(set(range(params[name][0])) - seen)
+            raise VLLMWeightError(
+                f"{name}: this load lacks experts {missing}; a fused expert parameter is loaded whole"
+            )
+        w13 = name.endswith(".w13_weight")
+        sibling = name.rsplit(".", 1)[0] + (".w2_weight" if w13 else ".w13_weight")
+        if sibling not in experts:
+            raise VLLMWeightError(
+                f"{name} without {sibling}: vLLM's CPU kernel repacks a layer's experts together"
             )
 
 
