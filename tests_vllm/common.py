@@ -18,9 +18,12 @@ CASES = {
     "qwen2": dict(hidden_size=128, num_key_value_heads=4),  # tied, with a qkv bias
     # q/k norms, head_dim 32 apart from hidden / heads = 16
     "qwen3": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+    # 4 experts of 32 (8 a rank at TP 4), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+    "mixtral": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4),  # 4 experts of 48
 }
-"""Tiny configs of both layouts (head_dim 32, the smallest vLLM's CPU attention takes); each splits at TP 1,
-2 and 4."""
+"""Tiny configs of every layout (head_dim 32, the smallest vLLM's CPU attention takes; hidden 128, a multiple
+of the CPU fused-MoE kernel's 32); each splits at TP 1, 2 and 4."""
 
 CONFIG = VLLMRolloutConfig(dtype=torch.float32, max_model_len=64, kv_cache_memory_bytes=16 << 20)
 

@@ -51,6 +51,7 @@ def test_our_engine_arguments_pass_vllms_config_validation(tmp_path: Path, famil
     assert model.get_vocab_size() == arch.vocab_size and model.skip_tokenizer_init
     assert (parallel.tensor_parallel_size, parallel.data_parallel_size) == (tp, 1)
     assert parallel.distributed_executor_backend == "external_launcher"
+    assert not parallel.enable_expert_parallel  # our fused-expert target: every rank holds every expert
     assert config.load_config.load_format == "dummy"
     assert cache.kv_cache_memory_bytes == CONFIG.kv_cache_memory_bytes
     assert model.enable_sleep_mode == (PLATFORM == "cuda")
@@ -234,3 +235,58 @@ def test_the_chat_template_warmup_failure_of_a_tokenizer_free_engine_is_dropped(
     finally:
         renderers.logger.removeHandler(caplog.handler)
     assert {r.getMessage() for r in caplog.records} == {"something else"}
+
+
+@pytest.mark.skipif(PLATFORM != "cpu", reason="vLLM's CPU fused-MoE kernels only")
+def test_the_config_checks_copy_of_the_cpu_moe_hidden_multiple_is_vllms() -> None:
+    """Every CPU unquantized-experts kernel vLLM may pick here tiles the hidden size by a divisor of our copy, and
+    vLLM's own check refuses a hidden size that is not a multiple (found before any process starts)."""
+    import math
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    kernels = (
+        cpu_moe.X86CPUUnquantizedExperts,
+        cpu_moe.ArmCPUUnquantizedExperts,
+        cpu_moe.CPUUnquantizedExperts,
+    )
+    for kernel in kernels:
+        assert (
+            vllm_compat.CPU_MOE_HIDDEN_MULTIPLE
+            % math.lcm(kernel.output_alignment, kernel.reduction_alignment)
+            == 0
+        )
+    moe = SimpleNamespace(hidden_dim=48, intermediate_size_per_partition=32, activation=MoEActivation.SILU)
+    assert not cpu_moe.CPUUnquantizedExperts._supports_grouped_gemm(moe)[0]  # type: ignore[arg-type]
+    moe.hidden_dim = 128
+    assert cpu_moe.CPUUnquantizedExperts._supports_grouped_gemm(moe)[0]  # type: ignore[arg-type]
+    arch = tiny_arch("qwen3_moe", hidden_size=80, head_dim=32)
+    problems = vllm_compat.preflight_problems(arch, 1, on_gpu=False, installed=True)
+    assert problems == [
+        "rollout.name=vllm: hidden_size=80: vLLM's CPU fused-MoE kernel needs a multiple of 32; use "
+        "rollout.name=local for this model"
+    ]
+    with pytest.raises(
+        ValueError, match=r"^hidden_size=80: vLLM's CPU fused-MoE kernel needs a multiple of 32"
+    ):
+        vllm_compat.check_platform_supports(arch, torch.float32)
+
+
+def test_the_fused_expert_hooks_load_in_place_calls_exist() -> None:
+    """``load_in_place`` runs the experts' ``quant_method.process_weights_after_loading`` and then, on CPU, the
+    kernel's own, which vLLM calls only while the kernel is unset (its first load); ``checkpoint_shapes`` reads
+    the unpadded sizes from the layer's ``moe_config``."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    assert list(inspect.signature(FusedMoEExperts.process_weights_after_loading).parameters) == [
+        "self",
+        "layer",
+    ]
+    setup = " ".join(inspect.getsource(UnquantizedFusedMoEMethod._setup_kernel).split())
+    guard = setup.index("if not is_weight_update:")
+    assert guard < setup.index("self.moe_kernel.fused_experts.process_weights_after_loading(layer)")
+    fields = {f.name for f in dataclasses.fields(FusedMoEConfig)}
+    assert {"num_local_experts", "hidden_dim_unpadded", "intermediate_size_per_partition_unpadded"} <= fields
