@@ -18,7 +18,10 @@ def test_tool_traces_train_on_the_assistant_turns_only(tmp_path) -> None:
     write_tokenizer(str(tmp_path / "tok"))
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     problems = [Product(123, 45), Product(700, 10)]
-    write_rows(str(tmp_path / "sft.jsonl"), rows(problems, "sft", with_response=True))
+    traces = rows(problems, "sft", with_response=True)
+    for row, problem in zip(traces, problems, strict=True):
+        row["response"] = problem.trace()  # both with the tool (the generator gives a quarter of them one)
+    write_rows(str(tmp_path / "sft.jsonl"), traces)
     data = DataConfig(train_files=[str(tmp_path / "sft.jsonl")], max_prompt_length=16, max_response_length=48)
     dataset = SFTDataset.from_files(data.train_files, tokenizer, data)
     batch = dataset.batch([0, 1])
@@ -46,10 +49,18 @@ def test_a_trace_that_does_not_start_with_the_assistant_is_named(tmp_path) -> No
     write_tokenizer(str(tmp_path / "tok"))
     tokenizer = load_tokenizer(str(tmp_path / "tok"))
     bad = rows([Product(123, 45)], "sft", with_response=True)
-    bad[0]["response"] = bad[0]["response"][1:]
+    bad[0]["response"] = Product(123, 45).trace()[1:]
     write_rows(os.path.join(tmp_path, "bad.jsonl"), bad)
     data = DataConfig(train_files=[str(tmp_path / "bad.jsonl")], max_prompt_length=16, max_response_length=48)
     with pytest.raises(
         DataError, match="row 0: column 'response': a multi-turn response starts with an assistant"
     ):
         SFTDataset.from_files(data.train_files, tokenizer, data)
+
+
+def test_a_quarter_of_the_generated_traces_call_the_tool() -> None:
+    from mcore_rl.data.tool_task import TOOL_FRACTION, make_products
+
+    responses = [r["response"] for r in rows(make_products(2000, seed=0), "sft", with_response=True)]
+    with_tool = sum(len(r) == 3 for r in responses)
+    assert abs(with_tool / 2000 - TOOL_FRACTION) < 0.03 and all(len(r) in (1, 3) for r in responses)
