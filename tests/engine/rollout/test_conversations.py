@@ -68,7 +68,9 @@ def test_turns_reuse_the_cache_and_equal_recomputing(family) -> None:
 def test_stop_checks_and_waves_do_not_change_the_turns(config) -> None:
     arch = tiny_arch("llama")
     full = random_full_state(arch, seed=2)
-    result = _turns(make_engine(arch, full, **config), make_engine(arch, full))  # greedy: draws follow the batch
+    result = _turns(
+        make_engine(arch, full, **config), make_engine(arch, full)
+    )  # greedy: draws follow the batch
     assert result["worst"] < 1e-5
 
 
