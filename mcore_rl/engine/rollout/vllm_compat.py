@@ -19,6 +19,8 @@ fused experts (MoE)    intermediate zero-padded to a multiple of   the parameter
                        for the grouped GEMM; vLLM's update path
                        skips that step, so our load runs it
 MoE hidden size        a multiple of 32 (the CPU kernel's tiles)   any
+MoE routing record     the V1 model runner, eager: our hooks on    the V2 runner and CUDA graphs: not
+                       the routers and its batch layout            recorded (router replay refused)
 =====================  ==========================================  ===========================================
 
 vLLM's side effects on the process that builds an in-process engine (ours: the trainer's rank) and how they
@@ -52,6 +54,7 @@ from mcore_rl.engine.arch import ModelArch
 
 if TYPE_CHECKING:
     from mcore_rl.engine.rollout.vllm_layout import VLLMSlice
+    from mcore_rl.engine.rollout.vllm_outputs import RoutingRecorder
 
 SUPPORTED_VERSIONS = {"cpu": "0.32.0", "cuda": "0.33.0"}
 """The vLLM release our engine is checked against, per platform (``tests_vllm/`` asserts the installed one)."""
@@ -80,10 +83,12 @@ def preflight_problems(
     installed: bool,
     dtype: tuple[str, str] = ("model.dtype", "float32"),
     gpu_capability: tuple[int, int] | None = None,
+    router_replay: bool = False,
 ) -> list[str]:
     """What vLLM would refuse for this model, rollout TP and rollout ``dtype`` (the key that sets it, its
     value), each as one line naming the key, found before any process starts (without importing vLLM: that
-    alone takes seconds and changes the process). ``gpu_capability``: the GPU's compute capability."""
+    alone takes seconds and changes the process). ``gpu_capability``: the GPU's compute capability;
+    ``router_replay``: ``actor.router_replay``, which needs vLLM's routing recorded."""
     from mcore_rl.engine.rollout.vllm_layout import VLLM_VOCAB_PADDING
 
     problems = [] if installed else [INSTALL_HINT]
@@ -103,6 +108,10 @@ def preflight_problems(
             f"vLLM's CPU attention supports head sizes {sizes} only; use rollout.name=local for this model"
         )
     problems += _moe_problems(arch, rollout_tp, on_gpu)
+    if router_replay and on_gpu and arch.moe is not None:
+        problems.append(
+            f"actor.router_replay=true with rollout.name=vllm on CUDA: {ROUTING_ON_CUDA}; use rollout.name=local"
+        )
     if VLLM_VOCAB_PADDING % rollout_tp:
         problems.append(
             f"rollout.tensor_model_parallel_size={rollout_tp} must divide vLLM's vocab padding "
@@ -381,3 +390,49 @@ def kv_cache_bytes(model: torch.nn.Module) -> int:
                 storage = tensor.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+ROUTING_ON_CUDA = (
+    "vLLM on CUDA runs its V2 model runner with CUDA graphs, where our routing capture (a Python hook on each "
+    "router, the V1 runner's batch layout) does not see every forward; vLLM's own routed-experts output "
+    "(enable_return_routed_experts) fails under external_launcher on rollout TP ranks other than 0 (vLLM 0.32's "
+    "scheduler asserts that each rank's step output carries it; only TP rank 0's worker produces it)"
+)
+"""Why a CUDA engine records no routing (see ``vllm_outputs``); read from vLLM 0.32's code, not run on a GPU."""
+
+
+def bind_routing(worker: Any, recorder: RoutingRecorder) -> str | None:
+    """On vLLM's in-process worker (``LLM.collective_rpc``): hook ``recorder`` into the routers of every fused-MoE
+    layer and into the V1 model runner's ``_prepare_inputs`` (the step's batch layout: request ids in batch order,
+    ``query_start_loc``, each request's computed tokens). None once bound, else why it cannot be."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if platform_name() == "cuda":
+        return ROUTING_ON_CUDA
+    runner = worker.model_runner
+    if not isinstance(runner, GPUModelRunner):  # the V2 runner (vLLM picks it where Triton has a CPU backend)
+        return f"vLLM runs {type(runner).__module__}.{type(runner).__name__}, not the V1 model runner"
+    if not runner.vllm_config.model_config.enforce_eager:
+        return "enforce_eager=False: a compiled forward calls the routers' capture hook only while tracing"
+    routers = {}
+    for module in runner.model.modules():
+        if isinstance(module, MoERunner):
+            if module._quant_method.is_monolithic or not isinstance(module.router, BaseRouter):
+                return f"{type(module.router).__name__}: a fused-MoE kernel that routes inside the kernel"
+            routers[module.layer_id] = module.router
+    if sorted(routers) != sorted(recorder.moe_layers):
+        return f"vLLM's MoE layers {sorted(routers)} are not the model's {sorted(recorder.moe_layers)}"
+    prepare = runner._prepare_inputs
+
+    def prepared(*args: Any, **kwargs: Any) -> Any:
+        result = prepare(*args, **kwargs)
+        batch, num = runner.input_batch, runner.input_batch.num_reqs
+        recorder.on_step(batch.req_ids[:num], runner.query_start_loc.np, batch.num_computed_tokens_cpu)
+        return result
+
+    runner._prepare_inputs = prepared  # this runner only (an instance attribute), not vLLM's class
+    for layer, router in routers.items():
+        router.set_capture_fn(recorder.capture_fn(layer))
+    return None

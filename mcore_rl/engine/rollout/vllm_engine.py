@@ -30,6 +30,8 @@ How it fits the hybrid engine (the worker calls :func:`build_vllm_hybrid` where 
   log-softmax, also ours). With filtering on, vLLM reports the truncated distribution's log-probs, which the
   actor cannot recompute, so :meth:`generate` refuses that unless ``truncated_logprobs_ok=True`` (the driver
   then recomputes old log-probs with the actor, as it does by default).
+- Routing (mixture-of-experts models): :mod:`~mcore_rl.engine.rollout.vllm_outputs` records the experts vLLM's
+  routers chose for each token, as the embedded engine does (CPU; why not on CUDA, and not vLLM's own output).
 - Sampling is not broadcast between vLLM's TP ranks: they agree only because they draw alike. An unseeded
   request would draw its seed from each rank's own global RNG, so we draw one on the TP group's first rank and
   broadcast it. Temperatures vLLM would refuse or silently clamp are refused with our field's name.
@@ -37,7 +39,9 @@ How it fits the hybrid engine (the worker calls :func:`build_vllm_hybrid` where 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -53,8 +57,6 @@ from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout import vllm_compat
 from mcore_rl.engine.rollout.base import (
-    FINISH_LENGTH,
-    FINISH_STOP,
     GenerationOutput,
     SamplingParams,
     SamplingParamsError,
@@ -69,6 +71,7 @@ from mcore_rl.engine.rollout.vllm_layout import (
     vllm_param_shapes,
     vllm_target,
 )
+from mcore_rl.engine.rollout.vllm_outputs import RoutingRecorder, bind_recorder, to_generation_output
 
 if TYPE_CHECKING:
     from mcore_rl.engine.train_engine import TrainEngine
@@ -114,6 +117,10 @@ class VLLMRolloutConfig:
     block_size: int | None = None
     """KV-cache block size in tokens; the prefix cache reuses whole blocks only, so a multi-turn rollout of
     short conversations reuses more with smaller blocks. None: vLLM's (128 on CPU, 16 on GPU)."""
+    record_routing: bool | None = None
+    """Mixture-of-experts models: ``generate`` returns the experts each token was routed to (``prompt_experts`` /
+    ``response_experts``: the routing-agreement metric, router replay), where this build can record them (CPU;
+    see ``vllm_outputs``). None: where it can; True: required (construction refuses, saying why); False: off."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -236,6 +243,7 @@ class VLLMRolloutEngine:
             raise
         self._closed = False
         self._check_parameters(self.llm.apply_model(vllm_compat.checkpoint_shapes)[0])
+        self._recorder = self._bind_routing()
         self._unloaded = set(self._shapes)
         self._asleep: set[str] = set()
         self.cached_tokens = 0
@@ -252,6 +260,19 @@ class VLLMRolloutEngine:
             check_free_memory(*torch.cuda.mem_get_info(), self.config.gpu_memory_utilization)
         with vllm_compat.process_state_kept(), megatron_cpu.suspended():
             return vllm.LLM(**args)
+
+    def _bind_routing(self) -> RoutingRecorder | None:
+        """The recorder of an MoE model's routing, hooked into vLLM (``config.record_routing``)."""
+        if self.arch.moe is None or self.config.record_routing is False:
+            return None
+        bound = bind_recorder(self.llm, self.arch)
+        if isinstance(bound, RoutingRecorder):
+            return bound
+        if self.config.record_routing:
+            self.close()
+            raise ValueError(f"record_routing=True: {bound}")
+        logging.getLogger(__name__).warning("vLLM's MoE routing is not recorded: %s", bound)
+        return None
 
     @staticmethod
     def _check_request(arch: ModelArch, config: VLLMRolloutConfig, tp: int) -> None:
@@ -358,11 +379,13 @@ class VLLMRolloutEngine:
             raise RuntimeError(f"generate() while {sorted(self._asleep)} asleep; call wake_up() first")
         check_covered(self._unloaded)
         self._check_sampling(prompts, params)
-        vllm_params = VLLMSamplingParams(**sampling_kwargs(params, shared_seed(params.seed, self.tp_group)))
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vllm_params, use_tqdm=False
-        )
-        return _to_generation_output(outputs, params)
+        seed, recorder = shared_seed(params.seed, self.tp_group), self._recorder
+        vllm_params = VLLMSamplingParams(**sampling_kwargs(params, seed, whole_prompts=recorder is not None))
+        with contextlib.nullcontext(None) if recorder is None else recorder.recording() as steps:
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vllm_params, use_tqdm=False
+            )
+        return to_generation_output(outputs, params, prompts, steps)
 
     @megatron_cpu.suspended()
     def continue_conversations(
@@ -394,7 +417,7 @@ class VLLMRolloutEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
         outputs = self.llm.generate(prompts, requests, use_tqdm=False)
         self.cached_tokens = sum(o.num_cached_tokens or 0 for o in outputs)
-        return _to_generation_output(outputs, widest)
+        return to_generation_output(outputs, widest)  # routing unrecorded: no replay (config/validate)
 
     def end_conversations(self) -> None:
         """Nothing to free: vLLM's prefix cache evicts by itself."""
@@ -423,8 +446,9 @@ class VLLMRolloutEngine:
                 raise ValueError(f"prompts[{i}]: {len(prompt)} tokens + max_new_tokens exceed max_model_len")
 
 
-def sampling_kwargs(params: SamplingParams, seed: int) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments for ours (also round-tripped by tests_vllm/)."""
+def sampling_kwargs(params: SamplingParams, seed: int, whole_prompts: bool = False) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for ours (also round-tripped by tests_vllm/); ``whole_prompts``:
+    computed from the first token, never read from the prefix cache."""
     return dict(
         n=params.n,
         temperature=params.temperature,
@@ -435,6 +459,7 @@ def sampling_kwargs(params: SamplingParams, seed: int) -> dict[str, Any]:
         ignore_eos=True,  # only our stop ids end a sequence
         logprobs=0,  # the sampled token's log-prob
         seed=seed,
+        **({"skip_reading_prefix_cache": True} if whole_prompts else {}),
     )
 
 
@@ -496,22 +521,3 @@ def _tp_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
-
-
-def _to_generation_output(outputs: list[Any], params: SamplingParams) -> GenerationOutput:
-    rows = [(i, completion) for i, request in enumerate(outputs) for completion in request.outputs]
-    num, width = len(rows), params.max_new_tokens
-    token_ids = torch.full((num, width), params.pad_token_id, dtype=torch.long)
-    log_probs = torch.zeros(num, width)
-    lengths = torch.zeros(num, dtype=torch.long)
-    reasons = []
-    for row, (_, completion) in enumerate(rows):
-        ids = list(completion.token_ids)[:width]
-        token_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        log_probs[row, : len(ids)] = torch.tensor(
-            [step[token].logprob for step, token in zip(completion.logprobs, ids, strict=False)]
-        )
-        lengths[row] = len(ids)
-        reasons.append(FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH)
-    prompt_index = torch.tensor([i for i, _ in rows], dtype=torch.long)
-    return GenerationOutput(prompt_index, token_ids, log_probs, lengths, reasons)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,10 +33,10 @@ from mcore_rl.engine.rollout.vllm_engine import (
     RolloutMemory,
     VLLMRolloutConfig,
     VLLMRolloutEngine,
-    _to_generation_output,
     vllm_param_name,
 )
 from mcore_rl.engine.rollout.vllm_layout import VLLMWeightError
+from mcore_rl.engine.rollout.vllm_outputs import RoutingRecorder, sample_of, to_generation_output
 from tests.distributed import WorkerPool
 from tests.engine.rollout.common import random_full_state
 from tests.models import tiny_arch
@@ -65,27 +66,139 @@ ATOL = 2e-5
 
 
 # --- pure -------------------------------------------------------------------------------------------------
-def _completion(tokens: list[int], logprobs: list[float], reason: str) -> SimpleNamespace:
+def _completion(tokens: list[int], logprobs: list[float], reason: str, index: int = 0) -> SimpleNamespace:
     steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)]
-    return SimpleNamespace(token_ids=tokens, logprobs=steps, finish_reason=reason)
+    return SimpleNamespace(token_ids=tokens, logprobs=steps, finish_reason=reason, index=index)
 
 
 def test_vllm_outputs_become_prompt_major_padded_generation_output() -> None:
     requests = [
         SimpleNamespace(
-            outputs=[_completion([5, 6, 2], [-0.1, -0.2, -0.3], "stop"), _completion([7], [-1.0], "length")]
+            request_id="0",
+            outputs=[_completion([5, 6, 2], [-0.1, -0.2, -0.3], "stop"), _completion([7], [-1.0], "length")],
         ),
         SimpleNamespace(
-            outputs=[_completion([8, 9], [-0.5, -0.6], "length"), _completion([4], [-2.0], "stop")]
+            request_id="1",
+            outputs=[_completion([8, 9], [-0.5, -0.6], "length"), _completion([4], [-2.0], "stop")],
         ),
     ]
-    out = _to_generation_output(requests, SamplingParams(n=2, max_new_tokens=3, pad_token_id=99))
+    out = to_generation_output(requests, SamplingParams(n=2, max_new_tokens=3, pad_token_id=99))
     assert out.prompt_index.tolist() == [0, 0, 1, 1]
     assert out.token_ids.tolist() == [[5, 6, 2], [7, 99, 99], [8, 9, 99], [4, 99, 99]]
     assert out.lengths.tolist() == [3, 1, 2, 1]
     assert out.finish_reasons == ["stop", "length", "length", "stop"]
     assert torch.allclose(out.log_probs[0], torch.tensor([-0.1, -0.2, -0.3]))
     assert out.log_probs[1, 1:].abs().sum() == 0  # padding carries no log-prob
+    assert out.prompt_experts is None and out.response_experts is None  # nothing recorded: a dense model's
+
+
+# vLLM's internal ids of 2 prompts x 2 samples (RequestOutput ids "0", "1"), and the fed tokens each computed
+# (prompt + response[:-1]) over four steps: prompt 0's sample 1 prefills in two chunks, then decoding
+ROUTED_PROMPTS = [[5, 17, 33], [9, 2]]
+ROUTED_IDS = ["0_0-1a2b3c4d", "1_0-1a2b3c4d", "0_1-99ff00aa", "1_1-99ff00aa"]
+ROUTED_STEPS = [  # (request, first position, rows) per step
+    [(0, 0, 3), (1, 0, 2), (2, 0, 2), (3, 0, 2)],
+    [(0, 3, 1), (1, 2, 1), (3, 2, 1)],  # prompt 1's sample 0 stopped at its first token: nothing fed
+    [(0, 4, 1), (1, 3, 1)],
+    [(1, 4, 1)],
+]
+
+
+def _routed(layer: int, request: int, position: int, choice: int) -> int:
+    """The expert id the test's fake routers report: it encodes where it was recorded."""
+    return 2 * (1000 * layer + 100 * request + position) + choice
+
+
+def _record(recorder: RoutingRecorder, steps: list[list[tuple[int, int, int]]]) -> Any:
+    """Drive ``recorder`` as vLLM does: the runner lays out each step, then every MoE layer's router runs."""
+    capture = {layer: recorder.capture_fn(layer) for layer in recorder.moe_layers}
+    capture[0](torch.zeros(1, 2, dtype=torch.int32))  # outside a recording (vLLM's warm-up): ignored
+    with recorder.recording() as recorded:
+        for step in steps:
+            starts = np.cumsum([0] + [count for _, _, count in step])
+            positions = np.array([first for _, first, _ in step])
+            recorder.on_step([ROUTED_IDS[r] for r, _, _ in step], starts, positions)
+            for column, layer in enumerate(recorder.moe_layers):
+                ids = [
+                    [_routed(column, r, first + i, c) for c in range(2)]
+                    for r, first, count in step
+                    for i in range(count)
+                ]
+                capture[layer](torch.tensor([*ids, [0, 0]], dtype=torch.int32))  # a padded last row
+    return recorded
+
+
+def _routed_outputs() -> list[SimpleNamespace]:
+    return [
+        SimpleNamespace(
+            request_id="0",
+            outputs=[
+                _completion([5, 6, 2], [-0.1] * 3, "stop", 0),
+                _completion([7, 8, 9], [-0.2] * 3, "length", 1),
+            ],
+        ),
+        SimpleNamespace(
+            request_id="1",
+            outputs=[_completion([2], [-0.3], "stop", 0), _completion([4, 2], [-0.4] * 2, "stop", 1)],
+        ),
+    ]
+
+
+def test_recorded_routing_is_aligned_as_the_embedded_engines() -> None:
+    """Prompt tokens per prompt, response token t where it was fed back in (never the last), -1 elsewhere; in
+    the rollout batch, column t holds the routing of tokens[:, t]."""
+    from mcore_rl.engine.rollout.batch import rollout_batch
+
+    recorder = RoutingRecorder(moe_layers=[0, 2], top_k=2)
+    steps = _record(recorder, ROUTED_STEPS)
+    params = SamplingParams(n=2, max_new_tokens=4, pad_token_id=0)
+    out = to_generation_output(_routed_outputs(), params, ROUTED_PROMPTS, steps)
+    assert out.response_experts is not None and out.prompt_experts is not None
+    assert out.response_experts.dtype == torch.int16 and out.response_experts.shape == (4, 4, 2, 2)
+    assert [tuple(p.shape) for p in out.prompt_experts] == [(3, 2, 2), (2, 2, 2)]
+    assert out.prompt_experts[1][1, 1, 0] == _routed(1, 2, 1, 0)  # prompt 1 from its first sample
+    batch = rollout_batch(ROUTED_PROMPTS, torch.tensor([0, 1]), out, pad_id=0)
+    assert batch.expert_choices is not None
+    for row, (request, length) in enumerate(zip([0, 1, 2, 3], [3, 3, 1, 2], strict=True)):
+        fed = len(ROUTED_PROMPTS[row // 2]) + length - 1
+        expected = torch.full(batch.expert_choices.shape[1:], -1, dtype=torch.int16)
+        for position in range(fed):
+            for layer in range(2):
+                prompt_row = 0 if row < 2 else 2  # prompt positions come from each prompt's first sample
+                source = request if position >= len(ROUTED_PROMPTS[row // 2]) else prompt_row
+                expected[position, layer] = torch.tensor(
+                    [_routed(layer, source, position, c) for c in range(2)]
+                )
+        assert torch.equal(batch.expert_choices[row], expected), row
+
+
+def test_a_token_the_recording_missed_is_refused() -> None:
+    recorder = RoutingRecorder(moe_layers=[0, 2], top_k=2)
+    steps = _record(recorder, ROUTED_STEPS[:-1])  # prompt 0's sample 1 never fed its response token 1
+    with pytest.raises(RuntimeError, match="routing of sequence 1 misses response tokens"):
+        to_generation_output(_routed_outputs(), SamplingParams(n=2, max_new_tokens=4), ROUTED_PROMPTS, steps)
+    with pytest.raises(RuntimeError, match="a router saw 1 of the step's 3 tokens"), recorder.recording():
+        recorder.on_step(["0-1a2b3c4d"], np.array([0, 3]), np.array([0]))
+        recorder.capture_fn(2)(torch.zeros(1, 2, dtype=torch.int32))
+
+
+def test_vllm_request_ids_name_the_prompt_and_the_sample() -> None:
+    assert sample_of("12-1a2b3c4d", n=1) == ("12", 0)
+    assert sample_of("3_12-1a2b3c4d", n=4) == ("12", 3)
+
+
+def test_router_replay_with_vllm_is_refused_on_cuda_only() -> None:
+    """The CPU build records the routing (below); CUDA's does not (``vllm_compat.ROUTING_ON_CUDA``)."""
+    from mcore_rl.engine.rollout.vllm_compat import preflight_problems
+
+    arch = ARCHS["qwen3_moe"]
+    assert preflight_problems(arch, 2, on_gpu=False, installed=True, router_replay=True) == []
+    assert preflight_problems(arch, 2, on_gpu=True, installed=True) == []
+    (problem,) = preflight_problems(arch, 2, on_gpu=True, installed=True, router_replay=True)
+    assert (
+        problem.startswith("actor.router_replay=true with rollout.name=vllm on CUDA: ")
+        and "\n" not in problem
+    )
 
 
 def test_vllm_param_names() -> None:
@@ -208,6 +321,62 @@ def _turns(rollout: VLLMRolloutEngine, engine: Any, ctx: Any) -> dict[str, Any]:
     return {"tokens": second.token_ids, "gap": gap, "cached": cached, "lengths": second.lengths.tolist()}
 
 
+def _routing(rollout: VLLMRolloutEngine, engine: Any) -> dict[str, Any]:
+    """MoE: the experts vLLM recorded against the trainer's own routing of the same sequences (the agreement
+    metric's taps, counting), and the trainer's log-probs with and without replaying them. One row stops early
+    (its stop id found by a first call with the same seed), so the recording ends before padding."""
+    from dataclasses import replace
+
+    from mcore_rl.engine.packing.micro_batches import positions
+    from mcore_rl.engine.rollout.batch import rollout_batch
+    from mcore_rl.engine.workers.losses import LogProbMicroBatch, log_prob_loss
+
+    params = SamplingParams(TEMPERATURE, n=2, max_new_tokens=6, seed=5)
+    stop = int(rollout.generate(PROMPTS, params).token_ids[0, 2])
+    out = rollout.generate(PROMPTS, replace(params, stop_token_ids=[stop]))
+    batch = rollout_batch(PROMPTS, torch.arange(len(PROMPTS)), out, pad_id=0)
+    taps, mask = engine.watch_routing(), batch.response_mask.bool()
+    result: dict[str, Any] = {"out": out, "stopped": int((out.lengths < 6).sum())}
+    for replay in (False, True):
+        taps.set_replay(replay)
+        taps.counts.active = True
+        micro = LogProbMicroBatch(
+            batch.tokens,
+            positions(batch.tokens),
+            expert_choices=batch.expert_choices,
+            mask=batch.response_mask,
+        )
+        loss = log_prob_loss(engine.arch.vocab_size, TEMPERATURE)
+        log_probs = engine.forward_backward([micro], loss, forward_only=True)[0].log_probs
+        taps.counts.active = False
+        gap = float((log_probs - batch.rollout_log_probs)[mask].abs().max())
+        result[replay] = {"gap": gap, "agreement": taps.take_agreement()}
+    taps.set_replay(False)
+    return result
+
+
+def _check_routing(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
+    moe = ARCHS[family].moe
+    assert moe is not None
+    for rank, result in enumerate(results):
+        routing, out = result["routing"], result["routing"]["out"]
+        assert routing["stopped"] > 0
+        for j, experts in enumerate(out.prompt_experts):  # every prompt token, every MoE layer, k experts
+            assert experts.dtype == torch.int16 and experts.shape == (
+                len(PROMPTS[j]),
+                len(moe.layers),
+                moe.top_k,
+            )
+            assert bool((experts >= 0).all() & (experts < moe.num_experts).all())
+        fed = torch.arange(6)[None, :] < (out.lengths - 1)[:, None]  # each response token but the last
+        assert bool((out.response_experts[fed] >= 0).all() and (out.response_experts[~fed] == -1).all())
+        for replay in (False, True):  # fp32, decisive routers: vLLM routes every token as the trainer does
+            assert routing[replay]["agreement"] == 1.0 and routing[replay]["gap"] <= ATOL, (rank, routing)
+        leader = results[rank - rank % tp_g]["routing"]["out"]  # vLLM's TP ranks record alike
+        assert torch.equal(out.response_experts, leader.response_experts)
+        assert all(torch.equal(a, b) for a, b in zip(out.prompt_experts, leader.prompt_experts, strict=True))
+
+
 def _gap(engine: Any, ctx: Any, out: Any, temperature: float) -> float:
     actor = _actor_log_probs(engine, ctx, out, temperature)
     return float((actor - out.log_probs)[out.response_mask()].abs().max())
@@ -261,6 +430,7 @@ def _rollouts(hybrid: Any, engine: Any, ctx: Any, calls: int) -> list[dict[str, 
                 "sync_s": transition.steps_s,  # reshard and load seconds, for the report
                 "planned": hybrid.plan.received_bytes()[ctx.rank],
                 "memory": in_rollout,
+                "recorded": outs[0].response_experts is not None,  # MoE models only: no cost for a dense one
             }
         )
         _train_step(engine)
@@ -288,6 +458,7 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str
         calls = 2 if ctx.rank // tp_g == 0 else 1  # TP groups generate independently (external DP)
         steps = _rollouts(hybrid, engine, ctx, calls)
         hybrid.to_rollout()
+        routing = _routing(rollout, engine) if arch.moe is not None else None
         turns = _turns(rollout, engine, ctx)  # the actor's forward is collective: every rank runs it
         with pytest.raises(SamplingParamsError, match="top_k=5"):
             rollout.generate(PROMPTS, SamplingParams(top_k=5, max_new_tokens=2))
@@ -299,6 +470,7 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str
         dist.all_reduce(world)  # the trainer's world survives vLLM's shutdown
         return {
             "steps": steps,
+            "routing": routing,
             "turns": turns,
             "memory_train": in_train,
             "in_place": in_place,
@@ -349,6 +521,7 @@ def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
             assert step["gap"] <= ATOL and step["greedy_gap"] <= ATOL, (rank, step["gap"], step["greedy_gap"])
             assert step["received"] == step["planned"]  # shards only: no full model gathered anywhere
             assert step["memory"] == expected
+            assert step["recorded"] == (ARCHS[family].moe is not None)
         leader = results[rank - rank % tp_g]  # vLLM's TP groups are consecutive ranks
         for mine, theirs in zip(result["steps"], leader["steps"], strict=True):
             for key in ("tokens", "log_probs"):
@@ -364,6 +537,8 @@ def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
         cached = {64} if ARCHS[family].sliding_window is None else {32, 64}
         assert turns["gap"] <= ATOL and turns["cached"] in cached and turns["lengths"][0] <= 3, (rank, turns)
         assert torch.equal(turns["tokens"], results[rank - rank % tp_g]["turns"]["tokens"])
+    if ARCHS[family].moe is not None:
+        _check_routing(results, tp_g, family)
 
 
 @pytest.fixture(scope="module")
