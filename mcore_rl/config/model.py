@@ -165,7 +165,8 @@ class ActorConfig:
     """Mixture-of-experts models: the trainer's routers use the experts the rollout engine chose for each
     token (its recorded top-k) instead of choosing again, so rollout and training log-probs agree by
     construction (peers' "router replay", R3). The routing weights still come from the trainer's router, whose
-    gradient flows. Needs the embedded rollout engine (vLLM does not return its choices)."""
+    gradient flows. Single-turn rollouts, on the embedded engine or vLLM on CPU (vLLM on CUDA records no routing:
+    ``engine/rollout/vllm_outputs.py``)."""
 
 
 @dataclass

@@ -154,11 +154,7 @@ def _moe_problems(cfg: RunConfig, arch: Any) -> list[str]:
     if cfg.actor.router_replay:
         if arch.moe is None:
             problems.append("actor.router_replay=true applies to mixture-of-experts models only")
-        elif cfg.rollout.name == RolloutEngineName.VLLM:
-            problems.append(
-                "actor.router_replay=true needs rollout.name=local (vLLM does not return its routing)"
-            )
-        elif cfg.rollout.multi_turn.enable:
+        elif cfg.rollout.multi_turn.enable:  # no engine records a conversation's turns
             problems.append(
                 "actor.router_replay=true is not supported with rollout.multi_turn.enable=true yet"
             )
@@ -187,7 +183,13 @@ def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
 
         capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     problems = preflight_problems(
-        arch, cfg.rollout.tensor_model_parallel_size, device == "cuda", installed, dtype, capability
+        arch,
+        cfg.rollout.tensor_model_parallel_size,
+        device == "cuda",
+        installed,
+        dtype,
+        capability,
+        router_replay=cfg.actor.router_replay,
     )
     for prefix, sampling in (("rollout", cfg.rollout), ("rollout.val_kwargs", cfg.rollout.val_kwargs)):
         if sampling.temperature > 0 and (0 < sampling.top_k < arch.vocab_size or sampling.top_p < 1.0):

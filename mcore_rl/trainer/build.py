@@ -129,6 +129,7 @@ def vllm_rollout_config(cfg: RunConfig) -> VLLMRolloutConfig | None:
         kv_cache_memory_bytes=cfg.rollout.kv_cache_memory_bytes,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=cfg.trainer.seed,
+        record_routing=True if cfg.actor.router_replay else None,  # replay: refused where not recorded
     )
 
 

@@ -43,8 +43,13 @@ BAD = [
     ),
     (
         MOE,
-        ["actor.router_replay=true", "rollout.name=vllm"],
-        "actor.router_replay=true needs rollout.name=local",
+        ["actor.router_replay=true", "rollout.name=vllm", "rollout.multi_turn.enable=true"],
+        "actor.router_replay=true is not supported with rollout.multi_turn.enable=true",
+    ),
+    (
+        MOE,
+        ["actor.router_replay=true", "rollout.name=vllm", "trainer.device=cuda"],
+        "actor.router_replay=true with rollout.name=vllm on CUDA",
     ),
     (
         DENSE,
