@@ -147,8 +147,9 @@ def _moe_problems(cfg: RunConfig, arch: Any) -> list[str]:
     problems = []
     tp_g = cfg.rollout.tensor_model_parallel_size
     if arch.moe is not None and arch.moe.ffn_hidden_size % tp_g:
+        field = "intermediate_size" if arch.family == "mixtral" else "moe_intermediate_size"
         problems.append(
-            f"rollout.tensor_model_parallel_size={tp_g} does not divide moe_intermediate_size="
+            f"rollout.tensor_model_parallel_size={tp_g} does not divide the experts' {field}="
             f"{arch.moe.ffn_hidden_size} (every rollout rank holds a slice of every expert)"
         )
     if cfg.actor.router_replay:

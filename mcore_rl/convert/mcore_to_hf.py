@@ -125,10 +125,12 @@ def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader
     return Region(key, where.prefix_offsets + (0,) * len(shape), (1,) * prefix + tuple(shape))
 
 
-def _output_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+def _output_config(hf_config: dict[str, Any], dtype: torch.dtype, arch: ModelArch) -> dict[str, Any]:
     """The HF config to write: unchanged but for its dtype field (if it has one), set to the weights'
-    (a classifier's own config, not its body's)."""
+    (a classifier's own config, not its body's), and its ``model_type`` when it had none (an inline
+    ``model.hf_config``): transformers' ``AutoModel`` needs it, and our family names are HF's model types."""
     config = hf_config_of(hf_config)
+    config.setdefault("model_type", arch.family)
     for key in ("dtype", "torch_dtype"):
         if key in config:
             config[key] = str(dtype).removeprefix("torch.")
@@ -172,7 +174,7 @@ def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
             release_freed_memory()
         writer.finish()
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(_output_config(source.hf_config, dtype), f, indent=2, sort_keys=True)
+            json.dump(_output_config(source.hf_config, dtype, source.arch), f, indent=2, sort_keys=True)
             f.write("\n")
         copied = copy_side_files(source.side_files_from, tmp)
         output.commit()

@@ -29,12 +29,16 @@ BAD = [
         ["model.hf_config.num_experts_per_tok=5"],
         "num_experts_per_tok=5 is larger than the number of experts",
     ),
-    (MOE, ["model.hf_config.num_experts=four"], "num_experts must be a positive integer, got 'four'"),
+    (
+        MOE,
+        ["model.hf_config.num_local_experts=four"],
+        "num_local_experts must be a positive integer, got 'four'",
+    ),
     (MOE, ["model.moe_aux_loss_coeff=-0.1"], "model.moe_aux_loss_coeff"),
     (
         MOE,
-        ["rollout.tensor_model_parallel_size=2", "model.hf_config.moe_intermediate_size=255"],
-        "moe_intermediate_size=255",
+        ["rollout.tensor_model_parallel_size=2", "model.hf_config.intermediate_size=255"],
+        "does not divide the experts' intermediate_size=255",
     ),
     (
         MOE,

@@ -88,9 +88,9 @@ def _forward(engine: TrainEngine, tokens: torch.Tensor) -> torch.Tensor | None:
 
 
 def _convert_and_forward(
-    hf_dir: str, ckpt: str, layouts: dict, tokens: torch.Tensor, tp: int, pp: int
+    hf_dir: str, ckpt: str, layouts: dict, tokens: torch.Tensor, tp: int, pp: int, ep: int = 1
 ) -> dict:
-    convert_hf_to_mcore(HfToMcoreOptions(hf_dir, ckpt, tp=tp, pp=pp))
+    convert_hf_to_mcore(HfToMcoreOptions(hf_dir, ckpt, tp=tp, pp=pp, ep=ep))
     logits = {}
     for name, parallel in layouts.items():
         with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:

@@ -25,7 +25,7 @@ from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import MOE_VARIANTS, hf_logits, save_hf_model
 from tests.convert.test_dist_layout import _describe
-from tests.convert.test_hf_parity import ATOL, _all_tensors, _engine, _forward, _max_diffs, _tokens
+from tests.convert.test_hf_parity import ATOL, _all_tensors, _convert_and_forward, _max_diffs, _tokens
 
 EP2 = {"expert_model_parallel_size": 2}
 LAYOUTS_WORLD2 = {"tp1": {}, "ep2": EP2}
@@ -35,24 +35,13 @@ LAYOUTS_WORLD4 = {
 }
 
 
-def _convert_and_forward(hf_dir: str, ckpt: str, layouts: dict, tokens: torch.Tensor, ep: int) -> dict:
-    convert_hf_to_mcore(HfToMcoreOptions(hf_dir, ckpt, ep=ep))
-    logits = {}
-    for name, parallel in layouts.items():
-        with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
-            out = _forward(_engine(ckpt, ctx), tokens)
-            if out is not None:
-                logits[name] = out
-    return logits
-
-
 def _parity(run_distributed, tmp_path, variant: str, layouts: dict, world_size: int) -> None:
     family, overrides = MOE_VARIANTS[variant]
     hf_dir = save_hf_model(str(tmp_path / "hf"), family, **overrides)
     tokens = _tokens()  # 16 tokens: past mixtral's sliding window of 8
     expected = hf_logits(hf_dir, tokens)
     results = run_distributed(
-        _convert_and_forward, hf_dir, str(tmp_path / "ckpt"), layouts, tokens, 2, world_size=world_size
+        _convert_and_forward, hf_dir, str(tmp_path / "ckpt"), layouts, tokens, 1, 1, 2, world_size=world_size
     )
     diffs = _max_diffs(results, expected)
     print(f"\n{variant}: max |logit diff| vs transformers {diffs}")

@@ -82,6 +82,13 @@ def _reference(arch, ctx, full, tokens, labels) -> dict:
 
 def _dp_slice_batches(ctx, tokens, labels, vocab_size) -> list[MicroBatch]:
     per_rank = GLOBAL_BATCH // ctx.dp_size
+    return row_batches(
+        tokens, labels, vocab_size, range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
+    )
+
+
+def row_batches(tokens, labels, vocab_size, rows) -> list[MicroBatch]:
+    """One micro-batch per row of the global batch, each knowing its row index."""
     positions = torch.arange(SEQ).expand(1, SEQ)
     return [
         LabeledMicroBatch(
@@ -91,7 +98,7 @@ def _dp_slice_batches(ctx, tokens, labels, vocab_size) -> list[MicroBatch]:
             index=torch.tensor(i),
             vocab_size=vocab_size,
         )
-        for i in range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
+        for i in rows
     ]
 
 

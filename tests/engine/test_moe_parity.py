@@ -9,7 +9,6 @@ micro-batch's router losses depend on its own tokens only and ``engine/moe.py`` 
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
@@ -24,6 +23,7 @@ from tests.engine.test_layout_parity import (
     _dp_slice_batches,
     _global_batch,
     _layout_run,
+    row_batches,
 )
 from tests.engine.test_layout_parity import _sum_over_dp as sum_over_dp
 from tests.models import tiny_arch
@@ -140,28 +140,10 @@ def _uneven_micro_batches() -> dict:
             rows = [0] if dist.get_rank() == 0 else [1, 2, 3]
             if name == "tp1":  # every rank runs all four as its own batch: a DP2 of identical halves
                 rows = [0, 1, 2, 3]
-            batches = [
-                b for b in _dp_slice_batches_all(tokens, labels, arch.vocab_size) if int(b.index) in rows
-            ]
+            batches = row_batches(tokens, labels, arch.vocab_size, rows)
             step, metrics = engine.train_step(batches, _ce_loss)
             out[name] = {"records": len(metrics), "grad_norm": step.grad_norm}
     return out
-
-
-def _dp_slice_batches_all(tokens, labels, vocab_size):
-    from tests.models import LabeledMicroBatch
-
-    positions = torch.arange(tokens.shape[1]).expand(1, tokens.shape[1])
-    return [
-        LabeledMicroBatch(
-            tokens[i : i + 1],
-            positions,
-            labels=labels[i : i + 1],
-            index=torch.tensor(i),
-            vocab_size=vocab_size,
-        )
-        for i in range(tokens.shape[0])
-    ]
 
 
 def test_uneven_micro_batches_are_balanced_for_expert_parallelism(run_distributed):

@@ -8,6 +8,8 @@ rank receives exactly the other rank's experts' bytes (the plan's minimum).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mcore_rl.trainer.trainer import Trainer
@@ -30,6 +32,11 @@ def test_grpo_on_moe_at_ep2_keeps_rollout_and_trainer_in_agreement(tmp_path) -> 
     with Trainer.from_config(cfg, use_ray=True) as trainer:
         trainer.fit()
         records = [r for r in trainer.records if r["stage"] == "rl" and r["step"] > 0]
+    # the run's HF model (inline config: model_type added) loads in transformers as a Qwen3-MoE
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path, "run", "model"))
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
     assert len(records) == 2
     moe = cfg.model.arch().moe
     assert moe is not None
