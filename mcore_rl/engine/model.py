@@ -230,8 +230,14 @@ def _uses_te(options: ModelOptions) -> bool:
 
 
 def _layer_spec(
-    options: ModelOptions, arch: ModelArch, config: Any, ctx: ParallelContext, vp: int | None
+    options: ModelOptions,
+    arch: ModelArch,
+    config: Any = None,
+    ctx: ParallelContext | None = None,
+    vp: int | None = None,
 ) -> Any:
+    """The layer spec: one for every layer of a dense model; for an MoE model (``config`` and ``ctx`` needed)
+    megatron's block spec, one per layer of this rank's chunk ``vp`` (MoE and dense layers mixed)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -241,6 +247,7 @@ def _layer_spec(
     from mcore_rl.compat.cpu_layers import local_spec
 
     if arch.moe is not None:  # per-layer specs: MoE layers and dense ones (Qwen3-MoE's mlp_only_layers)
+        assert config is not None and ctx is not None, "an MoE layer spec needs the config and the context"
         block = get_gpt_decoder_block_spec(
             config,
             use_transformer_engine=_uses_te(options),

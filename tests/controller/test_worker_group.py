@@ -85,8 +85,8 @@ def test_a_typed_error_crosses_the_ray_boundary_as_itself() -> None:
     from mcore_rl.engine.train_engine import NonFiniteLossError
     from mcore_rl.trainer.step import _named_nonfinite
 
-    group = WorkerGroup.spawn(Worker, 1)
-    with pytest.raises(WorkerError) as info:
+    # the group's placement group is released for the next test
+    with WorkerGroup.spawn(Worker, 1) as group, pytest.raises(WorkerError) as info:
         group.run("run", _nonfinite_on_every_rank)
     assert isinstance(info.value.cause, NonFiniteLossError) and info.value.rank == 0
 

@@ -9,6 +9,7 @@ import torch
 
 from mcore_rl.engine.model import build_model_chunks
 from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.engine.packing.micro_batches import slice_rows
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.engine.workers.losses import (
@@ -80,7 +81,7 @@ def _run(family: str, parallel: dict) -> dict:
             PolicyMicroBatch(
                 batch.tokens[r],
                 positions[r],
-                train=TrainBatch(*(getattr(batch, f)[r] for f in TrainBatch.__dataclass_fields__)),
+                train=slice_rows(batch, r),
             )
             for r in rows
         ]
