@@ -102,6 +102,7 @@ setup(
             "import-linter==2.17",
             "wandb",
             "mlflow-skinny",
+            "peft",  # the LoRA tests hold our adapters to peft's (parity, PEFT export and import)
         ],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},

@@ -30,12 +30,15 @@ from mcore_rl.algo.settings import (
     LossAggMode,
     kl_estimator_rule,
 )
+from mcore_rl.engine.lora_spec import LoRASpec, resolve_targets
 from mcore_rl.io.fields import (
     CLOSED_UNIT,
     NON_NEGATIVE,
     OPTIONAL_POSITIVE,
     POSITIVE,
     PROBABILITY,
+    UNIT_INTERVAL,
+    FieldError,
     Rule,
     check_section,
     choice,
@@ -100,6 +103,23 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the router z-loss (ST-MoE; megatron's ``moe_z_loss_coeff``),
     logged as ``moe/z_loss`` when on."""
+    lora_rank: int = 0
+    """LoRA (verl's key): rank of the adapters trained on the frozen base; 0 trains the whole model. With LoRA
+    the base has no gradients or optimizer state, the reference policy is the base with the adapters off (no
+    second copy), the rollout engines receive the merged weights, run checkpoints hold the adapters and their
+    optimizer, and a finished run writes its adapter in PEFT format (``<run>/lora_adapter``). Dense models on
+    megatron's local layer spec (``engine/lora.py``)."""
+    lora_alpha: float = 16.0
+    """LoRA: the update ``B A`` is scaled by ``lora_alpha / lora_rank`` (peft's ``lora_alpha``; verl's default)."""
+    target_modules: Any = "all-linear"
+    """LoRA: the HF projections adapted in every decoder layer, ``all-linear`` (q/k/v/o_proj and
+    gate/up/down_proj: peft's ``all-linear``, never the output layer) or a list of them
+    (``[q_proj, v_proj]``; a module path such as ``self_attn.q_proj`` is accepted)."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on each adapter's input while training (peft's ``lora_dropout``)."""
+    lora_adapter_path: str | None = None
+    """LoRA: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``, HF module names)
+    to continue training from; its ``r``, ``lora_alpha`` and ``target_modules`` must equal this section's."""
 
     def __post_init__(self) -> None:
         check_section(
@@ -108,11 +128,26 @@ class ModelConfig:
                 "dtype": one_of(*DTYPES),
                 "moe_aux_loss_coeff": Rule(">= 0 or null", lambda v: v is None or v >= 0),
                 "moe_z_loss_coeff": NON_NEGATIVE,
+                "lora_rank": Rule(">= 0 (0: no LoRA)", lambda v: v >= 0),
+                "lora_alpha": POSITIVE,
+                "lora_dropout": UNIT_INTERVAL,
             },
         )
+        if not _is_interpolated(self.target_modules):
+            self.target_modules = _targets(self.target_modules)
+        if self.lora_adapter_path is not None and self.lora_rank == 0:
+            raise FieldError([("model.lora_adapter_path", " needs model.lora_rank > 0 (the adapter's r)")])
         if self.tokenizer_path == self.path and self.is_megatron_checkpoint():
             assets = os.path.join(str(self.path), MEGATRON_HF_ASSETS)
             self.tokenizer_path = assets if os.path.isdir(assets) else self.tokenizer_path
+
+    def lora_spec(self) -> LoRASpec | None:
+        """The adapters these keys describe; None without LoRA (``lora_rank`` 0)."""
+        if self.lora_rank == 0:
+            return None
+        return LoRASpec(
+            self.lora_rank, float(self.lora_alpha), resolve_targets(self.target_modules), self.lora_dropout
+        )
 
     def is_megatron_checkpoint(self) -> bool:
         """``path`` is a megatron model checkpoint of ours (``metadata.json`` and ``mcore_rl_model.json``)
@@ -153,6 +188,26 @@ class ModelConfig:
         from mcore_rl.engine.arch import ModelArch
 
         return ModelArch.from_hf_config(self.hf_config_dict())
+
+
+def _is_interpolated(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("${")
+
+
+def _targets(value: Any) -> str | list[str]:
+    """``model.target_modules`` as given (``all-linear`` or a list of names), refused naming the entry that
+    adapts nothing."""
+    from omegaconf import ListConfig
+
+    if isinstance(value, ListConfig):
+        value = list(value)
+    if not isinstance(value, (str, list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise FieldError([("model.target_modules", f"={value!r} must be 'all-linear' or a list of names")])
+    try:
+        resolve_targets(value)
+    except ValueError as err:
+        raise FieldError([("model.target_modules", str(err).removeprefix("model.target_modules"))]) from None
+    return value if isinstance(value, str) else list(value)
 
 
 @dataclass

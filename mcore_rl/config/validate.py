@@ -152,6 +152,10 @@ def _moe_problems(cfg: RunConfig, arch: Any) -> list[str]:
             f"rollout.tensor_model_parallel_size={tp_g} does not divide the experts' {field}="
             f"{arch.moe.ffn_hidden_size} (every rollout rank holds a slice of every expert)"
         )
+    if cfg.model.lora_rank and arch.moe is not None:
+        problems.append(
+            f"model.lora_rank={cfg.model.lora_rank}: LoRA on mixture-of-experts models is not supported"
+        )
     if cfg.actor.router_replay:
         if arch.moe is None:
             problems.append("actor.router_replay=true applies to mixture-of-experts models only")
@@ -360,6 +364,7 @@ def _path_problems(cfg: RunConfig) -> list[str]:
         path = get_key(cfg, key)
         if path is not None and not os.path.exists(path) and path not in hub_ids:  # named once, above
             problems.append(f"{key}: {path} does not exist")
+    problems += _lora_adapter_problems(cfg)
     if cfg.model.tokenizer_path is None:
         problems.append("model.tokenizer_path is not set (nor model.path): the run needs a tokenizer")
     elif _checkpoint_without_tokenizer(cfg):
@@ -369,6 +374,23 @@ def _path_problems(cfg: RunConfig) -> list[str]:
             "to the tokenizer folder it was trained with"
         )
     return problems
+
+
+def _lora_adapter_problems(cfg: RunConfig) -> list[str]:
+    """``model.lora_adapter_path``: a PEFT folder whose adapters are the run's (read before any worker)."""
+    path, spec = cfg.model.lora_adapter_path, cfg.model.lora_spec()
+    if path is None or spec is None:
+        return []
+    if not os.path.isdir(path):
+        return [f"model.lora_adapter_path: {path} does not exist"]
+    from mcore_rl.engine.hf.peft import check_same_adapters, read_peft_spec
+    from mcore_rl.io.errors import InputError
+
+    try:
+        check_same_adapters(path, read_peft_spec(path), spec)
+    except InputError as err:
+        return [f"model.lora_adapter_path: {err}"]
+    return []
 
 
 def _checkpoint_without_tokenizer(cfg: RunConfig) -> bool:

@@ -4,6 +4,7 @@
                                  [--overwrite] [--allow-nonfinite]
     mcore-rl convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--dtype bf16|fp16|fp32]
                                  [--max-shard-size 5GB] [--overwrite] [--allow-nonfinite]
+                                 [--merge-lora --base HF_DIR]     (LoRA: convert/peft.py)
 
 Both also run as ``python -m mcore_rl.convert ...`` and under ``torchrun ... -m mcore_rl.convert``
 (hf-to-mcore splits the writing over the ranks; mcore-to-hf runs on rank 0). Failures are reported by
@@ -13,6 +14,7 @@ Both also run as ``python -m mcore_rl.convert ...`` and under ``torchrun ... -m 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import torch
@@ -55,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-config-from", default=None, help="HF folder with the model's config.json and tokenizer files"
     )
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MiB")
+    to_hf.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA: --ckpt (a LoRA run checkpoint or a PEFT folder) merged into --base; without it a LoRA "
+        "run checkpoint is written as a PEFT adapter folder",
+    )
+    to_hf.add_argument("--base", default=None, help="LoRA: the base model's HF folder (with --merge-lora)")
     for command in (to_mcore, to_hf):
         command.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the input's dtype)")
         command.add_argument(
@@ -92,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             args.direction == "hf-to-mcore"
         ):  # what it is for in RL (README: a megatron checkpoint as model.path)
             print(f"use it: mcore-rl train RECIPE model.path={out} (each rank reads only its own shards)")
+        elif os.path.isfile(os.path.join(out, "adapter_config.json")):  # a LoRA run checkpoint's adapters
+            print(f"use it: peft.PeftModel.from_pretrained(base, {out!r}), or model.lora_adapter_path={out}")
         else:
             print(f"use it: mcore-rl eval {out} DATA, or transformers' from_pretrained({out!r})")
     return 0
@@ -115,6 +126,9 @@ def _convert(args: argparse.Namespace) -> str:
                 allow_nonfinite=args.allow_nonfinite,
             )
         )
+    lora = _lora(args, dtype)
+    if lora is not None:
+        return lora
     from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 
     options = McoreToHfOptions(
@@ -127,3 +141,22 @@ def _convert(args: argparse.Namespace) -> str:
         args.allow_nonfinite,
     )
     return convert_mcore_to_hf(options)
+
+
+def _lora(args: argparse.Namespace, dtype: torch.dtype | None) -> str | None:
+    """``mcore-to-hf`` of a LoRA checkpoint (``convert/peft.py``): the PEFT folder, or with ``--merge-lora`` the
+    merged model; None for a plain model checkpoint."""
+    from mcore_rl.convert.peft import export_peft, is_lora_checkpoint, merge_lora
+
+    lora = is_lora_checkpoint(args.ckpt) if os.path.isdir(args.ckpt) else False
+    if args.base is not None and not args.merge_lora:
+        raise UsageError("--base names the model to merge into: it goes with --merge-lora")
+    if not args.merge_lora:
+        return export_peft(args.ckpt, args.out, args.overwrite) if lora else None
+    if not lora:
+        raise UsageError(
+            f"--merge-lora: --ckpt {args.ckpt} is neither a LoRA run checkpoint nor a PEFT folder"
+        )
+    if args.base is None:
+        raise UsageError("--merge-lora needs --base, the HF folder of the model the adapters were trained on")
+    return merge_lora(args.ckpt, args.base, args.out, dtype, parse_size(args.max_shard_size), args.overwrite)

@@ -24,6 +24,7 @@ from mcore_rl.dpo.loss import (
     sequence_log_prob_loss,
 )
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.lora_spec import LoRASpec
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
@@ -46,6 +47,8 @@ class PolicySpec:
     dtype: str = "float32"
     scaled_output_init: bool = True
     """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
+    lora: LoRASpec | None = None
+    """LoRA adapters on the frozen policy (``model.lora_*``); the reference is then the base, adapters off."""
     pad_token_id: int = 0
     on_nonfinite: str = "stop"
     """stop (raise, naming the step) or skip (drop the update)."""
@@ -67,7 +70,9 @@ class DPOPolicy:
     ) -> DPOPolicy:
         """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation) and
         the reference, a frozen copy of it."""
-        options = ModelOptions(dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init)
+        options = ModelOptions(
+            dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init, lora=spec.lora
+        )
         engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if full_state is not None:
             engine.load_full_state(full_state)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -33,6 +34,8 @@ from mcore_rl.parallel.context import ParallelContext
 MODEL_INFO_FILE = "mcore_rl_model.json"
 HF_ASSETS_DIR = "hf_assets"
 FORMAT_VERSION = 1
+ADAPTERS_ONLY = "lora_adapters_only"
+"""``ModelCheckpointInfo.extra`` key of a LoRA run checkpoint: its adapters (this spec), not the model's weights."""
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 STORABLE_DTYPES = tuple(_DTYPE_NAMES)
 """Weight dtypes a model checkpoint stores (what :attr:`ModelCheckpointInfo.dtype` can name)."""
@@ -104,15 +107,20 @@ class ModelCheckpointInfo:
         return cls(**raw)
 
 
-def sharded_state_dict(chunks: list[Any]) -> dict[str, Any]:
-    """megatron's sharded state dict of this rank's model chunks.
+StateFilter = Callable[[dict[str, Any]], dict[str, Any]]
+"""What part of one chunk's sharded state dict is saved or loaded (LoRA: ``engine/lora.py``)."""
+
+
+def sharded_state_dict(chunks: list[Any], part: StateFilter | None = None) -> dict[str, Any]:
+    """megatron's sharded state dict of this rank's model chunks (``part`` of each chunk's, when given).
 
     Same top-level keys as Megatron-LM: ``model``, or ``model0``, ``model1``, ... with virtual pipeline
     chunks. Tensor keys inside are global (layer numbers included), so the stored checkpoint does not
     depend on the layout.
     """
     models = [unwrap(c) for c in chunks]
-    return {name: m.sharded_state_dict() for name, m in zip(model_keys(len(models)), models, strict=True)}
+    states = [m.sharded_state_dict() for m in models]
+    return {name: part(s) if part else s for name, s in zip(model_keys(len(models)), states, strict=True)}
 
 
 def model_keys(num_chunks: int) -> list[str]:
@@ -174,7 +182,11 @@ def save_strategy() -> Any:
 
 
 def save_model(
-    chunks: list[Any], ctx: ParallelContext, directory: str, info: ModelCheckpointInfo | None = None
+    chunks: list[Any],
+    ctx: ParallelContext,
+    directory: str,
+    info: ModelCheckpointInfo | None = None,
+    part: StateFilter | None = None,
 ) -> None:
     """Collective: every rank writes its shards of the model; ``directory`` appears complete at the end.
 
@@ -190,7 +202,7 @@ def save_model(
         ctx.rank,
     )
     try:
-        dist_checkpointing.save(sharded_state_dict(chunks), staging, sharded_strategy=save_strategy())
+        dist_checkpointing.save(sharded_state_dict(chunks, part), staging, sharded_strategy=save_strategy())
     except BaseException:
         abort_collective(output, ctx.rank)
         raise
@@ -243,16 +255,24 @@ def check_same_model(directory: str, arch: ModelArch) -> None:
 
 
 @torch.no_grad()
-def load_model(chunks: list[Any], ctx: ParallelContext, directory: str) -> None:
-    """Collective: load this rank's shards from a model checkpoint saved at any layout.
+def load_model(
+    chunks: list[Any], ctx: ParallelContext, directory: str, part: StateFilter | None = None
+) -> None:
+    """Collective: load this rank's shards (``part`` of them) from a model checkpoint saved at any layout.
 
     The checkpoint is untrusted data: its metadata goes through a restricted unpickler and its objects load
     with ``weights_only=True`` (:mod:`mcore_rl.io.checkpoint_read`)."""
     check_checkpoint_folder(directory)
+    info = ModelCheckpointInfo.read(directory)
+    if info is not None and ADAPTERS_ONLY in info.extra:
+        raise InputError(
+            f"{directory}: a LoRA run checkpoint holds the adapters, not the model; write the model with "
+            f"mcore-rl convert mcore-to-hf --ckpt {directory} --merge-lora --base BASE_HF_DIR --out DIR"
+        )
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    request = sharded_state_dict(chunks)
+    request = sharded_state_dict(chunks, part)
     with safe_dcp_loading(directory):
         loaded, _, unexpected = dist_checkpointing.load(
             request, directory, strict=StrictHandling.RETURN_UNEXPECTED
@@ -262,16 +282,19 @@ def load_model(chunks: list[Any], ctx: ParallelContext, directory: str) -> None:
     missing_weights = sorted(k for k in unexpected if "_extra_state" not in k)
     if missing_weights:
         raise KeyError(f"{directory}: checkpoint lacks {missing_weights}")
-    load_model_state(chunks, loaded, directory)
+    load_model_state(chunks, loaded, directory, part)
 
 
-def load_model_state(chunks: list[Any], loaded: dict[str, Any], directory: str) -> None:
-    """The model part of a loaded checkpoint dict into ``chunks``; every weight must match (TE's
+def load_model_state(
+    chunks: list[Any], loaded: dict[str, Any], directory: str, part: StateFilter | None = None
+) -> None:
+    """The model part of a loaded checkpoint dict into ``chunks``; every weight (of ``part``) must match (TE's
     ``_extra_state`` may be absent)."""
     models = [unwrap(c) for c in chunks]
     for name, model in zip(model_keys(len(models)), models, strict=True):
         result = model.load_state_dict(loaded[name], strict=False)
-        absent = [k for k in result.missing_keys if "_extra_state" not in k]
+        wanted = set(part(dict.fromkeys(result.missing_keys))) if part else set(result.missing_keys)
+        absent = [k for k in result.missing_keys if "_extra_state" not in k and k in wanted]
         if absent or result.unexpected_keys:
             raise KeyError(
                 f"{directory}: state mismatch, missing {absent}, unexpected {result.unexpected_keys}"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from mcore_rl.engine.lora import rollout_parameters
 from mcore_rl.engine.rollout.from_megatron import rollout_tensors
 from mcore_rl.engine.rollout.local import LocalRolloutEngine
 from mcore_rl.engine.train_engine import TrainEngine
-from mcore_rl.engine.weights import local_parameters
 from mcore_rl.parallel.config import HybridConfig
 from mcore_rl.parallel.reshard import arch_param_specs, build_plan
 from mcore_rl.parallel.reshard.hybrid import HybridEngine
@@ -29,7 +29,7 @@ def build_local_hybrid(
         engine,
         rollout,
         plan,
-        local_params=lambda: dict(local_parameters(engine.models, arch, ctx)),
+        local_params=lambda: dict(rollout_parameters(engine.models, arch, ctx)),  # LoRA merged
         to_rollout_tensors=lambda shards: rollout_tensors(shards, arch),
         config=config,
         ctx=ctx,

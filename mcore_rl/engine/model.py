@@ -15,7 +15,7 @@ megatron's ``SequentialMLP`` on the local spec, grouped GEMM with Transformer En
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from mcore_rl.compat.fusion import masked_softmax_fusion_available, transformer_
 from mcore_rl.engine.arch import ModelArch, rope_inv_freq
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.layout import padded_vocab_size
+
+if TYPE_CHECKING:
+    from mcore_rl.engine.lora_spec import LoRASpec
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class ModelOptions:
     loss over each micro-batch's tokens); 0 disables it (it is still measured and logged)."""
     moe_z_loss_coeff: float = 0.0
     """MoE models: weight of the router z-loss (megatron ``moe_z_loss_coeff``); 0 disables it."""
+    lora: LoRASpec | None = None
+    """LoRA adapters on the frozen base (``engine/lora.py``; ``TrainEngine.build`` adds them); they need
+    megatron's local layer spec, which is then used on every device (TE's linears are not wrapped)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
@@ -226,6 +232,12 @@ def build_model_chunks(
 def _uses_te(options: ModelOptions) -> bool:
     """The layer spec's choice: the option when set, else whether TE's PyTorch extension imports."""
     use_te = options.use_transformer_engine
+    if options.lora is not None:  # LoRA wraps the local spec's linears (engine/lora.py)
+        if use_te:
+            raise ValueError(
+                "model.lora_rank: LoRA needs megatron's local layer spec, not Transformer Engine's"
+            )
+        return False
     return transformer_engine_available() if use_te is None else use_te
 
 

@@ -32,6 +32,7 @@ from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.lm_head import HeadLoss, LMHeadInput, full_hidden, output_weight, skip_output_layer
+from mcore_rl.engine.lora import adapters_disabled, add_adapters, merged, without_adapters
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.moe import (
     FillerMicroBatch,
@@ -155,6 +156,8 @@ class TrainEngine:
         self.routing: RoutingTaps | None = None
         """MoE models: taps on the routers comparing (or replacing) their choices with a micro-batch's
         ``expert_choices``; :meth:`watch_routing` installs them."""
+        self.adapters_off = False
+        """LoRA: this engine is the reference view of another one's chunks, run with the adapters off."""
 
     @classmethod
     def forward_only(cls, arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> TrainEngine:
@@ -167,7 +170,12 @@ class TrainEngine:
         return cls(ctx, arch, chunks, None, config, options)
 
     def frozen_copy(self) -> TrainEngine:
-        """A forward-only engine over a copy of this engine's current weights (a reference policy)."""
+        """A forward-only engine over a copy of this engine's current weights (a reference policy). With LoRA,
+        no copy: a view of these chunks that runs with the adapters off (the frozen base)."""
+        if self.options.lora is not None:
+            view = TrainEngine(self.ctx, self.arch, self.chunks, None, self.config, self.options)
+            view.adapters_off = True
+            return view
         copy = TrainEngine.forward_only(self.arch, self.ctx, self.options)
         for mine, theirs in zip(copy.models, self.models, strict=True):
             for (name, p), (other, q) in zip(mine.named_parameters(), theirs.named_parameters(), strict=True):
@@ -192,6 +200,8 @@ class TrainEngine:
         model_options = model_options or ModelOptions()
         optim = optim or OptimConfig(weight_decay=0.0)
         bare = build_model_chunks(arch, ctx, model_options)
+        if model_options.lora is not None:  # the base frozen before DDP: no grad buffer, no optimizer state
+            add_adapters(bare, model_options.lora, arch, ctx)
         config = bare[0].config
         config.calculate_per_token_loss = True
         bf16 = model_options.dtype == torch.bfloat16
@@ -263,14 +273,15 @@ class TrainEngine:
 
     def save_model(self, directory: str) -> None:
         """Collective: the model weights (not the optimizer) as a distributed checkpoint, loadable at any
-        layout by :meth:`load_model` or ``mcore-rl convert mcore-to-hf``."""
+        layout by :meth:`load_model` or ``mcore-rl convert mcore-to-hf``; with LoRA the merged model."""
         info = ModelCheckpointInfo.for_arch(self.arch, self.config.params_dtype)
-        save_model(self.chunks, self.ctx, directory, info)
+        lora = partial(merged, chunks=self.chunks) if self.options.lora else None  # a plain, merged model
+        save_model(self.chunks, self.ctx, directory, info, lora)
 
     def load_model(self, directory: str) -> None:
         """Collective: model weights saved at any layout (``save_model``, HF conversion) into this engine; the
-        optimizer's main params follow (its moments are kept)."""
-        load_model(self.chunks, self.ctx, directory)
+        optimizer's main params follow (its moments are kept). With LoRA, the base (the adapters stay)."""
+        load_model(self.chunks, self.ctx, directory, without_adapters if self.options.lora else None)
         # bf16 keeps separate fp32 main params; without this the first step would undo the load.
         self.optimizer.reload_model_params()
 
@@ -312,7 +323,8 @@ class TrainEngine:
         no_grad = torch.no_grad() if forward_only else nullcontext()
         tokens = [_model_input(mb)[0].numel() for mb in micro_batches]
         router = router_loss_scope(self.arch, self.ctx, self.config, tokens, forward_only)
-        with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad, router:
+        base = adapters_disabled(self.chunks) if self.adapters_off else nullcontext()
+        with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad, router, base:
             records = get_forward_backward_func()(
                 forward_step_func=partial(_forward_step, self.ctx, loss_fn, self.routing),
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],

@@ -6,7 +6,9 @@ megatron's ``fully_reshardable`` layout: the distributed optimizer's flat shards
 tensors, so a run can resume at another data-parallel or pipeline size (tested: exact). Changing the tensor
 parallel size is refused: the optimizer state does not come back exact across TP (measured 1.3e-2 drift after one
 step from TP2 to TP1), so resume at the saved TP, or load the weights alone (``TrainEngine.load_model``). The
-step, the layout and the caller's own counters go into ``trainer_state.json``.
+step, the layout and the caller's own counters go into ``trainer_state.json``. With LoRA the checkpoint holds the
+adapters and their optimizer state only (the frozen base is the run's ``model.path``), and ``trainer_state.json``
+records the adapters' shape: a resume with other adapters, or none, is refused naming the file.
 
 Writes are crash-safe and touch nothing but our own folders (:class:`~mcore_rl.io.output.OutputFolder`):
 everything goes to a staging folder named ``.<dir>.mcore_rl-staging-<pid>-<token>`` and is renamed into place
@@ -30,7 +32,9 @@ from typing import Any
 import torch
 
 from mcore_rl.engine.checkpoint import (
+    ADAPTERS_ONLY,
     ModelCheckpointInfo,
+    StateFilter,
     check_checkpoint_folder,
     check_same_model,
     load_model_state,
@@ -38,6 +42,8 @@ from mcore_rl.engine.checkpoint import (
     save_strategy,
     sharded_state_dict,
 )
+from mcore_rl.engine.lora import adapters_only
+from mcore_rl.engine.lora_spec import LoRASpec
 from mcore_rl.io.checkpoint_read import safe_dcp_loading
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
 from mcore_rl.io.errors import ConfigError, InputError
@@ -49,7 +55,7 @@ _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _state(engine: Any, is_loading: bool) -> dict[str, Any]:
-    state = sharded_state_dict(engine.chunks)
+    state = sharded_state_dict(engine.chunks, _part(engine))
     model_state = state["model"] if len(state) == 1 else dict(state)  # before "optimizer" joins it
     state["optimizer"] = engine.optimizer.sharded_state_dict(
         model_state, is_loading=is_loading, metadata=_SHARDING
@@ -67,11 +73,15 @@ def save_training_checkpoint(
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     state = {"step": step, "layout": _layout(engine), "extra": extra or {}}
+    lora = engine.options.lora
+    if lora is not None:  # the adapters and their optimizer only: the base is model.path's
+        state["lora"] = lora.to_json()
     encoded = json.dumps(state, indent=2, sort_keys=True)  # a non-JSON extra fails here, before writing
     quiet_staging_warning()
 
     def finish(folder: str) -> None:
-        ModelCheckpointInfo.for_arch(engine.arch, engine.config.params_dtype).write(folder)
+        extra_info = {ADAPTERS_ONLY: state["lora"]} if lora is not None else {}
+        ModelCheckpointInfo.for_arch(engine.arch, engine.config.params_dtype, **extra_info).write(folder)
         with open(os.path.join(folder, TRAINER_STATE_FILE), "w") as f:
             f.write(encoded + "\n")
 
@@ -142,13 +152,42 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
             "at the saved tensor_model_parallel_size (any data-parallel or pipeline size), or load the weights alone "
             "with TrainEngine.load_model"
         )
+    check_lora_matches(directory, engine.options.lora)
     _materialise_optimizer_state(engine)
     with safe_dcp_loading(directory):
         loaded = dist_checkpointing.load(_state(engine, is_loading=True), directory)
-    load_model_state(engine.chunks, loaded, directory)
+    load_model_state(engine.chunks, loaded, directory, _part(engine))
     engine.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(engine)
     return step, extra
+
+
+def _part(engine: Any) -> StateFilter | None:
+    """With LoRA a run checkpoint holds the adapters (and their optimizer) only: the base never changes."""
+    return adapters_only if engine.options.lora is not None else None
+
+
+def check_lora_matches(directory: str, ours: LoRASpec | None) -> None:
+    """A resume needs the adapters the checkpoint was saved with (or none on both sides)."""
+    path = os.path.join(directory, TRAINER_STATE_FILE)
+    saved = read_json_object(path).get("lora")
+    if saved is None and ours is None:
+        return
+    if saved is None:
+        raise InputError(
+            f"{path}: saved without LoRA, this run has model.lora_rank={ours.rank}; resume it with "  # type: ignore[union-attr]
+            "model.lora_rank=0, or start a LoRA run from its model (trainer.resume_mode=disable)"
+        )
+    if ours is None:
+        raise InputError(
+            f"{path}: saved with LoRA (model.lora_rank={saved.get('rank')!r}), this run has none"
+        )
+    mine = ours.to_json()
+    for field, key in (("rank", "lora_rank"), ("alpha", "lora_alpha"), ("targets", "target_modules")):
+        if saved.get(field) != mine[field]:
+            raise InputError(
+                f"{path}: saved with model.{key}={saved.get(field)!r}, this run has {mine[field]!r}"
+            )
 
 
 def _unshare_adam_steps(engine: Any) -> None:

@@ -9,7 +9,7 @@ or ``decoder.layers.7.mlp.experts.local_experts.5.linear_fc2.weight``; experts s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,12 +37,15 @@ def local_parameters(
     chunks: list[Any], arch: ModelArch, ctx: ParallelContext
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(canonical key, local tensor)`` for every parameter of this rank's chunks (see
-    :mod:`mcore_rl.parallel.reshard.naming`: the last stage's tied output layer comes out as the embedding)."""
+    :mod:`mcore_rl.parallel.reshard.naming`: the last stage's tied output layer comes out as the embedding).
+    LoRA adapters are not model weights and are left out (``engine/lora.py`` has their own names)."""
     tied = arch.tie_word_embeddings and not _has_value_head(chunks)
     experts = ctx.layout.local_experts(ctx.rank, arch.moe.num_experts) if arch.moe is not None else range(0)
     seen: set[str] = set()
     for chunk, offset in zip(chunks, chunk_layer_offsets(arch, ctx), strict=True):
         for name, param in unwrap(chunk).named_parameters():
+            if is_adapter_param(name):
+                continue
             key = canonical_key(name, offset, tied=tied, expert_offset=experts.start)
             if key in seen:  # two local tensors under one key would silently shadow each other
                 raise ValueError(f"rank {ctx.rank}: parameters {name!r} and an earlier one share key {key!r}")
@@ -70,12 +73,18 @@ def load_full_state(
 
 
 @torch.no_grad()
-def gather_full_state(chunks: list[Any], arch: ModelArch, ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """The full state on every rank (CPU tensors), gathered over TP and PP. Small models only: it all-gathers."""
+def gather_full_state(
+    chunks: list[Any],
+    arch: ModelArch,
+    ctx: ParallelContext,
+    parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The full state on every rank (CPU tensors), gathered over TP and PP. Small models only: it all-gathers.
+    ``parameters``: the local tensors to gather (default :func:`local_parameters`; LoRA's merged weights)."""
     value_head = _has_value_head(chunks)
     local: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
-    for name, param in local_parameters(chunks, arch, ctx):
+    for name, param in parameters if parameters is not None else local_parameters(chunks, arch, ctx):
         expert = is_expert_param(name)
         size = ctx.expert_tp_size if expert else ctx.tp_size
         if size > 1:
@@ -99,6 +108,11 @@ def gather_full_state(chunks: list[Any], arch: ModelArch, ctx: ParallelContext) 
     for stage in stages:  # a tied embedding arrives from two stages: synchronised copies, one key
         full.update(stage or {})
     return full
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA adapter matrix (``<linear>.lora_A.<projection>.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def _split_of(name: str, ctx: ParallelContext) -> tuple[int, int]:

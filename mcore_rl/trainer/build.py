@@ -106,6 +106,8 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=cfg.model.moe_z_loss_coeff,
         router_replay=cfg.actor.router_replay,
+        lora=cfg.model.lora_spec(),
+        lora_adapter_path=cfg.model.lora_adapter_path,
     )
 
 

@@ -6,7 +6,9 @@ load. SFT, RL (here) and DPO (``mcore_rl/dpo/trainer.py``) runs all end with it.
 
 The megatron checkpoint is the run's last run checkpoint when it has just written one (``trainer.save_freq``;
 a run checkpoint holds the model's keys), SFT's ``sft_checkpoint/``, or else one written for the export and
-removed after it. ``model/`` is replaced only when it is an earlier export of ours
+removed after it. A LoRA run writes ``model/`` merged (``TrainEngine.save_model``; its run checkpoints hold the
+adapters only) and its adapter in PEFT format as ``lora_adapter/``. ``model/`` is replaced only when it is an
+earlier export of ours
 (:func:`~mcore_rl.convert.export.check_export_folder`), checked before anything is saved.
 """
 
@@ -24,6 +26,8 @@ from mcore_rl.convert.export import MODEL_DIR, check_export_folder, export_hf_mo
 if TYPE_CHECKING:
     from mcore_rl.trainer.trainer import Trainer
 
+LORA_ADAPTER_DIR = "lora_adapter"
+"""A LoRA run's adapter (PEFT format) under ``trainer.default_local_dir``, written at the end beside ``model/``."""
 EXPORT_CHECKPOINT = ".model_export_checkpoint"
 """The model checkpoint written for an export when the run has none of its last step (removed after)."""
 
@@ -33,8 +37,16 @@ def model_dir(cfg: RunConfig) -> str:
 
 
 def check_model_dir(cfg: RunConfig) -> None:
-    """Refuse a ``model/`` in the run folder that an export would replace but is not ours."""
+    """Refuse a ``model/`` (and with LoRA a ``lora_adapter/``) in the run folder that an export would replace
+    but is not ours."""
     check_export_folder(model_dir(cfg))
+    if cfg.model.lora_rank:
+        check_export_folder(lora_adapter_dir(cfg))
+
+
+def lora_adapter_dir(cfg: RunConfig) -> str:
+    """Where a LoRA run writes its adapter in PEFT format."""
+    return os.path.join(cfg.trainer.default_local_dir, LORA_ADAPTER_DIR)
 
 
 def hf_model_from_checkpoint(cfg: RunConfig, checkpoint: str) -> str:
@@ -61,6 +73,9 @@ def export_rl_model(trainer: Trainer) -> str:
     """The end of an RL run (``Trainer.fit`` at ``total_steps``): the actor as ``model/``, from the run
     checkpoint of the last step when ``trainer.save_freq`` wrote one (it always does at the last step)."""
     cfg = trainer.cfg
-    saved = cfg.trainer.save_freq > 0
+    saved = cfg.trainer.save_freq > 0 and not cfg.model.lora_rank  # a LoRA run checkpoint: adapters only
     last = os.path.join(checkpoint_root(cfg), checkpoint_name(trainer.global_step)) if saved else None
+    if cfg.model.lora_rank:  # the adapter in PEFT format beside the merged model
+        check_model_dir(cfg)
+        trainer.actors.save_lora_adapter(lora_adapter_dir(cfg), cfg.model.path)
     return export_run_model(cfg, trainer.actors.save_model, last)

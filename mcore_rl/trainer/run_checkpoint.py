@@ -80,9 +80,10 @@ def _damage(path: str, whole: bool) -> InputError | None:
 def _checked_point(cfg: RunConfig, loader: PromptLoader, path: str) -> ResumePoint:
     """``path``'s driver state, checked against this run (layout, model, data), with ``loader`` at its data
     position."""
-    from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+    from mcore_rl.engine.trainer_checkpoint import check_lora_matches, read_trainer_state
 
     step, saved_tp, saved = read_trainer_state(path)
+    check_lora_matches(path, cfg.model.lora_spec())  # the same adapters (or none), before any worker starts
     tp = cfg.parallel.tensor_model_parallel_size
     if saved_tp != tp:  # checked here, before any worker starts (the optimizer state is saved per TP shard)
         raise ConfigError(

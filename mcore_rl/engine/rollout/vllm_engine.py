@@ -494,8 +494,8 @@ def build_vllm_hybrid(
 
     ``prebuilt``: what :func:`build_vllm_rollout` returned before ``engine`` was built (GPU: so that vLLM
     finds its memory free); None builds it now. vLLM sleeps at level 2 (every switch reloads all weights)."""
+    from mcore_rl.engine.lora import rollout_parameters
     from mcore_rl.engine.rollout.from_megatron import rollout_tensors
-    from mcore_rl.engine.weights import local_parameters
     from mcore_rl.parallel.config import HybridConfig
     from mcore_rl.parallel.reshard.hybrid import HybridEngine
 
@@ -509,7 +509,7 @@ def build_vllm_hybrid(
         engine,
         rollout,
         plan,
-        local_params=lambda: dict(local_parameters(engine.models, arch, ctx)),
+        local_params=lambda: dict(rollout_parameters(engine.models, arch, ctx)),  # LoRA merged
         to_rollout_tensors=lambda shards: rollout_tensors(shards, arch),
         config=replace(config or HybridConfig(), sleep_level=2),
         ctx=ctx,

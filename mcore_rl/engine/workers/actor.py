@@ -22,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.hf.peft import load_peft_adapter, save_peft_adapter
 from mcore_rl.engine.hf.state import load_hf_full_state
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.lora import rollout_parameters
+from mcore_rl.engine.lora_spec import LoRASpec
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.moe import RouterLosses
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
@@ -120,6 +123,10 @@ class WorkerSpec:
     router_replay: bool = False
     """Mixture-of-experts models: the trainer routes each token to the experts the rollout chose
     (``actor.router_replay``)."""
+    lora: LoRASpec | None = None
+    """LoRA adapters on the frozen actor (``model.lora_*``); None trains every weight."""
+    lora_adapter_path: str | None = None
+    """A PEFT adapter folder loaded into the adapters after the base weights (``model.lora_adapter_path``)."""
 
 
 class HybridWorker(CriticHost, RewardModelHost, Worker):
@@ -135,6 +142,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             scaled_output_init=spec.scaled_output_init,
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
             moe_z_loss_coeff=spec.moe_z_loss_coeff,
+            lora=spec.lora,
         )
         # vLLM first: on a GPU it checks at construction that its share of the device is still free.
         vllm = build_vllm_rollout(spec.arch, ctx, spec.rollout_tp, spec.vllm) if spec.vllm else None
@@ -145,6 +153,8 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
             self.engine.load_model(spec.load_dir)
         elif spec.hf_path is not None:
             self.engine.load_full_state(load_hf_full_state(spec.hf_path, spec.arch, options.dtype))
+        if spec.lora_adapter_path is not None:
+            load_peft_adapter(self.engine, spec.lora_adapter_path)
         self.reference = self.engine.frozen_copy() if spec.with_reference else None
         self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
         self.rollout: LocalRolloutEngine | VLLMRolloutEngine
@@ -457,10 +467,16 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         self._to_train()
         self.engine.save_model(directory)
 
+    def save_lora_adapter(self, directory: str, base_model: str | None) -> None:
+        """Collective: the actor's LoRA adapters as a PEFT folder (``engine/hf/peft.py``)."""
+        save_peft_adapter(self.engine, directory, base_model)
+
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: the actor's full (TP=1) weights on rank 0 (to start a critic on another pool)."""
         self._to_train()
-        full = gather_full_state(self.engine.models, self.spec.arch, self.ctx)
+        models, arch = self.engine.models, self.spec.arch
+        merged = rollout_parameters(models, arch, self.ctx)  # with LoRA, the adapters merged in
+        full = gather_full_state(models, arch, self.ctx, merged)
         return full if self.ctx.rank == 0 else None
 
     def shutdown(self) -> None:

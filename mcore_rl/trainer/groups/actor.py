@@ -222,6 +222,10 @@ class ActorGroup:
         """The actor's weights as a model checkpoint (``TrainEngine.save_model``; loadable at any layout)."""
         self.backend.submit("save_model", None, "", directory)()
 
+    def save_lora_adapter(self, directory: str, base_model: str | None) -> None:
+        """The actor's LoRA adapters as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+        self.backend.submit("save_lora_adapter", None, "", directory, base_model)()
+
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the ranks: ``graceful`` lets them leave their world first, else they are killed at once."""
         self.backend.shutdown(graceful=graceful)

@@ -1,0 +1,125 @@
+"""PEFT adapter folders (``engine/hf/peft.py``): our names <-> peft's, a written folder reads back tensor for
+tensor, and what our adapters cannot carry, or a folder that is not the model's, is refused in one line naming
+the file and the field or tensor. A resume with LoRA from a checkpoint saved without it names its file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mcore_rl.engine.hf.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    adapter_shapes,
+    full_name,
+    peft_name,
+    read_peft_adapter,
+    write_peft_adapter,
+)
+from mcore_rl.engine.lora_spec import LoRASpec, resolve_targets
+from mcore_rl.engine.trainer_checkpoint import TRAINER_STATE_FILE, check_lora_matches
+from mcore_rl.io.errors import InputError
+from tests.models import tiny_arch
+
+SPEC = LoRASpec(rank=4, alpha=8.0, targets=resolve_targets(["q_proj", "v_proj", "down_proj"]))
+
+
+def _adapters(spec: LoRASpec) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        k: torch.randn(s, generator=generator) for k, s in adapter_shapes(spec, tiny_arch("llama")).items()
+    }
+
+
+def _written(tmp_path, spec: LoRASpec = SPEC) -> tuple[str, dict[str, torch.Tensor]]:
+    folder, adapters = tmp_path / "adapter", _adapters(spec)
+    folder.mkdir()
+    write_peft_adapter(str(folder), spec, adapters, "/models/base")
+    return str(folder), adapters
+
+
+def test_names_map_both_ways() -> None:
+    key = "decoder.layers.3.self_attention.linear_qkv.lora_B.k_proj.weight"
+    assert peft_name(key) == "base_model.model.model.layers.3.self_attn.k_proj.lora_B.weight"
+    assert full_name(peft_name(key)) == key
+    down = "decoder.layers.0.mlp.linear_fc2.lora_A.down_proj.weight"
+    assert full_name(peft_name(down)) == down
+    assert full_name("base_model.model.lm_head.lora_A.weight") is None
+
+
+def test_a_written_folder_reads_back_exactly(tmp_path) -> None:
+    folder, adapters = _written(tmp_path)
+    config = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, "/models/base")
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    spec, read = read_peft_adapter(folder, tiny_arch("llama"))
+    assert spec == SPEC and read.keys() == adapters.keys()
+    assert all(torch.equal(read[k], v) for k, v in adapters.items())
+
+
+def _edit_config(tmp_path, **fields) -> None:
+    path = tmp_path / "adapter" / CONFIG_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"use_dora": True}, r"adapter_config\.json: use_dora=True is not supported"),
+        ({"use_rslora": True}, r"adapter_config\.json: use_rslora=True is not supported"),
+        ({"bias": "all"}, r"adapter_config\.json: bias='all' is not supported"),
+        ({"peft_type": "IA3"}, r"adapter_config\.json: peft_type='IA3', only LORA"),
+        ({"r": 0}, r"adapter_config\.json: r=0 must be an integer > 0"),
+        ({"lora_alpha": 0}, r"adapter_config\.json: lora_alpha=0\.0 must be > 0"),
+        (
+            {"target_modules": ["embed_tokens"]},
+            r"adapter_config\.json: .*'embed_tokens' matches no linear layer",
+        ),
+    ],
+    ids=["dora", "rslora", "bias", "ia3", "rank0", "alpha0", "targets"],
+)
+def test_what_our_adapters_cannot_carry_is_refused(tmp_path, fields, expected) -> None:
+    folder, _ = _written(tmp_path)
+    _edit_config(tmp_path, **fields)
+    with pytest.raises(InputError, match=expected) as info:
+        read_peft_adapter(folder, tiny_arch("llama"))
+    assert "\n" not in str(info.value)
+
+
+def test_tensors_that_are_not_the_models_adapters_are_refused(tmp_path) -> None:
+    folder, _ = _written(tmp_path)
+    weights = tmp_path / "adapter" / WEIGHTS_FILE
+    tensors = load_file(str(weights))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({**tensors, name: torch.zeros(4, 3)}, str(weights))
+    with pytest.raises(InputError, match=rf"{WEIGHTS_FILE}: {name} has shape \[4, 3\], the model needs"):
+        read_peft_adapter(folder, tiny_arch("llama"))
+    save_file({k: v for k, v in tensors.items() if k != name}, str(weights))
+    with pytest.raises(InputError, match=rf"{WEIGHTS_FILE}: no tensor {name} \(1 adapters missing\)"):
+        read_peft_adapter(folder, tiny_arch("llama"))
+    extra = "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight"  # the model has 2 layers
+    save_file({**tensors, extra: torch.zeros(4, 3)}, str(weights))
+    with pytest.raises(InputError, match=rf"{WEIGHTS_FILE}: tensor {extra} is no adapter of this model"):
+        read_peft_adapter(folder, tiny_arch("llama"))
+
+
+def test_a_resume_needs_the_adapters_the_checkpoint_was_saved_with(tmp_path) -> None:
+    state = tmp_path / TRAINER_STATE_FILE
+    state.write_text(json.dumps({"step": 2}))
+    check_lora_matches(str(tmp_path), None)
+    with pytest.raises(
+        InputError, match=rf"{TRAINER_STATE_FILE}: saved without LoRA, this run has model\.lora_rank=4"
+    ):
+        check_lora_matches(str(tmp_path), SPEC)
+    state.write_text(json.dumps({"step": 2, "lora": SPEC.to_json()}))
+    check_lora_matches(str(tmp_path), SPEC)
+    other = LoRASpec(rank=4, alpha=8.0, targets=resolve_targets("all-linear"))
+    with pytest.raises(
+        InputError, match=r"saved with model\.target_modules=\['q_proj', 'v_proj', 'down_proj'\]"
+    ):
+        check_lora_matches(str(tmp_path), other)
+    with pytest.raises(InputError, match=r"saved with LoRA \(model\.lora_rank=4\), this run has none"):
+        check_lora_matches(str(tmp_path), None)
