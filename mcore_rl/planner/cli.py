@@ -5,7 +5,7 @@
     mcore-rl plan --model-config config.json --gpu A100-80 --nodes 1 --gpus-per-node 8 --tp 2 [--pp 1]
                   [--vpp V] [--sp] [--ep E] [--etp T] [--seq-length 4096] [--micro-batch-size 1]
                   [--global-batch-size 256]
-                  [--rollout-tp 2] [--rollout-memory-fraction 0.5] [--critic] [--reference] [--fp32]
+                  [--rollout-tp 2] [--rollout-memory-fraction 0.5] [--critic] [--reference] [--lora-rank R] [--fp32]
 
 With a recipe the layout, batch and rollout settings come from the run config (``key=value`` overrides as
 everywhere); ``--model-config`` stands in for ``model.path``'s ``config.json`` when the model folder is not
@@ -45,12 +45,14 @@ _LAYOUT_FLAGS = {
     "rollout_memory_fraction": 0.5,
     "critic": False,
     "reference": False,
+    "lora_rank": 0,
     "fp32": False,
 }
 
 _FLAG_HELP = {
     "ep": "expert-parallel size, mixture-of-experts models (default 1)",
     "etp": "expert tensor-parallel size, mixture-of-experts models (default: --tp)",
+    "lora_rank": "LoRA adapters of this rank on every linear (all-linear); default 0: full fine-tune",
 }
 
 EXIT_STATUS = "exit status: 0 fits, 1 DOES NOT FIT (a smaller layout that fits is proposed), 2 bad input"

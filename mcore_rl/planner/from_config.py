@@ -12,6 +12,7 @@ Which key feeds which planner field (the run config stays the one schema; the pl
     model.dtype                                 bf16 (anything but float32 stores 2-byte weights)
     optim.use_distributed_optimizer             use_distributed_optimizer
     algorithm.use_kl_loss / use_kl_in_reward    reference (a frozen reference policy is colocated)
+    model.lora_rank, model.target_modules       lora_rank, lora_targets (planner/lora.py)
     algorithm.adv_estimator == gae              critic (PPO: a value-head critic on the actor's GPUs)
     rollout.tensor_model_parallel_size          rollout_tp
     rollout.gpu_memory_utilization              rollout_memory_fraction
@@ -24,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.planner.spec import PlanInput
+from mcore_rl.planner.spec import LORA_ALL_LINEAR, PlanInput
 
 if TYPE_CHECKING:
     from mcore_rl.config import RunConfig
@@ -50,6 +51,8 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         bf16=cfg.model.dtype != "float32",
         use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
         reference=algo.use_kl_loss or algo.use_kl_in_reward,
+        lora_rank=cfg.model.lora_rank,
+        lora_targets=_lora_targets(cfg),
         rollout_tp=rollout.tensor_model_parallel_size,
         rollout_memory_fraction=rollout.gpu_memory_utilization,
         offload_optimizer=hybrid.offload_optimizer,
@@ -58,3 +61,8 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
         **{"critic": algo.adv_estimator == "gae", **planner},
     )
+
+
+def _lora_targets(cfg: RunConfig) -> tuple[str, ...]:
+    lora = cfg.model.lora_spec()
+    return lora.targets if lora is not None else LORA_ALL_LINEAR

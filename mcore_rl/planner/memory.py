@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.activations import activation_terms, logits_bytes
+from mcore_rl.planner.lora import stage_adapter_params, stage_merged_params
 from mcore_rl.planner.moe import dispatcher_bytes, rollout_mlp_token_bytes, rollout_weight_numel
-from mcore_rl.planner.params import active_params, model_params, rank_split
+from mcore_rl.planner.params import active_params, model_params, rank_split, stage_split
 from mcore_rl.planner.spec import PlanInput
 
 
@@ -64,10 +65,15 @@ class TrainState:
     expert_optimizer_bytes: int = 0
     """The experts' fp32 main params and moments, sharded over the expert-data-parallel ranks."""
 
+    adapter_params: int = 0
+    """Of :attr:`params`, the LoRA adapters' (the only ones trained; 0 without LoRA)."""
+
 
 def train_state(plan: PlanInput, value_head: bool = False) -> TrainState:
     _, split = rank_split(plan.arch, plan.layout, value_head)
     dense_shards, expert_shards = (plan.dp, plan.expert_dp) if plan.use_distributed_optimizer else (1, 1)
+    if plan.lora_rank and not value_head:  # the critic is never LoRA-adapted
+        return lora_train_state(plan, dense_shards)
     weight_size = 2 if plan.bf16 else 4
     optimizer_per_param = 12 if plan.bf16 else 8  # fp32 main params (bf16 only) + Adam's two moments
     expert_optimizer = math.ceil(optimizer_per_param * split.expert / expert_shards)
@@ -81,6 +87,33 @@ def train_state(plan: PlanInput, value_head: bool = False) -> TrainState:
         expert_grads_bytes=4 * split.expert,
         expert_optimizer_bytes=expert_optimizer,
     )
+
+
+def lora_train_state(plan: PlanInput, shards: int) -> TrainState:
+    """The actor with LoRA (``planner/lora.py``): the frozen base's weights and the adapters, whose alone are
+    the gradients and optimizer state (sharded over ``shards`` ranks); at the stage holding the most of both."""
+    layout, arch = plan.layout, plan.arch
+
+    def held(stage: int) -> tuple[int, int]:
+        return stage_split(arch, layout, stage).total, stage_adapter_params(
+            arch, layout, stage, plan.lora_rank, plan.lora_targets
+        )
+
+    base, adapters = max((held(stage) for stage in range(layout.pp)), key=sum)
+    weight_size = 2 if plan.bf16 else 4
+    return TrainState(
+        params=base + adapters,
+        weights_bytes=weight_size * (base + adapters),
+        grads_bytes=4 * adapters,
+        optimizer_bytes=math.ceil((12 if plan.bf16 else 8) * adapters / shards),
+        adapter_params=adapters,
+    )
+
+
+def merged_params(plan: PlanInput) -> int:
+    """The base weights with adapters on one rank of the most loaded stage (merged for the weight sync)."""
+    layout, arch = plan.layout, plan.arch
+    return max(stage_merged_params(arch, layout, s, plan.lora_targets) for s in range(layout.pp))
 
 
 def rollout_weight_bytes(plan: PlanInput) -> int:
@@ -186,7 +219,7 @@ def _training_state_terms(plan: PlanInput) -> tuple[dict[str, int], dict[str, in
     if critic:
         weights["critic weights"] = critic.weights_bytes
         state.update({"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes})
-    if plan.reference:
+    if plan.reference and not plan.lora_rank:  # with LoRA the reference is the base, adapters off
         weights["reference weights"] = actor.weights_bytes
     return weights, state, actor
 
@@ -231,6 +264,8 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
         # included) plus receives (its rollout weights) in the whole sync, however large the in-flight cap.
         "reshard buffers": min(plan.reshard_inflight_bytes, actor.weights_bytes + rollout_weights),
     }
+    if plan.lora_rank:  # the sync reads the adapted weights merged, each a new tensor (engine/lora.py)
+        switch_terms["merged LoRA weights"] = (2 if plan.bf16 else 4) * merged_params(plan)
     rollout_act = rollout_activation_bytes(plan)
     kv = max(0, int(plan.rollout_memory_fraction * plan.gpu_bytes) - rollout_weights - rollout_act)
     rollout_terms = {

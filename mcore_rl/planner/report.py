@@ -41,6 +41,8 @@ def _model_line(result: MemoryPlan) -> str:
             f"{len(moe.layers)} MoE layers)"
         )
     line += f"; this rank holds {actor.params:,}"
+    if actor.adapter_params:
+        line += f", {actor.adapter_params:,} of them LoRA adapters (r={p.lora_rank}; the only ones trained)"
     if p.arch.moe is not None:
         line += (
             f", {actor.expert_params:,} of them in its {p.arch.moe.num_experts // p.ep} experts per MoE layer "

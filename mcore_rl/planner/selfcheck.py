@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.planner.lora import stage_adapter_params
 from mcore_rl.planner.params import stage_split
 from mcore_rl.planner.spec import PlanInput
 
@@ -94,6 +95,9 @@ def check_rank(
     its expert-DP group (0 without expert parallelism, where megatron keeps experts with the dense state)."""
     split = stage_split(plan.arch, plan.layout, measured.stage)
     expected, expert = split.total, (split.expert if plan.ep > 1 else 0)
+    adapters = stage_adapter_params(plan.arch, plan.layout, measured.stage, plan.lora_rank, plan.lora_targets)
+    trained = adapters if plan.lora_rank else expected  # LoRA: the base has no gradient or optimizer state
+    expected += adapters
     weight_size = 2 if plan.bf16 else 4
     bucket_pad = max(math.lcm(plan.dp, 128), math.lcm(plan.expert_dp, 128))
     padding = 64 * measured.param_tensors + bucket_pad * measured.grad_buckets
@@ -105,13 +109,13 @@ def check_rank(
         problems.append(f"expert-parallel parameters {measured.expert_params:,} != planned {expert:,}")
     if measured.weights_bytes != weight_size * expected:
         problems.append(f"weight bytes {measured.weights_bytes:,} != planned {weight_size * expected:,}")
-    if not 0 <= measured.grads_bytes - 4 * expected <= 4 * padding:
+    if not 0 <= measured.grads_bytes - 4 * trained <= 4 * padding:
         problems.append(
-            f"grad bytes {measured.grads_bytes:,} != planned {4 * expected:,} + padding <= {4 * padding:,}"
+            f"grad bytes {measured.grads_bytes:,} != planned {4 * trained:,} + padding <= {4 * padding:,}"
         )
-    if dp_optimizer_bytes != per_param * (expected - expert):
+    if dp_optimizer_bytes != per_param * (trained - expert):
         problems.append(
-            f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {per_param * (expected - expert):,}"
+            f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {per_param * (trained - expert):,}"
         )
     if edp_expert_optimizer_bytes != per_param * expert:
         problems.append(
@@ -124,6 +128,7 @@ def check_rank(
 def self_check_reports(plan: PlanInput) -> tuple[PlanInput, list[tuple[RankBytes, list[str]]]]:
     """Collective (every rank of the launcher's world): build, step, measure, compare. Returns the plan at
     the world's size and every rank's ``(measured, problems)``."""
+    from mcore_rl.engine.lora_spec import LoRASpec
     from mcore_rl.engine.model import ModelOptions
     from mcore_rl.engine.optim import OptimConfig
     from mcore_rl.engine.train_engine import TrainEngine
@@ -140,7 +145,8 @@ def self_check_reports(plan: PlanInput) -> tuple[PlanInput, list[tuple[RankBytes
     )
     with ParallelContext.initialize(config) as ctx:
         plan = plan.with_layout(world_size=ctx.world_size)
-        options = ModelOptions(dtype=torch.bfloat16 if plan.bf16 else torch.float32)
+        lora = LoRASpec(plan.lora_rank, 2.0 * plan.lora_rank, plan.lora_targets) if plan.lora_rank else None
+        options = ModelOptions(dtype=torch.bfloat16 if plan.bf16 else torch.float32, lora=lora)
         optim = OptimConfig(weight_decay=0.0, use_distributed_optimizer=plan.use_distributed_optimizer)
         engine = TrainEngine.build(plan.arch, ctx, options, optim)
         engine.zero_grad()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.lora_spec import TARGETS
 from mcore_rl.engine.rollout.layout import RolloutLayoutError, check_rollout_tp
 from mcore_rl.io.errors import InputError
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
@@ -32,6 +33,9 @@ RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
 class PlanError(InputError):
     """An input the run cannot start with; the message names the field."""
+
+
+LORA_ALL_LINEAR = tuple(TARGETS)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,13 @@ class PlanInput:
     critic: bool = False
     """A critic of the same shape (value head) colocated and trained on the same GPUs (PPO)."""
     reference: bool = False
-    """A frozen reference policy colocated in the training dtype (KL penalty)."""
+    """A frozen reference policy colocated in the training dtype (KL penalty); with LoRA it is the base with
+    the adapters off and holds nothing of its own."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on the frozen actor (``model.lora_rank``; 0: full fine-tune): gradients and
+    optimizer state for the adapters only (``planner/lora.py``)."""
+    lora_targets: tuple[str, ...] = LORA_ALL_LINEAR
+    """The adapted HF projections of every decoder layer (``model.target_modules``)."""
     rollout_tp: int = 1
     """Rollout tensor-parallel size (the rollout engine's own layout)."""
     rollout_memory_fraction: float = 0.5
@@ -116,6 +126,14 @@ class PlanInput:
             raise PlanError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.reserved_bytes < 0:
             raise PlanError(f"reserved_bytes must be >= 0, got {self.reserved_bytes}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise PlanError(f"lora_rank must be an integer >= 0, got {self.lora_rank!r}")
+        if self.lora_rank and (not self.lora_targets or set(self.lora_targets) - set(LORA_ALL_LINEAR)):
+            raise PlanError(
+                f"lora_targets={list(self.lora_targets)!r}: choose some of {list(LORA_ALL_LINEAR)}"
+            )
+        if self.lora_rank and self.arch.moe is not None:
+            raise PlanError(f"lora_rank={self.lora_rank}: LoRA on mixture-of-experts models is not supported")
 
     @property
     def layout(self) -> ParallelLayout:
