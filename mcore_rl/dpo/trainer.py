@@ -43,6 +43,7 @@ from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.dpo.greedy import GreedyScorer
 from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
+from mcore_rl.engine.hf.peft import ADAPTER_DIR, save_peft_adapter
 from mcore_rl.logs.plots import dpo_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
@@ -273,7 +274,11 @@ class DPOTrainer:
                 check_export_folder(out)
             dist.barrier()
         checkpoint = os.path.join(self.checkpoint_root, checkpoint_name(self.global_step))
-        saved = cfg.trainer.save_freq > 0 and os.path.isdir(checkpoint)
+        lora = cfg.model.lora_rank > 0  # a LoRA run checkpoint holds the adapters only: save the merged model
+        saved = cfg.trainer.save_freq > 0 and not lora and os.path.isdir(checkpoint)
+        if lora:  # the adapter in PEFT format beside the merged model
+            adapter = os.path.join(cfg.trainer.default_local_dir, ADAPTER_DIR)
+            save_peft_adapter(self.policy.engine, adapter, cfg.model.path)
         if not saved:
             checkpoint = os.path.join(cfg.trainer.default_local_dir, ".model_export_checkpoint")
             self.policy.engine.save_model(checkpoint)

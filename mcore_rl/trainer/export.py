@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING
 from mcore_rl.config import RunConfig
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root
 from mcore_rl.convert.export import MODEL_DIR, check_export_folder, export_hf_model
+from mcore_rl.engine.hf.peft import ADAPTER_DIR
 
 if TYPE_CHECKING:
     from mcore_rl.trainer.trainer import Trainer
 
-LORA_ADAPTER_DIR = "lora_adapter"
-"""A LoRA run's adapter (PEFT format) under ``trainer.default_local_dir``, written at the end beside ``model/``."""
 EXPORT_CHECKPOINT = ".model_export_checkpoint"
 """The model checkpoint written for an export when the run has none of its last step (removed after)."""
 
@@ -46,7 +45,7 @@ def check_model_dir(cfg: RunConfig) -> None:
 
 def lora_adapter_dir(cfg: RunConfig) -> str:
     """Where a LoRA run writes its adapter in PEFT format."""
-    return os.path.join(cfg.trainer.default_local_dir, LORA_ADAPTER_DIR)
+    return os.path.join(cfg.trainer.default_local_dir, ADAPTER_DIR)
 
 
 def hf_model_from_checkpoint(cfg: RunConfig, checkpoint: str) -> str:

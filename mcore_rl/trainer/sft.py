@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from mcore_rl.config import ConfigError, RunConfig, load_config
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
-from mcore_rl.trainer.export import check_model_dir, hf_model_from_checkpoint
+from mcore_rl.trainer.export import check_model_dir, hf_model_from_checkpoint, lora_adapter_dir
 from mcore_rl.trainer.trainer import Trainer
 
 CHECKPOINT_DIR = "sft_checkpoint"
@@ -96,7 +96,9 @@ def export_model(trainer: Trainer) -> tuple[str, str]:
     from it on the driver (streamed tensor by tensor); returns both paths."""
     checkpoint = os.path.join(trainer.cfg.trainer.default_local_dir, CHECKPOINT_DIR)
     check_model_dir(trainer.cfg)  # before the save: a refusal costs nothing
-    trainer.actors.save_model(checkpoint)
+    trainer.actors.save_model(checkpoint)  # with LoRA the merged model
+    if trainer.cfg.model.lora_rank:  # and the adapter in PEFT format beside it
+        trainer.actors.save_lora_adapter(lora_adapter_dir(trainer.cfg), trainer.cfg.model.path)
     return checkpoint, hf_model_from_checkpoint(trainer.cfg, checkpoint)
 
 

@@ -160,3 +160,30 @@ def _import_peft(tmp_path, logits: torch.Tensor) -> None:
     refused = r"model\.lora_adapter_path: .*adapter_config\.json: r=4, the run's model section says 8"
     with pytest.raises(ConfigError, match=refused):  # before any worker starts
         Trainer.from_config(_config(tmp_path, "d", adapter, "model.lora_rank=8"), use_ray=False)
+
+
+def test_lora_sft_writes_the_merged_model_and_its_peft_adapter(tmp_path) -> None:
+    """SFT with LoRA (``mcore-rl sft``): ``model/`` is the base with the trained adapters merged, and
+    transformers + peft on the base with ``lora_adapter/`` give its logits."""
+    import peft
+    import transformers
+
+    from mcore_rl.trainer.sft import fit_sft, sft_config
+
+    extra = [
+        f"sft.train_files=[{tmp_path / 'data' / 'sft.jsonl'}]",
+        "sft.total_steps=2",
+        "sft.test_freq=100",
+        "sft.train_batch_size=8",
+        "sft.micro_batch_size_per_gpu=8",
+    ]
+    cfg = sft_config(_config(tmp_path, "sft", *extra, "data.test_files=[]"))
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        summary = fit_sft(trainer)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=TOKENS).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "sft" / "lora_adapter")).eval()
+        theirs = adapted(input_ids=TOKENS).logits
+    merged = hf_logits(summary.model_dir, TOKENS)
+    assert (theirs - merged).abs().max() <= 1e-5 and (merged - before).abs().max() > 1e-4  # it trained

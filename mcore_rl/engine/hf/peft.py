@@ -23,6 +23,8 @@ from mcore_rl.engine.lora_spec import TARGETS, LoRASpec, resolve_targets
 from mcore_rl.io.errors import InputError
 from mcore_rl.io.inputs import input_file, read_json_object
 
+ADAPTER_DIR = "lora_adapter"
+"""A LoRA run's adapter (PEFT format) under ``trainer.default_local_dir``, written at the end beside ``model/``."""
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model.model.layers."
