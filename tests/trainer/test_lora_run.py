@@ -187,3 +187,17 @@ def test_lora_sft_writes_the_merged_model_and_its_peft_adapter(tmp_path) -> None
         theirs = adapted(input_ids=TOKENS).logits
     merged = hf_logits(summary.model_dir, TOKENS)
     assert (theirs - merged).abs().max() <= 1e-5 and (merged - before).abs().max() > 1e-4  # it trained
+
+
+def test_ppo_with_lora_trains_the_adapters_beside_a_full_critic(tmp_path) -> None:
+    """PPO's actor with LoRA (in-process): the critic is a full model started from the actor's weights, the
+    actor's rollout gets its merged weights, and only the adapters move."""
+    ppo = ["algorithm.adv_estimator=gae", "trainer.total_training_steps=2", "trainer.save_freq=-1"]
+    with Trainer.from_config(_config(tmp_path, "ppo", *ppo), use_ray=False) as run:
+        before = _ours(run)["adapters"]
+        run.fit()
+        after = _ours(run)["adapters"]
+    steps = _rl(run, {1, 2})
+    assert all(abs(r["token_mult_prob_error"] - 1.0) <= 1e-6 for r in steps)
+    assert all("critic/values_mean" in r for r in steps)
+    assert any(not torch.equal(after[k], v) for k, v in before.items() if ".lora_B." in k)  # B left zero
