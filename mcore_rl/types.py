@@ -214,11 +214,14 @@ class RankInfo:
     pp_rank: int
     """Training pipeline stage."""
     is_last_stage: bool
-    """Holds the loss and the logits (the owner of per-sample results when ``tp_rank == 0``)."""
+    """Holds the loss and the logits (the owner of per-sample results when ``tp_rank == 0`` and
+    ``cp_rank == 0``)."""
     rollout_replica: int = 0
     """Which rollout engine (group of tp_g ranks) this rank belongs to: its prompt shard."""
     rollout_tp_rank: int = 0
     """Rank within its rollout engine's TP group; rank 0 owns the generated samples."""
+    cp_rank: int = 0
+    """Training context-parallel rank: CP ranks of one DP shard read the same rows and hold the same results."""
 
 
 @dataclass

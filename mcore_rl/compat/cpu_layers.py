@@ -11,7 +11,8 @@ to fp32 rounding:
 
 - :class:`SdpaDotProductAttention`: megatron's core attention, with
   ``torch.nn.functional.scaled_dot_product_attention`` for plain causal attention, padded or packed rows
-  (shared-prompt rows: ``ops/row_attention.py``'s fused kernel);
+  (shared-prompt rows: ``ops/row_attention.py``'s fused kernel), and under context parallelism, which
+  megatron's local attention refuses, causal attention over the CP group (``compat/context_attention.py``);
 - :func:`bias_swiglu_impl`: megatron's fused-SwiGLU slot (``bias_activation_fusion``) filled with
   :func:`mcore_rl.ops.train_blocks.swiglu`;
 - :class:`FusedRMSNorm`: ``torch.nn.RMSNorm`` with :func:`mcore_rl.ops.train_blocks.rms_norm`;
@@ -53,7 +54,35 @@ def _dot_product_attention() -> type:
 class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
     """megatron's ``DotProductAttention``, with torch's fused kernel for plain causal attention: padded rows
     (``sbhd``) and packed ones (``thd``, which megatron's local attention refuses); explicit masks, windows
-    and the like stay megatron's."""
+    and the like stay megatron's. Under context parallelism (which megatron's local attention refuses at
+    construction) causal attention, windowed or not, over the CP group: ``compat/context_attention.py``."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        cp = config.context_parallel_size
+        config.context_parallel_size = 1  # megatron's assertion: "only supported by TEDotProductAttention"
+        try:
+            super().__init__(config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+        self.cp_group: Any = None
+        """The CP group keys and values are gathered over (None without context parallelism)."""
+        self.cp_window: int | None = None
+        """This layer's sliding window (megatron's ``window_size[0]``) under context parallelism."""
+        if cp > 1:
+            self._init_context_parallel(kwargs.get("pg_collection"))
+
+    def _init_context_parallel(self, pg_collection: Any) -> None:
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        cp_group = getattr(pg_collection, "cp", None)
+        if cp_group is None:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group
+        config = self.config
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
+            self.cp_window = config.window_size[0]
 
     def forward(
         self,
@@ -65,6 +94,10 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
         attention_bias: Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
+        if self.cp_group is not None:
+            return self._context_parallel_forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._packed_forward(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
         if packed_seq_params is None and self._plain_causal(attention_mask, attn_mask_type, attention_bias):
@@ -116,6 +149,47 @@ class SdpaDotProductAttention(_dot_product_attention()):  # type: ignore[misc]
             )
             rows.append(out[0].transpose(0, 1))
         return torch.cat(rows).reshape(query.shape[0], self.hidden_size_per_partition)
+
+    def _context_parallel_forward(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Any, mask_type: Any, bias: Any, packed: Any
+    ) -> Tensor:
+        """This CP rank's share of causal attention (``compat/context_attention.py``): padded rows (``sbhd``,
+        query [s / cp, b, heads, d]) or packed ones (``thd``, [T / cp, heads, d], segments from the padded
+        ``cu_seqlens``), keys and values gathered over the CP group. [s / cp, b, heads * d] or [T / cp, ...]."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from mcore_rl.compat.context_attention import context_attention, gather_sequence
+
+        config = self.config
+        if not (
+            mask is None
+            and bias is None
+            and (mask_type or self.attn_mask_type) == AttnMaskType.causal
+            and getattr(config, "softmax_type", "vanilla") == "vanilla"
+            and (config.attention_dropout == 0.0 or not self.training)
+        ):
+            raise ValueError(
+                "context parallelism on the local layer spec needs causal attention without an explicit mask, "
+                "attention bias, softmax variant or dropout"
+            )
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        if packed is not None and packed.qkv_format == "thd":
+            if getattr(packed, "token_home", None) is not None:
+                raise ValueError("model.share_prompt_prefix does not support context parallelism")
+            cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+            segments = torch.diff(cu).tolist()
+            q = query.transpose(0, 1)[None]  # [1, heads, T / cp, d]
+            k, v = (
+                gather_sequence(t, segments, self.cp_group, 0).transpose(0, 1)[None] for t in (key, value)
+            )
+        else:
+            segments = [query.shape[0] * cp]
+            q = query.permute(1, 2, 0, 3)  # [b, heads, s / cp, d]
+            k, v = (gather_sequence(t, segments, self.cp_group, 0).permute(1, 2, 0, 3) for t in (key, value))
+        out = context_attention(q, k, v, segments, cp, rank, self.softmax_scale, self.cp_window)
+        if packed is not None and packed.qkv_format == "thd":
+            return out[0].transpose(0, 1).reshape(query.shape[0], self.hidden_size_per_partition)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
     def _plain_causal(self, mask: Any, mask_type: Any, bias: Any) -> bool:
         """Causal attention and nothing else: no explicit mask or bias, window, softmax variant, active

@@ -10,7 +10,8 @@ Scope, narrowest first:
 1. Megatron's own functions, replaced in place: the CUDA RNG state helpers and ``CudaRNGStatesTracker.add``
    (they read ``torch.cuda.get_rng_state``), the torch-norm wrapper that refuses sequence parallelism (it
    now builds our fused RMSNorm), the rotary embedding and fused SwiGLU that attention and the MLP call
-   (versions with fewer passes, ``compat.cpu_layers``), the DistributedOptimizer loader that trips on
+   (versions with fewer passes, ``compat.cpu_layers``), the selection of a context-parallel rank's rotary
+   angles (its index is built in pinned memory), the DistributedOptimizer loader that trips on
    torch AdamW's ``step`` entry, and the parameter gather and grad reduce-scatter of a one-rank optimizer
    group (self-copies that slowed every later GEMM of the process).
 2. ``torch.cuda.current_device`` and ``torch.cuda.synchronize``: megatron calls them in ~40 places (buffer
@@ -163,6 +164,17 @@ def _patch_fused_blocks() -> None:
         attention.apply_rotary_pos_emb = cpu_layers.apply_rotary_pos_emb(attention.apply_rotary_pos_emb)
     if not hasattr(mlp.bias_swiglu_impl, "_mcore_rl_original"):
         mlp.bias_swiglu_impl = cpu_layers.bias_swiglu_impl(mlp.bias_swiglu_impl)
+
+
+def _patch_context_parallel_rope() -> None:
+    """Under context parallelism megatron's rotary embedding keeps the angles of this CP rank's two chunks
+    with an index built in pinned memory, which a CPU-only torch refuses ("pin_memory=True requires a CUDA or
+    other accelerator backend"); the same selection without it (``compat/context_attention.py``)."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    from mcore_rl.compat.context_attention import pos_emb_on_this_cp_rank
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
 
 def _patch_single_rank_grad_reduce() -> None:
@@ -323,6 +335,7 @@ def apply() -> bool:
     _patch_rng()
     _patch_torch_norm()
     _patch_fused_blocks()
+    _patch_context_parallel_rope()
     _patch_single_rank_grad_reduce()
     _patch_distopt_step_entry()
     _patch_single_rank_param_gather()

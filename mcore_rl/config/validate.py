@@ -94,10 +94,11 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
             f"parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size = {tp * pp} does "
             f"not divide the world size {world} (trainer.nnodes * trainer.n_gpus_per_node)"
         ]
-    if par.data_parallel_size is not None and par.data_parallel_size != world // (tp * pp):
+    cp = par.context_parallel_size
+    if par.data_parallel_size is not None and par.data_parallel_size != world // (tp * pp * cp):
         problems.append(
-            f"parallel.data_parallel_size={par.data_parallel_size} but world size {world} / (TP*PP={tp * pp}) "
-            f"gives {world // (tp * pp)}"
+            f"parallel.data_parallel_size={par.data_parallel_size} but world size {world} / (TP*PP*CP="
+            f"{tp * pp * cp}) gives {world // (tp * pp * cp)}"
         )
     if par.virtual_pipeline_model_parallel_size is not None and pp < 2:
         problems.append(
@@ -206,10 +207,15 @@ def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
     return problems
 
 
+def _model_copy_ranks(par: Any) -> int:
+    """Ranks that read the same rows: TP x PP x CP (context-parallel ranks split each row's tokens)."""
+    return int(par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size)
+
+
 def _batch_problems(cfg: RunConfig) -> list[str]:
     """Prompts split evenly over rollout replicas; sequences over DP ranks, mini- and micro-batches."""
     par, alg, n = cfg.parallel, cfg.algorithm, cfg.rollout.n
-    dp = cfg.world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
+    dp = cfg.world_size // _model_copy_ranks(par)
     rollout_ranks = cfg.world_size if cfg.rollout.colocate else cfg.rollout.num_ranks
     rollout_dp = max(rollout_ranks // cfg.rollout.tensor_model_parallel_size, 1)
     if cfg.dpo.train_files:  # a DPO run has no rollout: the RL batch rules do not apply
@@ -288,6 +294,12 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")
     problems += _critic_problems(cfg)
+    if cfg.model.share_prompt_prefix and cfg.parallel.context_parallel_size > 1:
+        problems.append(
+            f"model.share_prompt_prefix=true with parallel.context_parallel_size={cfg.parallel.context_parallel_size}: "
+            "a shared prompt's rows cannot be split over CP ranks; turn one of them off (model.use_remove_padding "
+            "packs rows under CP)"
+        )
     for packing in ("use_remove_padding", "share_prompt_prefix"):
         if getattr(cfg.model, packing) and cfg.parallel.pipeline_model_parallel_size > 1:
             problems.append(
@@ -327,13 +339,14 @@ def _critic_problems(cfg: RunConfig) -> list[str]:
         return problems
     par, alg = critic.parallel or cfg.parallel, cfg.algorithm
     world = cfg.world_size if critic.colocate else critic.num_ranks
-    if world % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size):
+    if world % _model_copy_ranks(par):
+        sizes = "TP*PP*CP" if par.context_parallel_size > 1 else "TP*PP"
         return [
             *problems,
-            f"critic.parallel: TP*PP = {par.tensor_model_parallel_size * par.pipeline_model_parallel_size} "
-            f"does not divide the critic's {world} ranks (critic.num_ranks)",
+            f"critic.parallel: {sizes} = {_model_copy_ranks(par)} does not divide the critic's {world} ranks "
+            "(critic.num_ranks)",
         ]
-    dp = world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
+    dp = world // _model_copy_ranks(par)
     rows = alg.ppo_mini_batch_size * cfg.rollout.n // max(dp, 1)
     if (alg.ppo_mini_batch_size * cfg.rollout.n) % dp:
         problems.append(

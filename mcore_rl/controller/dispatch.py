@@ -5,7 +5,7 @@ training and as rollout replicas (tp_g ranks each) for generation. Data moves in
 
     split:    batch [N, ...] --split_record(num_shards)--> shard 0 | shard 1 | ...   (contiguous rows)
     scatter:  shard d goes to every rank whose dp_rank (or rollout replica) is d     (TP/PP peers share it)
-    collect:  from the one owner of each shard: last pipeline stage, tensor rank 0   (data_owners)
+    collect:  from the one owner of each shard: last pipeline stage, tensor and context rank 0  (data_owners)
     concat:   owner results in shard order --concat_records--> batch [N, ...]
 
 Records are dataclasses whose tensor (and list) fields share a leading row dimension; other fields (ints,
@@ -73,8 +73,10 @@ def concat_records(records: Sequence[R]) -> R:
 
 
 def data_owners(infos: Sequence[RankInfo]) -> list[int]:
-    """Index in ``infos`` of the owner of each training DP shard, in dp order: last stage, TP rank 0."""
-    owners = {i.dp_rank: n for n, i in enumerate(infos) if i.is_last_stage and i.tp_rank == 0}
+    """Index in ``infos`` of the owner of each training DP shard, in dp order: last stage, TP and CP rank 0."""
+    owners = {
+        i.dp_rank: n for n, i in enumerate(infos) if i.is_last_stage and i.tp_rank == 0 and i.cp_rank == 0
+    }
     return _dense(owners, "training dp shard")
 
 

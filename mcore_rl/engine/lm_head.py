@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from mcore_rl.engine.context_parallel import ContextShard, gather_rows
 from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 
@@ -27,30 +28,61 @@ class LMHeadInput:
 
     hidden: torch.Tensor
     """[b, s, h] final hidden states (after the final norm), every position on every TP rank; its gradient is
-    summed over TP in backward (each rank only sees its vocab shard)."""
+    summed over TP in backward (each rank only sees its vocab shard). With context parallelism [n, h]: this
+    CP rank's tokens only, in :attr:`context`'s order."""
     weight: torch.Tensor
     """[V_padded/tp, h] this rank's rows of the output layer (the embedding when they are tied)."""
     ctx: ParallelContext
     """The parallel layout (TP group and rank of the vocab shard)."""
+    context: ContextShard | None = None
+    """Context parallelism: where this CP rank's hidden states sit in the [b, s] rows."""
 
     def token_log_probs(
         self, tokens: torch.Tensor, keep: torch.Tensor, vocab_size: int, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([b, s] log-prob of the next token, [b, s] entropy), computed only where ``keep`` [b, s] (bool) is
-        set and 0 elsewhere; differentiable w.r.t. the hidden states and the output weight."""
+        set and 0 elsewhere; differentiable w.r.t. the hidden states and the output weight. With context
+        parallelism each CP rank projects its own tokens, and the rows are gathered from every CP rank
+        (the same on each; ``engine/context_parallel.py``)."""
         labels = torch.roll(tokens, -1, dims=1)  # the last column wraps around; never kept by a response mask
-        hidden = self.hidden[keep]
-        log_probs, entropy = linear_logprob_entropy(
+        if self.context is not None:
+            return self._context_token_log_probs(labels, keep, vocab_size, temperature)
+        log_probs, entropy = self._project(self.hidden[keep], labels[keep], vocab_size, temperature)
+        zeros = torch.zeros(tokens.shape, dtype=log_probs.dtype, device=log_probs.device)
+        return zeros.masked_scatter(keep, log_probs), zeros.masked_scatter(keep, entropy)
+
+    def _project(
+        self, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused op over [n, h] hidden states: ([n] log-probs of ``labels``, [n] entropy)."""
+        return linear_logprob_entropy(
             hidden.to(self.weight.dtype),
             self.weight,
-            labels[keep],
+            labels,
             vocab_start=self.ctx.tp_rank * self.weight.shape[0],
             vocab_size=vocab_size,
             temperature=temperature,
             tp_group=self.ctx.tp_group if self.ctx.tp_size > 1 else None,
         )
-        zeros = torch.zeros(tokens.shape, dtype=log_probs.dtype, device=log_probs.device)
-        return zeros.masked_scatter(keep, log_probs), zeros.masked_scatter(keep, entropy)
+
+    def _context_token_log_probs(
+        self, labels: torch.Tensor, keep: torch.Tensor, vocab_size: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`token_log_probs` of a CP rank: the fused op over its kept tokens, then the [n, 2] log-probs
+        and entropy of its tokens gathered into the rows."""
+        shard = self.context
+        assert shard is not None
+        cells = labels.numel()
+        real = shard.rows < cells  # padding of packed rows belongs to no row
+        at = shard.rows.clamp(max=cells - 1)
+        mine = keep.reshape(-1)[at] & real
+        log_probs, entropy = self._project(
+            self.hidden[mine], labels.reshape(-1)[at][mine], vocab_size, temperature
+        )
+        zeros = torch.zeros(shard.rows.shape, dtype=log_probs.dtype, device=log_probs.device)
+        local = torch.stack([zeros.masked_scatter(mine, log_probs), zeros.masked_scatter(mine, entropy)], -1)
+        rows = gather_rows(local, shard)  # [b, s, 2]
+        return rows[..., 0], rows[..., 1]
 
 
 @dataclass(frozen=True)

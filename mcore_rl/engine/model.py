@@ -116,6 +116,8 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         sequence_parallel=layout.sp,
+        context_parallel_size=layout.cp,
+        cp_comm_type=_cp_comm_type(arch, layout.cp),
         params_dtype=options.dtype,
         pipeline_dtype=options.dtype,
         bf16=bf16,
@@ -131,6 +133,15 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         variable_seq_lengths=True,  # RL batches change length every step; PP must exchange shapes
         **extra,
     )
+
+
+def _cp_comm_type(arch: ModelArch, cp: int) -> str | None:
+    """How TE's attention exchanges keys and values under context parallelism: its ring of point-to-point
+    blocks, overlapped with compute; the all-gather for sliding windows, which TE's ring refuses. The local
+    spec's CP attention is ours (``compat/context_attention.py``) and reads neither."""
+    if cp == 1:
+        return None
+    return "all_gather" if arch.sliding_window is not None else "p2p"
 
 
 def _moe_config(arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> dict[str, Any]:

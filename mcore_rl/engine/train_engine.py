@@ -31,6 +31,7 @@ import torch.distributed as dist
 from mcore_rl.compat import megatron_cpu
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
+from mcore_rl.engine.context_parallel import ContextShard, context_shards, gather_rows
 from mcore_rl.engine.lm_head import HeadLoss, LMHeadInput, full_hidden, output_weight, skip_output_layer
 from mcore_rl.engine.lora import adapters_disabled, add_adapters, merged, without_adapters
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
@@ -65,6 +66,9 @@ class MicroBatch:
     expert_choices: torch.Tensor | None = None
     """[b, s, L, k] int16, mixture-of-experts models: the rollout's routing of these rows
     (``RolloutBatch.expert_choices``), for the routing-agreement metric and router replay (``engine/moe.py``)."""
+    context: ContextShard | None = None
+    """Context parallelism: this CP rank's share of the model input (set by the engine; losses read the rows
+    as always, gathered from every CP rank: ``engine/context_parallel.py``)."""
 
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch (subclass and all) with every tensor in it on ``device``, nested records and
@@ -318,6 +322,7 @@ class TrainEngine:
             raise ValueError(
                 f"sequence length {seq_length} must be divisible by TP={self.ctx.tp_size} with SP"
             )
+        micro_batches = context_shards(micro_batches, self.ctx)  # each CP rank runs its share of the tokens
         iterators = [iter(micro_batches) for _ in self.chunks]
         # Guarded: a rank that raises mid-schedule stops its peers' pipeline waits (mcore_rl.parallel.failure).
         no_grad = torch.no_grad() if forward_only else nullcontext()
@@ -404,13 +409,17 @@ def _forward_step(
         return model(tokens, positions, None, packed_seq_params=seq_params), _no_loss
     with skip_output_layer(gpt):
         hidden = model(tokens, positions, None, packed_seq_params=seq_params)  # [s(/tp with SP), b, h]
-    full = _unpacked(full_hidden(hidden, ctx), micro_batch)
-    head = LMHeadInput(full, output_weight(gpt), ctx)
+    full = full_hidden(hidden, ctx)  # [b, s, h] or [1, T, h], this CP rank's tokens with CP
+    shard = micro_batch.context
+    local = full.reshape(-1, full.shape[-1]) if shard is not None else _unpacked(full, micro_batch)
+    head = LMHeadInput(local, output_weight(gpt), ctx, shard)
     return hidden, partial(_head_loss_for_schedule, loss_fn, micro_batch, head)
 
 
 def _model_input(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(tokens, position ids, PackedSeqParams or None) as the model takes them."""
+    if micro_batch.context is not None:
+        return micro_batch.context.tokens, micro_batch.context.position_ids, micro_batch.context.seq_params
     packed = micro_batch.packed
     if packed is None:
         return micro_batch.tokens, micro_batch.position_ids, None
@@ -419,7 +428,10 @@ def _model_input(micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, A
 
 def _unpacked(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     """A packed micro-batch's [1, T, X] model output as the [b, s, X] rows its loss reads (zeros at padding,
-    which no loss reads; the gradient flows back to the packed positions); other outputs as they are."""
+    which no loss reads; the gradient flows back to the packed positions), and a CP rank's output gathered
+    into every row (``engine/context_parallel.py``); other outputs as they are."""
+    if micro_batch.context is not None:
+        return gather_rows(output.reshape(-1, output.shape[-1]), micro_batch.context)
     if micro_batch.packed is None:
         return output
     b, s = micro_batch.tokens.shape

@@ -25,6 +25,12 @@ class ParallelConfig:
     """Model chunks per stage (interleaved 1F1B); None disables interleaving. Needs pipeline size >= 2."""
     sequence_parallel: bool = False
     """Split norm/dropout activations by sequence over the TP group (needs TP >= 2)."""
+    context_parallel_size: int = 1
+    """Ranks every sequence is split over (megatron CP, for long responses): each holds 2 of ``2 x CP`` equal
+    chunks of every row (chunks r and 2CP-1-r, megatron's load balancing) and attention exchanges keys and
+    values among them; they hold the same weights (gradients are reduced over DP x CP) and read the same rows.
+    Rows are padded to a multiple of 2 x CP (x TP with sequence_parallel). Must divide world / (TP x PP);
+    not with mixture-of-experts models or ``model.share_prompt_prefix``."""
     expert_model_parallel_size: int = 1
     """Mixture-of-experts models: ranks the experts of each MoE layer are split over (megatron EP). EP is
     folded into data parallelism: EP ranks hold the same attention weights and different data and experts;
@@ -32,7 +38,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None
     """Ranks each expert's matrices are split over (megatron ETP); None = the tensor-parallel size."""
     data_parallel_size: int | None = None
-    """Replicas; None derives it (world size / (TP * PP)). When set it must equal the derived value."""
+    """Replicas; None derives it (world size / (TP * CP * PP)). When set it must equal the derived value."""
     backend: str | None = None
     """torch.distributed backend: nccl or gloo; None picks nccl with CUDA and gloo without."""
     timeout_minutes: int = 30
@@ -44,6 +50,7 @@ class ParallelConfig:
             {
                 "tensor_model_parallel_size": POSITIVE,
                 "pipeline_model_parallel_size": POSITIVE,
+                "context_parallel_size": POSITIVE,
                 "virtual_pipeline_model_parallel_size": OPTIONAL_POSITIVE,
                 "expert_model_parallel_size": POSITIVE,
                 "expert_tensor_parallel_size": OPTIONAL_POSITIVE,
@@ -62,6 +69,7 @@ class ParallelConfig:
             sp=self.sequence_parallel,
             ep=self.expert_model_parallel_size,
             etp=self.expert_tensor_parallel_size,
+            cp=self.context_parallel_size,
         )
 
 

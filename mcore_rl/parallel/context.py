@@ -117,6 +117,7 @@ class ParallelContext:
             tensor_model_parallel_size=layout.tp,
             pipeline_model_parallel_size=layout.pp,
             virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
             expert_model_parallel_size=layout.ep,
             expert_tensor_parallel_size=layout.expert_tp,
             distributed_timeout_minutes=config.timeout_minutes,
@@ -207,6 +208,24 @@ class ParallelContext:
         return self.layout.dp
 
     @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The ranks splitting this rank's sequences (context parallelism), in CP-rank order."""
+        return self._ps.get_context_parallel_group()
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """Every rank holding this rank's weight shard: DP x CP (where DDP reduces gradients)."""
+        return self._ps.get_data_parallel_group(with_context_parallel=True)
+
+    @property
     def tp_group(self) -> dist.ProcessGroup:
         return self._ps.get_tensor_model_parallel_group()
 
@@ -267,9 +286,10 @@ class ParallelContext:
 
     @property
     def sequence_multiple(self) -> int:
-        """What every sequence length must be a multiple of: the TP size under sequence parallelism (each TP
-        rank holds an equal slice of the sequence), else 1."""
-        return self.tp_size if self.layout.sp else 1
+        """What every sequence length must be a multiple of: ``2 x CP`` under context parallelism (each CP rank
+        holds two of ``2 x CP`` equal chunks), times the TP size under sequence parallelism (each TP rank holds
+        an equal slice of the rank's tokens); 1 without either."""
+        return self.layout.sequence_multiple
 
     def subgroup(self, groups: list[list[int]]) -> dist.ProcessGroup:
         """This rank's group within ``groups``, a partition of the world (e.g. the rollout TP groups).
@@ -300,6 +320,7 @@ class ParallelContext:
         return (
             f"ParallelContext(rank={self.rank}/{self.world_size}, tp={c.tp}/{self.tp_size}, "
             f"pp={c.pp}/{self.pp_size}, dp={c.dp}/{self.dp_size}, vpp={self.layout.vpp}, sp={self.layout.sp}"
+            + (f", cp={c.cp}/{self.cp_size}" if self.cp_size > 1 else "")
             + (
                 f", ep={self.ep_rank}/{self.ep_size}, etp={self.expert_tp_rank}/{self.expert_tp_size})"
                 if self.ep_size > 1 or self.expert_tp_size != self.tp_size

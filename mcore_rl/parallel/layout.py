@@ -1,17 +1,25 @@
 """Pure rank arithmetic for the training layout: no torch.distributed, no megatron.
 
 Ranks are laid out the way megatron-core's ``RankGenerator`` does with its default order ``tp-cp-ep-dp-pp``
-(context parallelism is 1 here): tensor-parallel ranks are adjacent, then data parallel, then
-pipeline stages outermost::
+(expert parallelism is 1 in this first mesh): tensor-parallel ranks are adjacent, then context parallel,
+then data parallel, then pipeline stages outermost::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so a TP group never straddles a node boundary when ``tp`` divides the GPUs per node.
+so a TP group never straddles a node boundary when ``tp`` divides the GPUs per node, and the CP ranks of one
+TP shard come next (their attention exchanges keys and values every layer).
+
+Context parallelism (``cp``) splits every sequence over ``cp`` ranks that hold the same weights: to the
+weights they are data-parallel replicas (gradients are reduced over the ``dp * cp`` ranks of a shard,
+megatron's data-parallel group "with context parallel"), to the data they are one replica (they read the same
+rows). Each sequence is cut into ``2 * cp`` chunks and CP rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``
+(megatron's load balancing of causal attention), so a sequence length must be a multiple of
+:attr:`ParallelLayout.sequence_multiple`.
 
 The experts of a mixture-of-experts model have a mesh of their own over the same ranks, megatron's second
 ``RankGenerator`` (expert tensor parallel ``etp``, expert parallel ``ep``, expert data parallel ``edp``, the
 same pipeline stages): expert parallelism is folded into data parallelism, since the ranks of one stage
-(``tp * dp`` of them) are re-split as ``etp * ep * edp``::
+(``tp * cp * dp`` of them) are re-split as ``etp * ep * edp``::
 
     rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))
 
@@ -31,11 +39,12 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class RankCoords:
-    """Where one rank sits in the (tp, dp, pp) grid."""
+    """Where one rank sits in the (tp, cp, dp, pp) grid."""
 
     tp: int
     dp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ def _require_positive(**sizes: int | None) -> None:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A training layout over ``world_size`` ranks: ``world_size == tp * pp * dp``."""
+    """A training layout over ``world_size`` ranks: ``world_size == tp * cp * dp * pp``."""
 
     world_size: int
     """Total number of ranks."""
@@ -74,15 +83,30 @@ class ParallelLayout:
     etp: int | None = None
     """Expert tensor-parallel size (``expert_tensor_parallel_size``): each expert's matrices split over this
     many ranks; None = ``tp`` (megatron's default)."""
+    cp: int = 1
+    """Context-parallel size (megatron ``context_parallel_size``): every sequence is split over this many ranks
+    (module docstring); to the weights they are data-parallel replicas."""
 
     def __post_init__(self) -> None:
         _require_positive(
-            world_size=self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp
+            world_size=self.world_size,
+            tp=self.tp,
+            pp=self.pp,
+            vpp=self.vpp,
+            ep=self.ep,
+            etp=self.etp,
+            cp=self.cp,
         )
         if self.world_size % (self.tp * self.pp) != 0:
             raise LayoutError(
                 f"world_size={self.world_size} is not divisible by tp*pp={self.tp}*{self.pp}; "
                 "choose tensor_model_parallel_size and pipeline_model_parallel_size whose product divides the world"
+            )
+        if self.world_size % (self.tp * self.cp * self.pp) != 0:
+            raise LayoutError(
+                f"context_parallel_size={self.cp} does not divide world_size / (tp*pp) = "
+                f"{self.world_size}/({self.tp}*{self.pp}) = {self.world_size // (self.tp * self.pp)}, the ranks "
+                "that hold the same weight shard (CP x DP)"
             )
         if self.vpp is not None and self.pp < 2:
             raise LayoutError(
@@ -90,7 +114,7 @@ class ParallelLayout:
             )
         if self.sp and self.tp < 2:
             raise LayoutError("sequence_parallel=True needs tensor_model_parallel_size >= 2")
-        stage = self.world_size // self.pp  # ranks per pipeline stage: tp * dp = etp * ep * edp
+        stage = self.world_size // self.pp  # ranks per pipeline stage: tp * cp * dp = etp * ep * edp
         if stage % (self.expert_tp * self.ep):
             raise LayoutError(
                 f"expert_tensor_parallel_size*expert_model_parallel_size={self.expert_tp}*{self.ep} must divide "
@@ -109,8 +133,14 @@ class ParallelLayout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size, derived from the others."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel size (replicas reading different rows), derived from the others."""
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length (and, packed, every row's segment) must be a multiple of: ``2 * cp``
+        chunks under context parallelism, each rank's share again split over TP under sequence parallelism."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
 
     @property
     def num_model_chunks(self) -> int:
@@ -119,17 +149,33 @@ class ParallelLayout:
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside world_size={self.world_size}")
-        return RankCoords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return RankCoords(
+            tp=rank % tp, dp=(rank // (tp * cp)) % dp, pp=rank // (tp * cp * dp), cp=(rank // tp) % cp
+        )
 
     def rank(self, coords: RankCoords) -> int:
         for name, value, size in (
             ("tp", coords.tp, self.tp),
+            ("cp", coords.cp, self.cp),
             ("dp", coords.dp, self.dp),
             ("pp", coords.pp, self.pp),
         ):
             if not 0 <= value < size:
                 raise LayoutError(f"{name} coordinate {value} is outside size {size}")
-        return coords.tp + self.tp * (coords.dp + self.dp * coords.pp)
+        return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))
+
+    def _grid(self) -> list[RankCoords]:
+        return [self.coords(rank) for rank in range(self.world_size)]
+
+    def _groups(self, varying: tuple[str, ...]) -> list[list[int]]:
+        """Partition of the ranks into groups whose (tp, cp, dp, pp) coordinates differ only in ``varying``;
+        each group ordered by rank (megatron's order: the coordinates vary fastest-first), groups by first rank."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank, c in enumerate(self._grid()):
+            key = tuple(getattr(c, n) for n in ("tp", "cp", "dp", "pp") if n not in varying)
+            groups.setdefault(key, []).append(rank)
+        return sorted(groups.values(), key=lambda g: g[0])
 
     def expert_coords(self, rank: int) -> ExpertCoords:
         if not 0 <= rank < self.world_size:
@@ -176,34 +222,29 @@ class ParallelLayout:
 
     def tp_groups(self) -> list[list[int]]:
         """Ranks sharing one model replica's stage, split by tensor parallelism."""
-        return [
-            [self.rank(RankCoords(t, d, p)) for t in range(self.tp)]
-            for p in range(self.pp)
-            for d in range(self.dp)
-        ]
+        return self._groups(("tp",))
+
+    def cp_groups(self) -> list[list[int]]:
+        """Ranks holding the same shard and splitting the same sequences: keys and values are exchanged here."""
+        return self._groups(("cp",))
 
     def dp_groups(self) -> list[list[int]]:
-        """Ranks holding the same shard of the same stage: gradients are reduced here."""
-        return [
-            [self.rank(RankCoords(t, d, p)) for d in range(self.dp)]
-            for p in range(self.pp)
-            for t in range(self.tp)
-        ]
+        """Ranks holding the same shard of the same stage and reading different rows (the split of a batch);
+        without context parallelism also where gradients are reduced."""
+        return self._groups(("dp",))
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Every rank holding the same shard of the same stage: gradients are reduced here (megatron's
+        data-parallel group "with context parallel"; :meth:`dp_groups` when ``cp == 1``)."""
+        return self._groups(("cp", "dp"))
 
     def pp_groups(self) -> list[list[int]]:
         """One pipeline: the stages of one replica's TP shard, in stage order."""
-        return [
-            [self.rank(RankCoords(t, d, p)) for p in range(self.pp)]
-            for d in range(self.dp)
-            for t in range(self.tp)
-        ]
+        return self._groups(("pp",))
 
     def model_parallel_groups(self) -> list[list[int]]:
-        """All ranks of one model replica (tp x pp)."""
-        return [
-            sorted(self.rank(RankCoords(t, d, p)) for p in range(self.pp) for t in range(self.tp))
-            for d in range(self.dp)
-        ]
+        """All ranks of one model replica (tp x pp; each CP rank holds its own)."""
+        return self._groups(("tp", "pp"))
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of each pipeline: they share tied embedding / output weights."""
@@ -243,6 +284,14 @@ class ParallelLayout:
         moe_ffn_hidden_size: int | None = None,
     ) -> None:
         """Raise :class:`LayoutError` naming the field when the model cannot be split this way."""
+        if num_experts is not None and self.cp > 1:
+            # megatron folds EP into DP x CP; our router taps and replay (engine/moe.py) follow tokens in the
+            # order of one unsplit sequence, so CP x EP is refused rather than routed in a wrong order
+            raise LayoutError(
+                f"context_parallel_size={self.cp} with a mixture-of-experts model (num_experts={num_experts}) "
+                "is not supported yet (expert parallelism, the router taps and actor.router_replay follow the "
+                "tokens of unsplit sequences): set context_parallel_size=1"
+            )
         if num_experts is None and (self.ep > 1 or self.etp is not None):
             raise LayoutError(
                 "expert_model_parallel_size / expert_tensor_parallel_size are set but the model has no experts"
@@ -293,6 +342,12 @@ class ParallelLayout:
             raise LayoutError(
                 f"sequence length {seq_length} is not divisible by tensor_model_parallel_size={self.tp}, "
                 "which sequence_parallel requires"
+            )
+        if seq_length is not None and self.cp > 1 and seq_length % self.sequence_multiple:
+            tp_part = f" x tensor_model_parallel_size={self.tp} (sequence_parallel)" if self.sp else ""
+            raise LayoutError(
+                f"sequence length {seq_length} is not divisible by 2 x context_parallel_size={self.cp}{tp_part} "
+                f"= {self.sequence_multiple}: each CP rank holds 2 of 2 x {self.cp} equal chunks of every sequence"
             )
 
 

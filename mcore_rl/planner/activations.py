@@ -14,7 +14,15 @@ Stored for backward per layer and micro-batch, in elements (``e`` bytes each: 2 
         softmax output (heads * s^2 * b)
 
 For MHA with a 4h GeLU MLP this is the paper's ``sbh (10 + 24/t + 5as/(ht))`` minus its dropout masks and
-the dropout output: our models train without dropout. Full recompute keeps only each layer's input (s b h,
+the dropout output: our models train without dropout.
+
+Context parallelism (``cp``) gives each rank ``s / cp`` of every sequence's tokens, so every term above
+counts ``s / cp`` tokens, as megatron's ``theoretical_memory_usage`` divides by ``cp``. Two terms depend on
+the attention: TE's ring (``cp_comm="p2p"``, GPUs) keeps only this rank's K and V, an all-gather attention
+(``cp_comm="all_gather"``: ours on the local spec, ``compat/context_attention.py``, which recomputes its
+masked attention in backward and stores no scores) keeps every token's K and V of the layer, ``2 s b kv / t``
+in all; and an unfused attention's scores would be two chunks of ``c = s / 2cp`` queries against the keys
+before them, ``heads * b * c^2 * (2 cp + 1) / t`` (every rank the same, by the chunk order). Full recompute keeps only each layer's input (s b h,
 split by SP), plus one layer's full set while that layer is recomputed.
 
 Pipelining: the first stage holds its ``L / pp`` layers for every micro-batch in flight: ``min(pp, m)``
@@ -49,7 +57,7 @@ def layer_activation_bytes(plan: PlanInput, recompute: str | None = None, moe: b
     arch = plan.arch
     recompute = recompute or plan.recompute
     e = 2 if plan.bf16 else 4
-    tokens = plan.seq_length * plan.micro_batch_size
+    tokens = plan.seq_length * plan.micro_batch_size / plan.cp  # this rank's share under CP
     sequence_split = plan.tp if plan.sp else 1
     if recompute == "full":
         return e * tokens * arch.hidden_size / sequence_split
@@ -58,10 +66,22 @@ def layer_activation_bytes(plan: PlanInput, recompute: str | None = None, moe: b
     mlp = 0 if moe else 3 * arch.ffn_hidden_size
     hidden_width = 4 * tokens * arch.hidden_size / sequence_split
     tp_split = tokens * (2 * q + 2 * kv + mlp) / plan.tp
-    scores = 0.0
+    scores = gathered_kv = 0.0
+    if plan.cp > 1 and plan.cp_comm == "all_gather":  # the other ranks' K and V, kept for backward
+        gathered_kv = 2 * (plan.seq_length * plan.micro_batch_size - tokens) * kv / plan.tp
     if recompute == "none" and not plan.flash_attention:
-        scores = arch.num_attention_heads * plan.seq_length * tokens / plan.tp
-    return e * (hidden_width + tp_split + scores)
+        scores = arch.num_attention_heads * _score_cells(plan) * plan.micro_batch_size / plan.tp
+    return e * (hidden_width + tp_split + gathered_kv + scores)
+
+
+def _score_cells(plan: PlanInput) -> float:
+    """Query-key pairs of one sequence's attention scores on one rank: ``s x s`` (megatron's local attention
+    keeps the masked half too), under CP two chunks of ``c = s / 2cp`` queries against ``(r + 1) c`` and
+    ``(2 cp - r) c`` keys (module docstring)."""
+    if plan.cp == 1:
+        return float(plan.seq_length) ** 2
+    chunk = plan.seq_length / (2 * plan.cp)
+    return chunk * chunk * (2 * plan.cp + 1)
 
 
 def _layer_terms(plan: PlanInput, moe: bool, recompute: str | None = None) -> tuple[float, int, int]:
@@ -87,7 +107,7 @@ def activation_terms(plan: PlanInput) -> dict[str, int]:
     arch = plan.arch
     layers = [i for chunk in plan.layout.stage_layers(arch.num_layers)[0] for i in chunk]
     kinds = [arch.is_moe_layer(i) for i in layers]
-    tokens = plan.seq_length * plan.micro_batch_size
+    tokens = plan.seq_length * plan.micro_batch_size // plan.cp
     per_layer = [_layer_terms(plan, moe) for moe in kinds]
     stored = [sum(term[j] for term in per_layer) for j in range(3)]
     stored[0] += TOKEN_ID_BYTES * tokens
@@ -101,9 +121,10 @@ def activation_terms(plan: PlanInput) -> dict[str, int]:
 
 
 def logits_bytes(plan: PlanInput) -> int:
-    """One micro-batch's vocab-parallel logits on the last stage: compute dtype plus one fp32 copy."""
+    """One micro-batch's vocab-parallel logits on the last stage (this CP rank's tokens): compute dtype plus
+    one fp32 copy."""
     e = 2 if plan.bf16 else 4
     vocab_rows = padded_vocab_size(plan.arch.vocab_size, plan.tp, VOCAB_DIVISIBLE_BY) // plan.tp
-    tokens = plan.seq_length * plan.micro_batch_size
+    tokens = plan.seq_length * plan.micro_batch_size // plan.cp  # each CP rank projects its own tokens
     fp32_copy = 4 if plan.bf16 else 0  # .float() of fp32 logits is the same tensor
     return tokens * vocab_rows * (e + fp32_copy)

@@ -3,7 +3,7 @@
     mcore-rl plan RECIPE [key=value ...] [--gpu A100-80] [--recompute none|selective|full]
                   [--model-config config.json]
     mcore-rl plan --model-config config.json --gpu A100-80 --nodes 1 --gpus-per-node 8 --tp 2 [--pp 1]
-                  [--vpp V] [--sp] [--ep E] [--etp T] [--seq-length 4096] [--micro-batch-size 1]
+                  [--vpp V] [--sp] [--cp C] [--ep E] [--etp T] [--seq-length 4096] [--micro-batch-size 1]
                   [--global-batch-size 256]
                   [--rollout-tp 2] [--rollout-memory-fraction 0.5] [--critic] [--reference] [--lora-rank R] [--fp32]
 
@@ -36,6 +36,7 @@ _LAYOUT_FLAGS = {
     "pp": 1,
     "vpp": None,
     "sp": False,
+    "cp": 1,
     "ep": 1,
     "etp": None,
     "seq_length": 4096,
@@ -50,6 +51,7 @@ _LAYOUT_FLAGS = {
 }
 
 _FLAG_HELP = {
+    "cp": "context-parallel size: every sequence split over this many GPUs (default 1)",
     "ep": "expert-parallel size, mixture-of-experts models (default 1)",
     "etp": "expert tensor-parallel size, mixture-of-experts models (default: --tp)",
     "lora_rank": "LoRA adapters of this rank on every linear (all-linear); default 0: full fine-tune",

@@ -5,8 +5,9 @@ Which key feeds which planner field (the run config stays the one schema; the pl
     trainer.nnodes * trainer.n_gpus_per_node    world_size (training and rollout colocated on all GPUs)
     trainer.n_gpus_per_node                     gpus_per_node
     parallel.*                                  tp, pp, vpp, sp, ep (expert_model_parallel_size),
-                                                etp (expert_tensor_parallel_size)
-    data.max_prompt_length + max_response_length  seq_length (the longest training sequence)
+                                                etp (expert_tensor_parallel_size), cp (context_parallel_size)
+    data.max_prompt_length + max_response_length  seq_length (the longest training sequence), rounded up to
+                                                the layout's sequence multiple as the workers pad it
     algorithm.ppo_micro_batch_size_per_gpu      micro_batch_size
     algorithm.ppo_mini_batch_size * rollout.n   global_batch_size (sequences per optimizer step)
     model.dtype                                 bf16 (anything but float32 stores 2-byte weights)
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.parallel.layout import LayoutError
 from mcore_rl.planner.spec import LORA_ALL_LINEAR, PlanInput
 
 if TYPE_CHECKING:
@@ -45,7 +47,8 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         sp=par.sequence_parallel,
         ep=par.expert_model_parallel_size,
         etp=par.expert_tensor_parallel_size,
-        seq_length=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        cp=par.context_parallel_size,
+        seq_length=_padded(cfg.data.max_prompt_length + cfg.data.max_response_length, cfg),
         micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
         global_batch_size=algo.ppo_mini_batch_size * rollout.n,
         bf16=cfg.model.dtype != "float32",
@@ -61,6 +64,18 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
         **{"critic": algo.adv_estimator == "gae", **planner},
     )
+
+
+def _padded(seq_length: int, cfg: RunConfig) -> int:
+    """The longest row as the workers pad it under context parallelism: up to a multiple of ``2 x CP`` (times
+    TP with sequence parallelism), which the layout requires (``parallel/layout.py``). An impossible layout
+    is left to :meth:`PlanInput.validate`, which names its field."""
+    try:
+        layout = cfg.parallel.layout(cfg.world_size)
+    except LayoutError:
+        return seq_length
+    multiple = layout.sequence_multiple if layout.cp > 1 else 1
+    return -(-seq_length // multiple) * multiple
 
 
 def _lora_targets(cfg: RunConfig) -> tuple[str, ...]:

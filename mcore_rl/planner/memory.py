@@ -2,7 +2,8 @@
 
 Weights, gradients and optimizer state per parameter (megatron's ``theoretical_memory_usage``, the table in
 its ``dist_optimizer.md``; ``d`` = DP size), as :class:`~mcore_rl.engine.train_engine.TrainEngine` builds
-them (gradients reduced in fp32)::
+them (gradients reduced in fp32; ``d`` is DP x CP with context parallelism, megatron's data-parallel group
+"with context parallel")::
 
     bf16:  2 (weights) + 4 (fp32 grads) + 12 / d (fp32 main params + Adam m, v)   = 6 + 12/d
     fp32:  4 (weights) + 4 (grads)      +  8 / d (Adam m, v; the weights are the main params)
@@ -71,7 +72,9 @@ class TrainState:
 
 def train_state(plan: PlanInput, value_head: bool = False) -> TrainState:
     _, split = rank_split(plan.arch, plan.layout, value_head)
-    dense_shards, expert_shards = (plan.dp, plan.expert_dp) if plan.use_distributed_optimizer else (1, 1)
+    dense_shards, expert_shards = (
+        (plan.optimizer_shards, plan.expert_dp) if plan.use_distributed_optimizer else (1, 1)
+    )
     if plan.lora_rank and not value_head:  # the critic is never LoRA-adapted
         return lora_train_state(plan, dense_shards)
     weight_size = 2 if plan.bf16 else 4

@@ -23,9 +23,10 @@ def _phase_lines(phase: PhaseMemory) -> list[str]:
 def describe_layout(result: MemoryPlan) -> str:
     p = result.plan
     vpp = f" vpp={p.vpp}" if p.vpp else ""
+    cp = f" cp={p.cp}" if p.cp > 1 else ""
     experts = f" ep={p.ep} etp={p.layout.expert_tp} edp={p.expert_dp}" if p.arch.moe else ""
     return (
-        f"{p.world_size} x {p.gpu}: tp={p.tp} pp={p.pp}{vpp} dp={p.dp}{experts} sp={p.sp} "
+        f"{p.world_size} x {p.gpu}: tp={p.tp}{cp} pp={p.pp}{vpp} dp={p.dp}{experts} sp={p.sp} "
         f"recompute={p.recompute}, rollout_tp={p.rollout_tp} rollout_memory_fraction={p.rollout_memory_fraction}"
     )
 

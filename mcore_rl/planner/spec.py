@@ -62,6 +62,14 @@ class PlanInput:
     etp: int | None = None
     """Expert tensor-parallel size (``parallel.expert_tensor_parallel_size``); None = ``tp``. ``etp * ep``
     must divide the ``tp * dp`` ranks of a pipeline stage."""
+    cp: int = 1
+    """Context-parallel size (``parallel.context_parallel_size``): every sequence split over this many ranks,
+    which hold the same weights (the optimizer shards over DP x CP); must divide ``world / (tp * pp)``, and
+    ``2 * cp`` (times ``tp`` with SP) must divide ``seq_length``."""
+    cp_comm: Literal["p2p", "all_gather"] = "p2p"
+    """How CP ranks exchange keys and values (megatron's ``cp_comm_type``): 'p2p', TE's ring (GPUs), keeps
+    only this rank's K and V for backward; 'all_gather' (our local-spec attention on CPU,
+    ``compat/context_attention.py``, and TE's for sliding windows) keeps every token's K and V of a layer."""
     seq_length: int = 2048
     """Longest training sequence (prompt + response) in tokens."""
     micro_batch_size: int = 1
@@ -111,6 +119,8 @@ class PlanInput:
     def __post_init__(self) -> None:
         if self.gpu not in GPU_MEMORY_BYTES:
             raise PlanError(f"gpu={self.gpu!r} is not known; use one of {sorted(GPU_MEMORY_BYTES)}")
+        if self.cp_comm not in ("p2p", "all_gather"):
+            raise PlanError(f"cp_comm={self.cp_comm!r} must be 'p2p' or 'all_gather'")
         if self.recompute not in RECOMPUTE_MODES:
             raise PlanError(f"recompute={self.recompute!r} must be one of {RECOMPUTE_MODES}")
         for name in ("seq_length", "micro_batch_size", "global_batch_size", "rollout_tp", "gpus_per_node"):
@@ -140,7 +150,14 @@ class PlanInput:
         """The training layout (raises :class:`PlanError` naming the field when it is impossible)."""
         try:
             return ParallelLayout(
-                self.world_size, tp=self.tp, pp=self.pp, vpp=self.vpp, sp=self.sp, ep=self.ep, etp=self.etp
+                self.world_size,
+                tp=self.tp,
+                pp=self.pp,
+                vpp=self.vpp,
+                sp=self.sp,
+                ep=self.ep,
+                etp=self.etp,
+                cp=self.cp,
             )
         except LayoutError as err:
             raise PlanError(str(err)) from None
@@ -148,6 +165,12 @@ class PlanInput:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards the dense state over: megatron's data-parallel group with
+        context parallelism, DP x CP (CP ranks hold the same weights)."""
+        return self.layout.dp * self.cp
 
     @property
     def expert_dp(self) -> int:

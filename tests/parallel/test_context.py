@@ -11,7 +11,7 @@ from mcore_rl.parallel.layout import LayoutError
 
 
 def _groups_match_layout(
-    tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None
+    tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None, cp: int = 1
 ) -> dict:
     with ParallelContext.initialize(
         ParallelConfig(
@@ -21,6 +21,7 @@ def _groups_match_layout(
             sequence_parallel=tp > 1 and ep > 1,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
+            context_parallel_size=cp,
         )
     ) as ctx:
         layout = ctx.layout
@@ -33,13 +34,19 @@ def _groups_match_layout(
                 dist.get_process_group_ranks(ctx.model_parallel_group),
                 layout.group_of(layout.model_parallel_groups(), rank),
             ),
+            "cp": (dist.get_process_group_ranks(ctx.cp_group), layout.group_of(layout.cp_groups(), rank)),
+            "dp_cp": (
+                dist.get_process_group_ranks(ctx.dp_cp_group),
+                layout.group_of(layout.dp_cp_groups(), rank),
+            ),
             "coords": (
                 (
                     ctx._ps.get_tensor_model_parallel_rank(),
                     ctx._ps.get_pipeline_model_parallel_rank(),
                     ctx._ps.get_data_parallel_rank(),
+                    ctx._ps.get_context_parallel_rank(),
                 ),
-                (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank),
+                (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank),
             ),
             "ep": (dist.get_process_group_ranks(ctx.ep_group), layout.group_of(layout.ep_groups(), rank)),
             "etp": (
@@ -74,6 +81,16 @@ def test_megatron_groups_equal_layout_groups(run_distributed, world_size, tp, pp
 def test_megatron_expert_groups_equal_layout_groups(run_distributed, tp, pp, ep, etp):
     # world 4: expert parallelism folded into data parallelism, megatron's expert RankGenerator
     for per_rank in run_distributed(_groups_match_layout, tp, pp, None, ep, etp, world_size=4):
+        for name, (megatron_view, ours) in per_rank.items():
+            assert list(megatron_view) == list(ours), name
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "cp"), [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)], ids=["cp2", "cp4", "tp2-cp2", "pp2-cp2"]
+)
+def test_megatron_context_parallel_groups_equal_layout_groups(run_distributed, tp, pp, cp):
+    # world 4: megatron's tp-cp-ep-dp-pp order, CP ranks next to TP, gradients reduced over DP x CP
+    for per_rank in run_distributed(_groups_match_layout, tp, pp, None, 1, None, cp, world_size=4):
         for name, (megatron_view, ours) in per_rank.items():
             assert list(megatron_view) == list(ours), name
 

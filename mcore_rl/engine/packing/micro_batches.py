@@ -1,5 +1,5 @@
 """Micro-batches of the actor's and critic's passes, cut from whole records: fixed row counts or token budgets,
-padded for sequence parallelism, and the passes' per-row outputs joined back (pure tensor code)."""
+padded for sequence and context parallelism, and the passes' per-row outputs joined back (pure tensor code)."""
 
 from __future__ import annotations
 
@@ -61,8 +61,10 @@ def micro_parts(
     layout: ParallelLayout, mini: TrainBatch, micro_batch_size: int, token_budget: int | None
 ) -> list[tuple[list[int], TrainBatch]]:
     """Micro-batches of a mini-batch, each with its rows of the mini-batch: ``micro_batch_size`` rows each,
-    or at most ``token_budget`` tokens each and trimmed to their longest row (``token_batching.py``;
-    pipeline schedules need equal shapes)."""
+    or at most ``token_budget`` tokens per GPU each and trimmed to their longest row (``token_batching.py``;
+    pipeline schedules need equal shapes). Under context parallelism a GPU runs ``1 / CP`` of every row, so a
+    micro-batch may hold ``CP x token_budget`` tokens (verl's ``ppo_max_token_len_per_gpu * cp``), its width
+    rounded up to the layout's sequence multiple."""
     if token_budget is None:
         size = micro_batch_size
         return [
@@ -72,10 +74,10 @@ def micro_parts(
     if layout.pp > 1:
         raise ValueError("algorithm.ppo_max_token_len_per_gpu needs pipeline_model_parallel_size=1")
     lengths = row_lengths(mini.response_mask).tolist()
-    multiple = layout.tp if layout.sp else 1
+    multiple = layout.sequence_multiple
     return [
         (rows, select_rows(mini, rows, trim_columns(max(lengths[i] for i in rows), multiple)))
-        for rows in budget_micro_batches(lengths, token_budget)
+        for rows in budget_micro_batches(lengths, token_budget * layout.cp)
     ]
 
 

@@ -487,7 +487,7 @@ class HybridWorker(CriticHost, RewardModelHost, Worker):
         super().shutdown()
 
     def _owns_training_result(self) -> bool:
-        return self.ctx.is_last_stage and self.ctx.tp_rank == 0
+        return self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:

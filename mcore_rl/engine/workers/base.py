@@ -63,6 +63,7 @@ class Worker:
             tp_rank=ctx.tp_rank,
             pp_rank=ctx.pp_rank,
             is_last_stage=ctx.is_last_stage,
+            cp_rank=ctx.cp_rank,
             rollout_replica=ctx.rank,
             rollout_tp_rank=0,
         )

@@ -173,7 +173,7 @@ class Critic:
         return ValueBatch(**fields)
 
     def _owns_result(self) -> bool:
-        return self.ctx.is_last_stage and self.ctx.tp_rank == 0
+        return self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0
 
 
 _FIELDS = dataclasses.fields(ValueBatch)

@@ -97,7 +97,7 @@ class RewardModel:
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         micro = [plain_micro_batch(t) for t in row_chunks(tokens, micro_batch_size)]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
-        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0):
+        if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0):
             return None
         values = torch.cat([m.values for m in out])[:, : batch.tokens.shape[1]]
         return last_token_values(values, batch.response_mask)
