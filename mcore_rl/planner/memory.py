@@ -65,7 +65,6 @@ class TrainState:
     expert_grads_bytes: int = 0
     expert_optimizer_bytes: int = 0
     """The experts' fp32 main params and moments, sharded over the expert-data-parallel ranks."""
-
     adapter_params: int = 0
     """Of :attr:`params`, the LoRA adapters' (the only ones trained; 0 without LoRA)."""
 

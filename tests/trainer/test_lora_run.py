@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from mcore_rl.engine.lora import gather_adapter_state
+from mcore_rl.engine.lora import gather_adapter_state, rollout_parameters
 from mcore_rl.engine.train_engine import MicroBatch
+from mcore_rl.engine.weights import gather_full_state
 from mcore_rl.io.errors import ConfigError, InputError
 from mcore_rl.trainer.trainer import Trainer
 from tests.convert.hf_models import hf_logits, save_hf_model
@@ -151,8 +152,18 @@ def _import_peft(tmp_path, logits: torch.Tensor) -> None:
     """``model.lora_adapter_path``: the run's PEFT folder into a new run's adapters (our logits again, and a
     step trains them on); one of another rank is refused naming its config file."""
     adapter = f"model.lora_adapter_path={tmp_path / 'a' / 'lora_adapter'}"
-    with Trainer.from_config(_config(tmp_path, "c", adapter, "trainer.save_freq=-1"), use_ray=False) as run:
+    ppo = ["trainer.save_freq=-1", "algorithm.adv_estimator=gae"]
+    with Trainer.from_config(_config(tmp_path, "c", adapter, *ppo), use_ray=False) as run:
         assert (_ours(run)["logits"] - logits).abs().max() <= 1e-5
+        worker = run.actors.backend.worker  # type: ignore[attr-defined]
+        engine, critic = worker.engine, worker.critic.engine
+        merged = gather_full_state(
+            engine.models, engine.arch, engine.ctx, rollout_parameters(engine.models, engine.arch, engine.ctx)
+        )
+        body = gather_full_state(critic.models, critic.arch, critic.ctx)
+        assert all(
+            torch.equal(body[k], v) for k, v in merged.items() if k.startswith("decoder.")
+        )  # critic: merged
         run.fit(stop_after=1)
         assert (
             _rl(run, {1})[0]["kl_loss"] > 0.0

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.hf.state import load_hf_full_state
+from mcore_rl.engine.lora import rollout_parameters
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
 from mcore_rl.engine.packing.micro_batches import mini_batch_slices
@@ -74,7 +75,8 @@ class Critic:
 
     def init_from(self, actor: TrainEngine) -> None:
         """The actor's current transformer weights into the critic body (same layout); the head is kept."""
-        self.load_body(gather_full_state(actor.models, actor.arch, self.ctx))
+        merged = rollout_parameters(actor.models, actor.arch, self.ctx)  # a LoRA actor's adapters merged in
+        self.load_body(gather_full_state(actor.models, actor.arch, self.ctx, merged))
 
     def load_body(self, full: dict[str, torch.Tensor]) -> None:
         """A full (TP=1) policy state into the body; the value head keeps its own weights."""
