@@ -98,7 +98,7 @@ class _ChunkAttention(torch.autograd.Function):
     instead (megatron's selective recompute of core attention, for this kernel)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: Tensor,
         k: Tensor,
@@ -113,7 +113,7 @@ class _ChunkAttention(torch.autograd.Function):
         return _masked_attention(q, k, v, q_start, window, scale, gqa)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
         with torch.enable_grad():
             out = _masked_attention(*inputs, *ctx.settings)

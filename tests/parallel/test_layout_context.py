@@ -8,6 +8,7 @@ import pytest
 
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout, RankCoords
+from mcore_rl.parallel.reshard import build_plan, model_param_specs, shard_intervals
 
 LAYOUTS = [
     ParallelLayout(16, tp=2, pp=2, cp=2),
@@ -107,3 +108,40 @@ def test_model_that_does_not_split_is_named(layout, kwargs, message):
     with pytest.raises(LayoutError, match=message):
         layout.check_model(num_attention_heads=4, num_query_groups=2, num_layers=2, **kwargs)
     layout.check_model(num_attention_heads=4, num_query_groups=2, num_layers=2, seq_length=32)
+
+
+@pytest.mark.parametrize(
+    ("layout", "tp_g"),
+    [
+        (ParallelLayout(4, tp=2, cp=2), 1),
+        (ParallelLayout(4, tp=2, cp=2), 4),
+        (ParallelLayout(8, tp=2, pp=2, cp=2), 2),
+    ],
+    ids=["tp2-cp2-to-tp1", "tp2-cp2-to-tp4", "tp2-pp2-cp2-to-tp2"],
+)
+def test_the_weight_sync_plan_covers_every_rollout_shard_under_cp(layout, tp_g):
+    # CP shards no weight: the CP ranks of a TP shard are more holders of it, and the reshard plan still gives
+    # every rollout rank exactly its shard, each unit once, from a rank that holds it
+    specs = model_param_specs(
+        vocab_size=250,
+        hidden_size=16,
+        ffn_hidden_size=24,
+        num_layers=4,
+        num_attention_heads=8,
+        num_query_groups=4,
+        head_dim=2,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+    )
+    plan = build_plan(specs, layout, tp_g, num_layers=4, tied_embeddings=False)
+    units = lambda intervals: [(s, u) for s, lo, hi in intervals for u in range(lo, hi)]  # noqa: E731
+    for rank in range(layout.world_size):
+        for spec in specs:
+            needed = units(shard_intervals(spec, tp_g, plan.rollout_coords[rank][0]))
+            kept = units([iv for name, iv in plan.local_copies.get(rank, []) if name == spec.name])
+            moved = [t for t in plan.transfers if t.dst == rank and t.param == spec.name]
+            for t in moved:  # the sender holds what it sends
+                owned = shard_intervals(spec, layout.tp, layout.coords(t.src).tp)
+                assert any(s == t.segment and lo <= t.start and t.stop <= hi for s, lo, hi in owned)
+            got = units([(t.segment, t.start, t.stop) for t in moved])
+            assert sorted(kept + got) == sorted(needed), (rank, spec.name)
