@@ -239,3 +239,20 @@ def test_rows_that_do_not_split_and_shared_prompts_are_refused(run_distributed):
     for width, shared in run_distributed(_refusals, world_size=2):
         assert "30 columns does not split over context_parallel_size=2" in width and "= 4" in width
         assert "model.share_prompt_prefix does not support context parallelism" in shared
+
+
+def test_token_budgets_count_tokens_per_gpu_under_cp():
+    # ppo_max_token_len_per_gpu=8 at CP2: a GPU runs half of each row, so a micro-batch holds up to 16 tokens
+    # (the CP1 grouping at 16), its width rounded up to 2 x CP = 4
+    from mcore_rl.engine.packing.micro_batches import micro_parts
+    from mcore_rl.parallel.layout import ParallelLayout
+
+    mask = torch.zeros(4, 16)
+    for row, n in enumerate([3, 5, 2, 6]):  # rows need 4, 6, 3 and 7 columns
+        mask[row, :n] = 1.0
+    batch = TrainBatch(torch.ones(4, 16, dtype=torch.long), mask, mask.clone(), mask.clone(), mask.clone())
+    cp2 = micro_parts(ParallelLayout(2, cp=2), batch, 1, token_budget=8)
+    cp1 = micro_parts(ParallelLayout(1), batch, 1, token_budget=16)
+    assert [rows for rows, _ in cp2] == [rows for rows, _ in cp1] == [[1, 3], [0, 2]]
+    assert [part.tokens.shape[1] for _, part in cp1] == [7, 4]
+    assert [part.tokens.shape[1] for _, part in cp2] == [8, 4]  # 7 columns padded to the multiple
