@@ -13,8 +13,8 @@ the meaning is the same::
                 target_modules, lora_dropout, lora_adapter_path    (LoRA: engine/lora.py)
     actor:      router_replay                                     (mixture-of-experts models)
     parallel:   tensor_model_parallel_size, pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size, sequence_parallel, expert_model_parallel_size,
-                expert_tensor_parallel_size, data_parallel_size, backend,
+                virtual_pipeline_model_parallel_size, sequence_parallel, context_parallel_size,
+                expert_model_parallel_size, expert_tensor_parallel_size, data_parallel_size, backend,
                 timeout_minutes                                   (training layout: actor and reference)
     rollout:    name, tensor_model_parallel_size, n, temperature, top_p, top_k,
                 response_length (= data.max_response_length), stop_token_ids, gpu_memory_utilization,
