@@ -115,6 +115,8 @@ class FillerMicroBatch:
     tokens: torch.Tensor  # [1, s] padding
     position_ids: torch.Tensor  # [1, s]
     packed: None = None
+    context: None = None
+    """Never split over context-parallel ranks (MoE with CP is refused); read by the engine's model input."""
 
     def to(self, device: torch.device) -> FillerMicroBatch:
         return FillerMicroBatch(self.tokens.to(device), self.position_ids.to(device))
