@@ -48,6 +48,7 @@ def _assert_agreement(steps: list[dict]) -> None:
     assert all(s["num_optimizer_steps"] == 1 for s in steps)  # the weights changed every step
 
 
+@pytest.mark.sweep  # 48 s of CI: `make test-sweep`; PPO through vLLM below stays in `make test`
 def test_mcore_rl_train_with_vllm_at_actor_tp1xdp2_and_rollout_tp2(tmp_path) -> None:
     """From the command line, as a user runs it: two replicas of the actor feed one TP2 vLLM engine."""
     data = tmp_path / "data"
