@@ -1,0 +1,63 @@
+"""bench/bench_scaling.py's pure parts: the sweeps, the growth against each sweep's first point, the flag
+where ours grows faster than TRL, and the table, on a hand-written record."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench_scaling import (
+    Point,
+    markdown_table,
+    parse_ints,
+    rows_from_record,
+    side_times,
+    sweep_points,
+)
+
+
+def _step_json(ours_s: float, trl_s: float) -> dict:
+    side = {"ours": ours_s, "trl": trl_s}
+    return {"sides": {k: {"step_s": {"median": v, "min": v, "max": v}} for k, v in side.items()}}
+
+
+def _record() -> dict:
+    # (new tokens, samples) -> (ours s, TRL s); 128 x 8 lies on both sweeps and is measured once
+    seconds = {(32, 8): (1.0, 2.0), (128, 8): (3.0, 8.0), (512, 8): (14.0, 24.0), (128, 4): (2.0, 4.0)}
+    seconds[(128, 16)] = (6.0, 15.0)
+    points = [{"new_tokens": t, "n": n, "step_json": _step_json(*s)} for (t, n), s in seconds.items()]
+    sweeps = {
+        name: [[p.new_tokens, p.n] for p in ps]
+        for name, ps in sweep_points([32, 128, 512], 8, [4, 8, 16], 128).items()
+    }
+    return {"settings": {"model": "tiny", "rounds": 1}, "sweeps": sweeps, "points": points}
+
+
+def test_growth_is_against_each_sweeps_first_point_and_flags_faster_growth() -> None:
+    rows = rows_from_record(_record())
+    lengths = rows["new_tokens"]
+    assert [r.point for r in lengths] == [Point(32, 8), Point(128, 8), Point(512, 8)]
+    assert [r.ours_growth for r in lengths] == [1.0, 3.0, 14.0]
+    assert [r.trl_growth for r in lengths] == [1.0, 4.0, 12.0]
+    assert [r.grows_faster(0.0) for r in lengths] == [False, False, True]
+    assert not lengths[2].grows_faster(0.2)  # 14 < 12 x 1.2
+    samples = rows["samples"]
+    assert [r.ours_growth for r in samples] == [1.0, 1.5, 3.0]
+    assert [r.trl_growth for r in samples] == [1.0, 2.0, 3.75]
+    assert samples[1].ratio == pytest.approx(8.0 / 3.0)
+
+
+def test_table_has_a_row_per_sweep_point_and_marks_the_flag() -> None:
+    table = markdown_table(rows_from_record(_record()), tolerance=0.0)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 6  # header, separator, 3 + 3 points
+    assert lines[4] == "| 512 tokens x 8 samples | 14.000 | 24.000 | 1.71x | 14.00x | 12.00x | **yes** |"
+
+
+def test_bad_input_names_the_field() -> None:
+    assert parse_ints("4,8,16", "--samples") == [4, 8, 16]
+    with pytest.raises(ValueError, match="--samples"):
+        parse_ints("8,4", "--samples")
+    with pytest.raises(ValueError, match="--lengths"):
+        parse_ints("32,x", "--lengths")
+    with pytest.raises(ValueError, match=r"sides\.trl\.step_s"):
+        side_times({"sides": {"ours": {"step_s": {"median": 1, "min": 1, "max": 1}}}})
