@@ -144,31 +144,35 @@ def _seconds(times: SideTimes) -> str:
 def markdown_table(rows_by_sweep: dict[str, list[GrowthRow]], tolerance: float) -> str:
     """Both sweeps as one markdown table; growth is against each sweep's first point."""
     lines = [
-        "| point | ours s | TRL s | TRL/ours | ours growth | TRL growth | ours grows faster |",
-        "|---|---|---|---|---|---|---|",
+        "| sweep | point | ours s | TRL s | TRL/ours | ours growth | TRL growth | ours grows faster |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for rows in rows_by_sweep.values():
+    for sweep, rows in rows_by_sweep.items():
         for row in rows:
             name = f"{row.point.new_tokens} tokens x {row.point.n} samples"
             flag = "**yes**" if row.grows_faster(tolerance) else "no"
             lines.append(
-                f"| {name} | {_seconds(row.ours)} | {_seconds(row.trl)} | {row.ratio:.2f}x "
+                f"| {SWEEPS[sweep][0]} | {name} | {_seconds(row.ours)} | {_seconds(row.trl)} | {row.ratio:.2f}x "
                 f"| {row.ours_growth:.2f}x | {row.trl_growth:.2f}x | {flag} |"
             )
     return "\n".join(lines)
 
 
 def growth_lines(rows_by_sweep: dict[str, list[GrowthRow]], tolerance: float) -> list[str]:
-    """One line per point after each sweep's first: both growths, and a flag where ours grows faster."""
+    """One line per point after each sweep's first: both growths, a flag where ours grows faster, and the
+    seconds each side added since the first point (a side with a smaller fixed cost per step grows faster
+    in ratio for the same added seconds, so the flag alone can mislead)."""
     lines = []
     for sweep, rows in rows_by_sweep.items():
         axis, fixed = SWEEPS[sweep]
-        first = rows[0].point
-        lines.append(f"{axis} (at {first.fixed(sweep)} {fixed}), growth since {first.x(sweep)}:")
+        first = rows[0]
+        lines.append(f"{axis} (at {first.point.fixed(sweep)} {fixed}), growth since {first.point.x(sweep)}:")
         for row in rows[1:]:
             verdict = "OURS GROWS FASTER" if row.grows_faster(tolerance) else "ok"
+            added = row.ours.median_s - first.ours.median_s, row.trl.median_s - first.trl.median_s
             lines.append(
                 f"  {row.point.x(sweep):>5}: ours {row.ours_growth:.2f}x, TRL {row.trl_growth:.2f}x  {verdict}"
+                f"  (added: ours {added[0]:+.3f}s, TRL {added[1]:+.3f}s)"
             )
     return lines
 
@@ -204,8 +208,8 @@ def plot(rows_by_sweep: dict[str, list[GrowthRow]], path: Path, title: str, tole
         ax.set_xticks(xs)
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
-        # plain seconds at 1-2-5 steps: the default log labels read "6 x 10^0"
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        # plain seconds at 1-2-3-5 steps: the default log labels read "6 x 10^0"
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.margins(x=0.15)
@@ -326,10 +330,11 @@ def main() -> None:
     title = f"GRPO step time, {settings['model']} model, ours vs TRL ({rounds}, medians)"
     if args.replot is None:
         stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
-    stem.with_suffix(".md").write_text(f"{title}\n\n{table}\n")
+    growth = "\n".join(growth_lines(rows, args.tolerance))
+    stem.with_suffix(".md").write_text(f"{title}\n\n{table}\n\n```\n{growth}\n```\n")
     plot(rows, stem.with_suffix(".png"), title, args.tolerance)
     print(table)
-    print("\n".join(growth_lines(rows, args.tolerance)))
+    print(growth)
     written = (".md", ".png") if args.replot is not None else (".json", ".md", ".png")
     print(f"wrote {', '.join(str(stem.with_suffix(e)) for e in written)}")
 

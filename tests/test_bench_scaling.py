@@ -7,6 +7,7 @@ import pytest
 
 from bench.bench_scaling import (
     Point,
+    growth_lines,
     markdown_table,
     parse_ints,
     rows_from_record,
@@ -50,7 +51,19 @@ def test_table_has_a_row_per_sweep_point_and_marks_the_flag() -> None:
     table = markdown_table(rows_from_record(_record()), tolerance=0.0)
     lines = table.splitlines()
     assert len(lines) == 2 + 6  # header, separator, 3 + 3 points
-    assert lines[4] == "| 512 tokens x 8 samples | 14.000 | 24.000 | 1.71x | 14.00x | 12.00x | **yes** |"
+    assert (
+        lines[4]
+        == "| new tokens per response | 512 tokens x 8 samples | 14.000 | 24.000 | 1.71x | 14.00x | 12.00x | **yes** |"
+    )
+
+
+def test_growth_lines_give_the_seconds_each_side_added() -> None:
+    lines = growth_lines(rows_from_record(_record()), tolerance=0.0)
+    assert (
+        lines[2]
+        == "    512: ours 14.00x, TRL 12.00x  OURS GROWS FASTER  (added: ours +13.000s, TRL +22.000s)"
+    )
+    assert len(lines) == 2 * 3  # a heading and two points per sweep
 
 
 def test_bad_input_names_the_field() -> None:
