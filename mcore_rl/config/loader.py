@@ -26,6 +26,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mcore_rl.config.fast_paths import resolve_fast_paths
 from mcore_rl.config.key_hints import key_hint
 from mcore_rl.config.run import RunConfig
 from mcore_rl.config.validate import problems_message, validate
@@ -72,6 +73,7 @@ def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False, rules: 
     assert isinstance(resolved, RunConfig)
     if rules:
         validate(resolved, check_paths=check_paths)
+        resolved = resolve_fast_paths(resolved)  # the run logs what they do (describe_fast_paths)
     return resolved
 
 

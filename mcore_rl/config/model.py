@@ -85,17 +85,21 @@ class ModelConfig:
     projections at ``initializer_range / sqrt(2 x layers)``; false draws every linear layer at
     ``initializer_range``, as transformers initialises Llama and Qwen2. On a 2-layer model the scaled init
     made SFT stall for hundreds of steps on some seeds (see recipes/demo_cpu.yaml)."""
-    use_remove_padding: bool = False
+    use_remove_padding: bool | None = None
     """Pack each micro-batch's rows end to end (megatron's ``PackedSeqParams``, ``thd``) for the actor's,
     reference's and critic's passes and SFT, so no padding column is computed (verl's ``use_remove_padding``); losses and
     gradients equal the padded path's. Attention within rows: Transformer Engine's fused attention on a GPU,
-    ours on the local spec. Needs ``parallel.pipeline_model_parallel_size=1``."""
-    share_prompt_prefix: bool = False
+    ours on the local spec. Needs ``parallel.pipeline_model_parallel_size=1``. None (the default): on wherever
+    it is exact and verified (``config/fast_paths.py``: pipeline size 1, the CPU's local layer spec, no sliding
+    window, a dense model), the reason logged once where it stays off; true where it cannot run is refused."""
+    share_prompt_prefix: bool | None = None
     """Pack the actor's, reference's and SFT micro-batches with each prompt once for all the rows that share it
     (GRPO's n samples): ``(n - 1) x prompt`` fewer tokens per group, log-probs and gradients equal to the
     padded path's within fp32 rounding (``trainer/shared_prefix.py``). Implies ``use_remove_padding`` for
     those passes. The local layer spec on CPU only (Transformer Engine's attention has no such mask); needs
-    ``parallel.pipeline_model_parallel_size=1``."""
+    ``parallel.pipeline_model_parallel_size=1``. None (the default): on where ``use_remove_padding`` turns on,
+    ``rollout.n > 1`` and ``parallel.context_parallel_size=1`` (``config/fast_paths.py``), else off with the
+    reason logged once."""
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: weight of megatron's load-balancing loss (per layer and micro-batch, the
     switch-transformer loss), logged as ``moe/load_balancing_loss``; None takes the checkpoint's

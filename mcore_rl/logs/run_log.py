@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ from mcore_rl.logs.generations import append_generations
 from mcore_rl.logs.trackers import Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
+TIMESTAMP_KEY = "time/timestamp"
 
 
 def previous_log(cfg: LoggingConfig) -> str | None:
@@ -39,9 +41,12 @@ Plot = Callable[[list[dict[str, Any]], str], str | None]
 
 
 def emit_record(jsonl: Any, tb: Any, stage: str, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    """``{"stage", "step", **metrics}`` appended to the open JSONL file (flushed, so a crash keeps it) and its
-    finite numbers to TensorBoard as ``stage/key``; either sink may be None. Returns the record."""
-    record = {"stage": stage, "step": step, **metrics}
+    """``{"stage", "step", **metrics, "time/timestamp"}`` appended to the open JSONL file (flushed, so a crash
+    keeps it) and the metrics' finite numbers to TensorBoard as ``stage/key``; either sink may be None. Returns
+    the record. ``time/timestamp`` is the wall clock when the record was written (Unix seconds): steps line up
+    with outside events (a node's load, a preemption) and the time between records is the whole step, driver
+    included (TensorBoard keeps its own wall time)."""
+    record = {"stage": stage, "step": step, **metrics, TIMESTAMP_KEY: round(time.time(), 3)}
     if jsonl is not None:
         jsonl.write(json.dumps(record) + "\n")
         jsonl.flush()

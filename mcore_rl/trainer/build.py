@@ -94,8 +94,8 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         total_optimizer_steps=total_optimizer_steps,
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
-        remove_padding=cfg.model.use_remove_padding,
-        share_prompt_prefix=cfg.model.share_prompt_prefix,
+        remove_padding=bool(cfg.model.use_remove_padding),
+        share_prompt_prefix=bool(cfg.model.share_prompt_prefix),
         # rollout.tensor_model_parallel_size is the pool's when the rollout has a pool of its own
         rollout_tp=cfg.rollout.tensor_model_parallel_size if cfg.rollout.colocate else 1,
         hybrid=cfg.rollout.hybrid,
@@ -145,7 +145,7 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
         cliprange_value=cfg.critic.cliprange_value,
         dtype=cfg.model.dtype,
         hf_path=path,
-        remove_padding=cfg.model.use_remove_padding,
+        remove_padding=bool(cfg.model.use_remove_padding),
     )
     if cfg.critic.colocate:
         critic = CriticGroup(actors.backend)

@@ -24,6 +24,7 @@ import torch
 from mcore_rl.algo.agreement import ProbAgreement, truncated_importance_weights
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import AlgorithmConfig, RunConfig
+from mcore_rl.config.fast_paths import describe_fast_paths
 from mcore_rl.config.model import RecomputeOldLogProbs
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.tokenizer import Tokenizer
@@ -370,9 +371,43 @@ def recompute_old_log_probs(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag:
         raise ValueError(
             f"algorithm.recompute_old_log_probs={algo.recompute_old_log_probs!r}: choose auto or always"
         ) from None
-    one_step = plan.ppo_epochs == 1 and plan.num_mini_batches == 1
-    on_policy = one_step and policy_lag == 0 and not algo.use_kl_in_reward
-    return mode is RecomputeOldLogProbs.ALWAYS or not on_policy
+    return mode is RecomputeOldLogProbs.ALWAYS or _off_policy_reason(algo, plan, policy_lag) is not None
+
+
+def _off_policy_reason(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) -> str | None:
+    """Why the update's own forward cannot stand for the old log-probs, or None where it can."""
+    if plan.ppo_epochs != 1 or plan.num_mini_batches != 1:
+        return (
+            f"{plan.ppo_epochs} epoch(s) x {plan.num_mini_batches} mini-batches: the optimizer steps more than once "
+            "(algorithm.ppo_epochs, actor.ppo_mini_batch_size)"
+        )
+    if policy_lag:
+        return f"the rollout is {policy_lag} update(s) behind the weights (trainer.one_step_off)"
+    if algo.use_kl_in_reward:
+        return "algorithm.use_kl_in_reward reads the actor's log-probs before the update"
+    return None
+
+
+def old_log_prob_line(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) -> str:
+    """Whether the old-log-prob pass of a critic-free step runs and why (logged once per run)."""
+    if algo.recompute_old_log_probs == RecomputeOldLogProbs.ALWAYS:
+        return "algorithm.recompute_old_log_probs=always: the old-log-prob pass runs every step"
+    reason = _off_policy_reason(algo, plan, policy_lag)
+    if reason is None:
+        return (
+            "algorithm.recompute_old_log_probs=auto (the old-log-prob pass skipped: one optimizer step on the "
+            "rollout's own weights, whose forward gives them)"
+        )
+    return f"algorithm.recompute_old_log_probs=auto (the old-log-prob pass runs: {reason})"
+
+
+def fast_path_note(cfg: RunConfig) -> str:
+    """One line: what the run's exact fast paths do, and what keeps any of them off (``config/fast_paths.py``;
+    critic-free estimators also the on-policy shortcut)."""
+    lines = describe_fast_paths(cfg)
+    if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
+        lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
+    return "fast paths: " + "; ".join(lines)
 
 
 def _once(wait: Callable[[], T]) -> Callable[[], T]:

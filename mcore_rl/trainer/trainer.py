@@ -70,7 +70,7 @@ from mcore_rl.trainer.run_checkpoint import (
     staged_checkpoint,
 )
 from mcore_rl.trainer.run_data import RunData, data_sources, load_run_data
-from mcore_rl.trainer.step import StepBase, update_plan
+from mcore_rl.trainer.step import StepBase, fast_path_note, update_plan
 from mcore_rl.types import PromptBatch, RolloutBatch
 
 PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
@@ -143,6 +143,7 @@ class Trainer:
         scorer = RewardScorer(
             cfg.reward
         )  # every user scorer imported and its signature checked; no process yet
+        note(fast_path_note(cfg))  # once per run: what makes its step fast, and what keeps any path off
         claim_run_folders(cfg)  # every check passed: now the run folder and its config
         save_config(cfg, cfg.trainer.default_local_dir)
         trainer = cls(cfg, None, None, data, total, resume_from, scorer, use_ray)

@@ -30,7 +30,9 @@ def test_a_fresh_log_keeps_the_earlier_one_aside(tmp_path: Path, capsys) -> None
     log.close()
     assert (tmp_path / "metrics.2.jsonl").read_text() == earlier  # the earlier runs' logs, both whole
     assert (tmp_path / "metrics.1.jsonl").read_text() == "an even earlier run\n"
-    assert _lines(tmp_path / "metrics.jsonl") == [{"stage": "rl", "step": 1, "reward": 0.5}]
+    (record,) = _lines(tmp_path / "metrics.jsonl")
+    assert record.pop("time/timestamp") == log.records[0]["time/timestamp"]
+    assert record == {"stage": "rl", "step": 1, "reward": 0.5}
     assert (
         f"kept the earlier run's {tmp_path}/metrics.jsonl as {tmp_path}/metrics.2.jsonl"
         in capsys.readouterr().err
@@ -93,3 +95,19 @@ def test_a_resumed_bar_starts_at_the_resumed_step(tmp_path: Path, capsys) -> Non
     log.write("rl", 4, {"reward": 1.0})
     log.close()
     assert "4/4" in capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
+
+
+def test_each_record_carries_the_wall_clock_it_was_written_at(tmp_path: Path) -> None:
+    """``time/timestamp`` (Unix seconds): the gaps between steps are the whole loop, the driver included."""
+    import time
+
+    log = RunLog(_cfg(tmp_path), total_steps=2)
+    before = time.time()
+    log.write("rl", 1, {"reward": 0.5})
+    time.sleep(0.05)
+    log.write("rl", 2, {"reward": 0.75})
+    after = time.time()
+    log.close()
+    stamps = [r["time/timestamp"] for r in _lines(tmp_path / "metrics.jsonl")]
+    assert before - 1e-3 <= stamps[0] < stamps[1] <= after + 1e-3
+    assert stamps[1] - stamps[0] >= 0.045

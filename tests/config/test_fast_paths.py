@@ -1,0 +1,102 @@
+"""The exact fast paths are on by default wherever they hold (``config/fast_paths.py``): rows packed
+(``model.use_remove_padding``) and each prompt once per group (``model.share_prompt_prefix``) left at auto turn
+on for a dense model at pipeline size 1 on the CPU, and off, named with what keeps them off, elsewhere; a value
+set by the user is kept. The run logs them in one line with the on-policy shortcut's decision."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from mcore_rl.config import RunConfig, check_config
+from mcore_rl.config.fast_paths import describe_fast_paths, resolve_fast_paths
+from mcore_rl.trainer.step import fast_path_note
+from tests.models import tiny_hf_config
+
+
+def _cfg(family: str = "llama", *overrides: str) -> RunConfig:
+    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": tiny_hf_config(family)}})
+    base = ["data.train_files=[unused.parquet]", "data.max_prompt_length=16", "data.max_response_length=16"]
+    base.append("trainer.device=cpu")
+    return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist([*base, *overrides])))
+
+
+def _on(cfg: RunConfig) -> tuple[bool | None, bool | None]:
+    return cfg.model.use_remove_padding, cfg.model.share_prompt_prefix
+
+
+def test_a_dense_model_on_the_cpu_packs_rows_and_shares_prompts_by_default() -> None:
+    assert RunConfig().model.use_remove_padding is None  # auto until resolved
+    cfg = _cfg()
+    assert _on(cfg) == (True, True)
+    note = fast_path_note(cfg)
+    assert "model.use_remove_padding=true" in note and "model.share_prompt_prefix=true" in note
+    assert "the old-log-prob pass skipped" in note
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "expected", "reason"),
+    [
+        (
+            "llama",
+            ["parallel.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=2"],
+            (False, False),
+            "pipeline_model_parallel_size=2",
+        ),
+        ("mistral", [], (False, False), "sliding window"),
+        ("qwen3_moe", [], (False, False), "mixture-of-experts"),
+        (
+            "llama",
+            ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],
+            (True, False),
+            "rollout.n=1",
+        ),
+        (
+            "llama",
+            ["parallel.context_parallel_size=2", "trainer.n_gpus_per_node=2"],
+            (True, False),
+            "context_parallel_size=2",
+        ),
+        ("llama", ["model.use_remove_padding=false"], (False, False), "model.use_remove_padding=false"),
+    ],
+    ids=["pp2", "window", "moe", "n1", "cp2", "padded-on-purpose"],
+)
+def test_auto_turns_a_path_off_naming_what_keeps_it_off(family, overrides, expected, reason) -> None:
+    cfg = _cfg(family, *overrides)
+    assert _on(cfg) == expected
+    off = [line for line in describe_fast_paths(cfg) if "=false" in line]
+    assert off and all(reason in line for line in off if "share_prompt_prefix" in line)
+
+
+def test_a_gpu_keeps_the_padded_path_until_transformer_engine_packing_is_verified() -> None:
+    cpu = _cfg("llama", "model.use_remove_padding=null", "model.share_prompt_prefix=null")
+    unresolved = dataclasses.replace(cpu.model, use_remove_padding=None, share_prompt_prefix=None)
+    gpu = dataclasses.replace(cpu, model=unresolved, trainer=dataclasses.replace(cpu.trainer, device="cuda"))
+    resolved = resolve_fast_paths(gpu)
+    assert _on(resolved) == (False, False)
+    assert all("Transformer Engine" in line for line in describe_fast_paths(resolved))
+
+
+def test_a_value_the_user_set_is_kept() -> None:
+    assert _on(_cfg("llama", "model.share_prompt_prefix=false")) == (True, False)
+    assert _on(_cfg("llama", "model.use_remove_padding=true", "model.share_prompt_prefix=false")) == (
+        True,
+        False,
+    )
+    with pytest.raises(
+        Exception, match="pipeline_model_parallel_size=1"
+    ):  # true where it cannot run: refused
+        _cfg(
+            "llama",
+            "model.share_prompt_prefix=true",
+            "parallel.pipeline_model_parallel_size=2",
+            "trainer.n_gpus_per_node=2",
+        )
+
+
+def test_the_note_says_why_the_old_log_prob_pass_runs() -> None:
+    assert "ppo_epochs" in fast_path_note(_cfg("llama", "algorithm.ppo_epochs=2"))
+    assert "one_step_off" in fast_path_note(_cfg("llama", "trainer.one_step_off=true"))
+    assert "recompute_old_log_probs" not in fast_path_note(_cfg("llama", "algorithm.adv_estimator=gae"))
