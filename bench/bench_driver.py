@@ -99,6 +99,7 @@ def run_config(folder: str, threads: int, extra: list[str]):  # -> RunConfig
         "optim.lr=1e-5",
         f"reward.custom_function={os.path.abspath(__file__)}:even_first_word",
         f"trainer.num_cpus={threads}",
+        f"trainer.default_local_dir={os.path.join(folder, 'run')}",  # worker logs there, not under the cwd
         *extra,
     ]
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": HF_CONFIG}})

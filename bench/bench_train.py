@@ -1,0 +1,328 @@
+"""The step a user runs: ``mcore-rl train`` with the recipe defaults, against the bench's RLStep (the same step
+in a Ray worker with nothing around it) and TRL 1.16's ``GRPOTrainer`` step, each side a fresh process per
+round (what a new run costs, allocator and thread state included), interleaved.
+
+Workloads (``--workload``):
+- ``tiny``: issue 17's (Llama h256, 4 layers, 8 heads, intermediate 688, vocab 1000, fp32; 8 prompts x 4
+  samples x 32 new tokens);
+- ``realistic``: issue 33's (Llama h512, 8 layers, 8 query / 2 KV heads, intermediate 1376, vocab 32000,
+  fp32; 8 prompts x 8 samples x 128 new tokens).
+Prompts are 16 random words of a word-level tokenizer over the model's vocabulary; the reward is 1 when a
+response's first word has an even id. One optimizer step per batch (verl's on-policy shortcut applies).
+
+Sides:
+- ``train``: ``python -m mcore_rl.cli train RECIPE`` (``defaults: [base]``, nothing tuned: the KL loss off
+  and the fast paths at auto, as base.yaml has them), its steps read from ``metrics.jsonl``: ``time/step_s``
+  (the step as the driver times it) and the gaps between the records' ``time/timestamp`` (the whole loop
+  iteration: data loading, scoring, metrics, logging, progress bar included);
+- ``rlstep``: the same config's ``GRPOStep`` through a Ray worker, driven by this bench's loop (no logs, no
+  progress bar): ``bench/bench_driver.py``'s measure, the step without the run around it;
+- ``trl``: TRL's step on the same model, prompts and lengths (``bench/bench_grpo_step.py``'s subprocess).
+
+Reported per side: the median step of each run (after ``--warmup`` steps), the median over runs, the
+run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
+the ratios. ``--override KEY=VALUE`` applies to ``train`` and ``rlstep`` alike.
+
+    python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
+        [--sides train rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench._rollout_models import MODELS
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 16
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "hf_config": {
+            **MODELS["tiny"],
+            "num_key_value_heads": 8,  # issue 17's model is MHA
+            "initializer_range": 0.02,
+        },
+        "prompts": 8,
+        "samples": 4,
+        "new_tokens": 32,
+    },
+    "realistic": {"hf_config": dict(MODELS["realistic"]), "prompts": 8, "samples": 8, "new_tokens": 128},
+}
+SIDES = ("train", "rlstep", "trl")
+
+
+def even_first_word(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
+    """1 when the response's first word has an even id (about half the samples)."""
+    words = solution_str.split()
+    return float(bool(words) and words[0][1:].isdigit() and int(words[0][1:]) % 2 == 0)
+
+
+def write_inputs(folder: Path, workload: dict[str, Any], rows: int) -> None:
+    """A word-level tokenizer over the model's vocabulary (``w0`` is EOS and padding) and ``rows`` prompts."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from mcore_rl.data.rows import write_rows
+    from mcore_rl.data.tokenizer import write_tokenizer_config
+
+    vocab = workload["hf_config"]["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(["w0"])
+    folder.mkdir(exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    write_tokenizer_config(str(folder), eos_token="w0", pad_token="w0")
+    ids = torch.randint(1, vocab, (rows, PROMPT_LEN), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [
+        {"prompt": " ".join(f"w{i}" for i in r), "data_source": "bench", "reward_model": {"ground_truth": ""}}
+        for r in ids
+    ]
+    write_rows(str(folder / "train.jsonl"), prompts)
+
+
+def write_recipe(folder: Path, workload: dict[str, Any], steps: int, threads: int) -> Path:
+    """A recipe a user would write for this workload: ``defaults: [base]`` and the workload, nothing tuned."""
+    batch = workload["prompts"] * workload["samples"]
+    recipe = {
+        "defaults": ["base"],
+        "model": {"hf_config": workload["hf_config"], "tokenizer_path": str(folder / "inputs")},
+        "data": {
+            "train_files": [str(folder / "inputs" / "train.jsonl")],
+            "max_prompt_length": PROMPT_LEN,
+            "max_response_length": workload["new_tokens"],
+            "train_batch_size": workload["prompts"],
+            "apply_chat_template": False,
+            "shuffle": False,
+        },
+        "rollout": {"n": workload["samples"]},
+        "algorithm": {"ppo_micro_batch_size_per_gpu": batch},
+        "optim": {"lr": 1.0e-5},
+        "reward": {"custom_function": f"{Path(__file__).resolve()}:even_first_word"},
+        "trainer": {
+            "total_training_steps": steps,
+            "val_before_train": False,
+            "num_cpus": threads,
+            "default_local_dir": str(folder / "run"),
+        },
+        "logging": {"plot": False},
+    }
+    path = folder / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def run_train(folder: Path, recipe: Path, overrides: list[str], warmup: int) -> dict[str, list[float]]:
+    """One fresh ``mcore-rl train`` run; its timed steps' ``time/step_s`` and whole-iteration gaps."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [sys.executable, "-m", "mcore_rl.cli", "train", str(recipe), *overrides]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"mcore-rl train failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    notes = [line for line in done.stderr.splitlines() if "fast paths:" in line]
+    log = folder / "run" / "logs" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if r["stage"] == "rl" and r.get("step", 0) > 0 and "time/step_s" in r]
+    stamps = [r["time/timestamp"] for r in steps]
+    return {
+        "step": [r["time/step_s"] for r in steps[warmup:]],
+        "iteration": [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :], strict=False)],
+        # the loop's own cost around each step: the record gap less the step it timed (same step, same noise)
+        "driver": [
+            (b - a) - r["time/step_s"]
+            for a, b, r in zip(stamps[warmup:], stamps[warmup + 1 :], steps[warmup + 1 :], strict=False)
+        ],
+        "generate": [r.get("time/generate_s", float("nan")) for r in steps[warmup:]],
+        "update": [r.get("time/update_s", float("nan")) for r in steps[warmup:]],
+        "notes": notes,  # type: ignore[dict-item]
+    }
+
+
+def rlstep_child(folder: Path, overrides: list[str], steps: int, warmup: int, threads: int) -> None:
+    """The ``rlstep`` side in a process of its own: the recipe's ``GRPOStep`` through one Ray worker, stepped by
+    a bare loop; prints the timed steps as one JSON line."""
+    import torch
+
+    from mcore_rl.config import load_config
+    from mcore_rl.controller import RayConfig, init_ray
+    from mcore_rl.data.prompts import PromptDataset
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.scoring import RewardScorer
+    from mcore_rl.trainer.build import build_actor_group, worker_spec
+    from mcore_rl.trainer.grpo import GRPOStep
+
+    cfg = load_config(folder / "recipe.yaml", overrides)
+    init_ray(RayConfig(num_cpus=threads))
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    dataset = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data)
+    size = cfg.data.train_batch_size
+    actors = build_actor_group(cfg, worker_spec(cfg, steps), use_ray=True)
+    torch.set_num_threads(1)  # what a Ray driver keeps (build_actor_group): it only schedules
+    times: list[float] = []
+    try:
+        with RewardScorer(cfg.reward) as scorer:
+            rl_step = GRPOStep(cfg, actors, tokenizer, scorer)
+            for step in range(1, steps + 1):
+                prompts = dataset.batch(range((step - 1) * size, step * size))
+                times.append(rl_step.run(prompts, step).metrics()["time/step_s"])
+    finally:
+        actors.shutdown()
+    print(json.dumps({"step": times[warmup:]}))
+
+
+def run_rlstep(
+    folder: Path, overrides: list[str], steps: int, warmup: int, threads: int
+) -> dict[str, list[float]]:
+    cmd = [sys.executable, "-m", "bench.bench_train", "--child-rlstep", str(folder)]
+    cmd += ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
+    cmd += [arg for o in overrides for arg in ("--override", o)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "RAY_AUTH_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"rlstep child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_trl(workload: dict[str, Any], steps: int, warmup: int, threads: int) -> dict[str, list[float]]:
+    """TRL's ``GRPOTrainer`` step on the workload's model and the first batch of the same prompts, in a fresh
+    TRL process (``bench/bench_grpo_step.py``'s ``TrlBaseline``)."""
+    import torch
+
+    from bench.bench_grpo_step import TRL_PYTHON, TrlBaseline
+
+    vocab = workload["hf_config"]["vocab_size"]
+    ids = torch.randint(
+        1, vocab, (workload["prompts"], PROMPT_LEN), generator=torch.Generator().manual_seed(0)
+    )
+    args = argparse.Namespace(
+        n=workload["samples"],
+        new_tokens=workload["new_tokens"],
+        threads=threads,
+        hf_config=workload["hf_config"],
+    )
+    trl = TrlBaseline(TRL_PYTHON, ids, args)
+    try:
+        rows = [trl.step(ids, step) for step in range(steps)]
+    finally:
+        trl.close()
+    timed = rows[warmup:]
+    return {
+        "step": [r["step"] for r in timed],
+        "generate": [r["generate"] for r in timed],
+        "update": [r["step"] - r["generate"] for r in timed],
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    workload = WORKLOADS[workload_name]
+    tokens = workload["prompts"] * workload["samples"] * workload["new_tokens"]
+    print(
+        f"workload {workload_name}: {workload['prompts']} prompts x {workload['samples']} samples x "
+        f"{workload['new_tokens']} new tokens; {args.rounds} rounds, each side a fresh process per round, "
+        f"{args.steps} steps per run, median after {args.warmup} warm-up; {args.threads} threads"
+        f"{'; overrides ' + ' '.join(args.override) if args.override else ''}"
+    )
+    medians: dict[str, float] = {}
+    for side, per_run in runs.items():
+        run_medians = [_median(r["step"]) for r in per_run]
+        medians[side] = _median(run_medians)
+        spread = max(run_medians) / min(run_medians) - 1
+        cells = " ".join(f"{m:.3f}" for m in run_medians)
+        print(
+            f"  {side:<7} step {medians[side]:.3f} s (runs: {cells}; run-to-run spread {spread:.1%}), "
+            f"{tokens / medians[side]:.0f} tokens/s"
+        )
+        for phase in ("iteration", "driver", "generate", "update"):
+            values = [v for r in per_run for v in r.get(phase, [])]
+            if values:
+                print(f"          {phase:<10} {_median(values):.3f} s (median over runs' steps)")
+    if "train" in medians and "rlstep" in medians:
+        train_iter = _median([v for r in runs["train"] for v in r["iteration"]])
+        print(
+            f"  mcore-rl train / bench RLStep: step {medians['train'] / medians['rlstep']:.3f}, whole iteration "
+            f"{train_iter / medians['rlstep']:.3f}"
+        )
+    if "trl" in medians:
+        for side in ("train", "rlstep"):
+            if side in medians:
+                per_round = [
+                    _median(t["step"]) / _median(o["step"])
+                    for t, o in zip(runs["trl"], runs[side], strict=True)
+                ]
+                print(
+                    f"  TRL / {side}: {medians['trl'] / medians[side]:.2f}x (medians); per round "
+                    f"{', '.join(f'{r:.2f}x' for r in per_round)}"
+                )
+    notes = runs.get("train", [{}])[0].get("notes")
+    if notes:
+        print("  mcore-rl train's fast-path notes: " + " | ".join(n.split("note: ")[-1] for n in notes))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for train and rlstep")
+    parser.add_argument("--child-rlstep", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.warmup >= args.steps - 1:
+        parser.error(f"--warmup={args.warmup} leaves fewer than 2 timed steps of --steps={args.steps}")
+    if args.child_rlstep is not None:
+        rlstep_child(args.child_rlstep, args.override, args.steps, args.warmup, args.threads)
+        return 0
+    workload = WORKLOADS[args.workload]
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
+    for r in range(args.rounds):
+        order = args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]
+        for side in order:
+            with tempfile.TemporaryDirectory(prefix=f"bench_train_{side}_") as tmp:
+                folder = Path(tmp)
+                write_inputs(folder / "inputs", workload, workload["prompts"] * args.steps)
+                recipe = write_recipe(folder, workload, args.steps, args.threads)
+                start = time.perf_counter()
+                if side == "train":
+                    runs[side].append(run_train(folder, recipe, args.override, args.warmup))
+                elif side == "rlstep":
+                    runs[side].append(
+                        run_rlstep(folder, args.override, args.steps, args.warmup, args.threads)
+                    )
+                else:
+                    runs[side].append(run_trl(workload, args.steps, args.warmup, args.threads))
+                print(
+                    f"round {r + 1} {side}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True
+                )
+    report(args.workload, runs, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
