@@ -14,6 +14,7 @@ figure is the true peak of live tensors (to the page), plus a few MB of allocato
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,8 +34,7 @@ def _status_bytes(key: str) -> int:
 def peak_extra_bytes(run: Callable[[], object]) -> int:
     """Peak resident memory ``run()`` adds on top of what the process holds now (call in a fresh process)."""
     baseline = _status_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    reset_peak_rss()
     run()
     return _status_bytes("VmHWM") - baseline
 
@@ -67,3 +67,45 @@ def median_seconds(fns: dict[str, Callable[[], object]], reps: int) -> dict[str,
 
 def mib(n: float) -> str:
     return f"{n / 2**20:9.1f} MiB"
+
+
+def reset_peak_rss() -> None:
+    """Resets this process's resident high-water mark (VmHWM) to its current RSS (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    """The most memory this process held resident since the last :func:`reset_peak_rss` (or its start)."""
+    return _status_bytes("VmHWM")
+
+
+def mm_seconds(rows: int, inner: int, cols: int, reps: int = 3) -> float:
+    """Median wall time of ``torch.mm`` of a ``[rows, inner]`` by an ``[inner, cols]`` fp32 matrix; one
+    untimed call first (the operands' first touch and MKL's per-shape set-up). The operands live only here,
+    so that timing a large set of shapes never holds them all at once."""
+    import torch
+
+    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_bytes_per_s(num_bytes: int, reps: int = 5) -> float:
+    """This machine's copy bandwidth at ``num_bytes``: bytes copied per second by ``Tensor.copy_`` between
+    two touched buffers of that size, best of ``reps`` (each byte is read once and written once)."""
+    import torch
+
+    source = torch.ones(max(num_bytes, 1), dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return source.numel() / best

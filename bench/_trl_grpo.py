@@ -5,7 +5,8 @@ venv is not allowed to change torch), so this file imports only TRL's own stack,
 
 Protocol (one JSON object a line): the parent starts ``python bench/_trl_grpo.py --spec JSON`` and reads a
 ``{"ready": ...}`` line; then each ``step`` on stdin runs exactly one training step and answers
-``{"step": s, "generate": s, "forward_backward": s, "optimizer": s}``; ``quit`` (or EOF) ends the process.
+``{"step": s, "generate": s, "forward_backward": s, "optimizer": s, "peak_rss": {phase: bytes}, ...}``;
+``quit`` (or EOF) ends the process.
 The protocol goes through a private copy of the original stdout; ``sys.stdout`` and fd 1 are pointed at
 stderr, so anything TRL or transformers print cannot corrupt it.
 
@@ -18,7 +19,10 @@ scheduler, ``zero_grad``. Calling the trainer's methods by hand would leave out 
 blocking inside it leaves out nothing but the wait. The split wraps the real methods with timers:
 ``generate`` = ``_generate_and_score_completions`` (sampling + reward + advantages), ``forward_backward`` =
 the rest of the step up to ``on_pre_optimizer_step`` (includes the dataloader fetch and grad clipping),
-``optimizer`` = ``optimizer.step()`` to ``on_step_end`` (LR scheduler, ``zero_grad``).
+``optimizer`` = ``optimizer.step()`` to ``on_step_end`` (LR scheduler, ``zero_grad``). Peak RSS per phase:
+the kernel's high-water mark (VmHWM), reset at the step's start, read and reset when generation ends
+(``generate``, the dataloader fetch included) and at ``on_pre_optimizer_step`` (``forward_backward``), read
+at ``on_step_end`` (``optimizer``).
 
 Settings that differ from GRPOConfig's defaults, each to match the bench's workload: ``bf16=False`` (fp32),
 ``activation_checkpointing=False`` (no step here recomputes activations), ``shuffle_dataset=False`` with the
@@ -53,6 +57,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import trl  # noqa: E402
+from _measure import peak_rss_bytes, reset_peak_rss  # noqa: E402  (bench/ is this script's sys.path[0])
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (  # noqa: E402
@@ -63,6 +68,15 @@ from transformers import (  # noqa: E402
 )
 
 EOS = "<eos>"  # id 0: also the pad token; the bench's prompts never hold it and generation masks it
+MODEL_SHAPE = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+"""The model's config fields the ready line reports, for the parent to check against the config it sent."""
 MAX_STEPS = 4096  # an upper bound on steps one bench run asks for; the dataset holds this many batches
 
 
@@ -91,6 +105,7 @@ class _Timer(TrainerCallback):
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
         self.generate_s = 0.0
+        self.peak_rss: dict[str, int] = {}  # phase -> bytes, this step's
         self.num_completions = 0  # completions scored in this step, counted by the reward function's caller
         self.metrics: Any = None  # the trainer's ``_metrics``, set once the trainer exists
 
@@ -101,17 +116,25 @@ class _Timer(TrainerCallback):
             os._exit(0)  # skip the trainer's end-of-training work: nothing of it is measured
         if line != "step":
             raise SystemExit(f"_trl_grpo: unknown command {line!r} (expected 'step' or 'quit')")
-        self.generate_s, self.num_completions = 0.0, 0
+        self.generate_s, self.num_completions, self.peak_rss = 0.0, 0, {}
+        reset_peak_rss()
         self.marks = {"start": time.perf_counter()}
+
+    def phase_end(self, phase: str) -> None:
+        """Records ``phase``'s peak RSS and starts the next phase's."""
+        self.peak_rss[phase] = peak_rss_bytes()
+        reset_peak_rss()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.wait_for_command()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.marks["pre_optimizer"] = time.perf_counter()
+        self.phase_end("forward_backward")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         end, m = time.perf_counter(), self.marks
+        self.phase_end("optimizer")
         lengths = self.metrics["train"]  # TRL's own per-step record of the completions it trained on
         _send(
             {
@@ -122,6 +145,7 @@ class _Timer(TrainerCallback):
                 "completion_len_min": lengths["completions/min_length"][-1],
                 "completion_len_max": lengths["completions/max_length"][-1],
                 "num_completions": self.num_completions,
+                "peak_rss": self.peak_rss,
             }
         )
         self.wait_for_command()
@@ -186,6 +210,7 @@ def build_trainer(spec: dict[str, Any], output_dir: str) -> tuple[trl.GRPOTraine
         start = time.perf_counter()
         out = generate_and_score(inputs)
         timer.generate_s += time.perf_counter() - start
+        timer.phase_end("generate")
         timer.num_completions += len(out["completion_ids"])
         return out
 
@@ -210,6 +235,7 @@ def main() -> None:
                 "mixed_precision": str(trainer.accelerator.mixed_precision),
                 "activation_checkpointing": trainer.model.is_activation_checkpointing,
                 "dtype": str(next(trainer.model.parameters()).dtype),
+                "model": {k: getattr(trainer.model.config, k) for k in MODEL_SHAPE},
             }
         )
         trainer.train()

@@ -1,0 +1,74 @@
+"""bench/bench_grpo_step.py's step model: FLOPs, GEMM shapes and limits agree with each other and with
+hand-computed figures for the realistic model (h512, 8 layers, 8 query heads / 2 KV heads, vocab 32000)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench_grpo_step import (
+    WORKLOADS,
+    gemm_flops,
+    gemm_shapes,
+    linear_shapes,
+    param_count,
+    phase_limits,
+    step_flops,
+)
+from mcore_rl.engine.arch import ModelArch
+
+N, PROMPT, NEW, SAMPLES = 64, 16, 128, 8
+
+
+def _arch(model: str) -> ModelArch:
+    return ModelArch.from_hf_config(WORKLOADS[model]["hf_config"])
+
+
+def _attention(arch: ModelArch, seq: int) -> float:
+    return 4.0 * arch.num_layers * arch.hidden_size * seq * (seq + 1) / 2
+
+
+def test_key_and_value_projections_use_the_kv_heads() -> None:
+    # 8 query heads of 64 + 2 x 2 KV heads of 64
+    assert linear_shapes(_arch("realistic")) == [(512, 768), (512, 512), (512, 2752), (1376, 512)]
+    assert linear_shapes(_arch("tiny"))[0] == (256, 3 * 256)  # issue 17's model is MHA
+
+
+def test_param_count_by_hand() -> None:
+    per_layer = 512 * 768 + 512 * 512 + 512 * 2752 + 1376 * 512 + 2 * 512
+    assert param_count(_arch("realistic")) == 8 * per_layer + 2 * 32000 * 512 + 512
+
+
+def test_gemm_shapes_hold_the_step_flops_and_the_lm_head() -> None:
+    arch = _arch("realistic")
+    flops = step_flops(arch, N, PROMPT, NEW, SAMPLES)
+    shapes = gemm_shapes(arch, N, PROMPT, NEW)
+    attention = _attention(arch, PROMPT + NEW)
+    # training: forward, input-gradient and weight-gradient GEMMs are the update's FLOPs less attention's
+    assert gemm_flops(shapes["train"]) == pytest.approx(flops["update"] - 3 * N * attention)
+    responses = N * NEW
+    assert {(responses, 512, 32000, 1), (responses, 32000, 512, 1), (512, responses, 32000, 1)} <= set(
+        shapes["train"]
+    )
+    # generation: one decode step's GEMMs per new token, the prompt's linears and attention besides
+    per_token = 2 * 8 * sum(k * c for k, c in linear_shapes(arch))
+    rest = N * (PROMPT * per_token + attention)
+    assert NEW * gemm_flops(shapes["decode"]) == pytest.approx(flops["generate"] - rest)
+    assert (N, 512, 32000, 1) in shapes["decode"]
+
+
+def test_shared_prefix_skips_the_prompt_copies() -> None:
+    arch = _arch("realistic")
+    flops = step_flops(arch, N, PROMPT, NEW, SAMPLES)
+    per_token = 2 * 8 * sum(k * c for k, c in linear_shapes(arch))
+    skipped = (N - N // SAMPLES) * PROMPT * per_token
+    assert flops["log_probs"] - flops["log_probs_shared"] == pytest.approx(skipped)
+    assert flops["update_shared"] == pytest.approx(3 * flops["log_probs_shared"])
+
+
+def test_phase_limits() -> None:
+    flops = {"generate": 2e9, "log_probs": 1e9, "update": 3e9}
+    limits = phase_limits(flops, {"decode": 10.0, "train": 100.0}, 1e9, params=1000, sync_bytes=4000)
+    assert limits == pytest.approx(
+        # Adam: 7 fp32 arrays of 1000 parameters read or written, at 2 bytes of traffic per byte copied
+        {"sync": 4e-6, "generate": 0.2, "log_probs": 0.01, "update": 0.03, "optimizer": 28000 / 2e9}
+    )
