@@ -87,5 +87,7 @@ def describe_fast_paths(cfg: RunConfig) -> list[str]:
         lines.append("model.share_prompt_prefix=true (each prompt computed once per group)")
     else:
         padded = "model.use_remove_padding=false" if not cfg.model.use_remove_padding else None
-        lines.append(f"model.share_prompt_prefix=false ({sharing_blocker(cfg, packing) or padded or 'set false'})")
+        lines.append(
+            f"model.share_prompt_prefix=false ({sharing_blocker(cfg, packing) or padded or 'set false'})"
+        )
     return lines

@@ -40,7 +40,12 @@ def test_validate_before_training_then_complete_then_resume(tmp_path: Path, caps
         ("rl", 2),
         ("test", 2),
     ]
-    assert set(records[1]) == {"stage", "step", "val_accuracy", "time/timestamp"}  # val_files scored before step 1
+    assert set(records[1]) == {
+        "stage",
+        "step",
+        "val_accuracy",
+        "time/timestamp",
+    }  # val_files scored before step 1
 
     logged = Path(run, "logs", "metrics.jsonl").read_bytes()
     assert _train(data, run, "trainer.total_training_steps=2", *steps) == 0  # the same run again

@@ -35,7 +35,9 @@ def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_pa
     sft = [r for r in records if r["stage"] == "sft"]
     assert sft[-1]["loss"] < sft[0]["loss"] and "val_accuracy" in sft[1]
     rl = [r for r in records if r["stage"] == "rl"]
-    assert set(rl[0]) == {"stage", "step", "val_accuracy", "time/timestamp"} and rl[0]["step"] == 0  # val_before_train
+    assert (
+        set(rl[0]) == {"stage", "step", "val_accuracy", "time/timestamp"} and rl[0]["step"] == 0
+    )  # val_before_train
     rl = rl[1:]
     assert all("val_accuracy" in r and abs(r["token_mult_prob_error"] - 1) < 1e-5 for r in rl)
     phases = ("generate", "update", "sync")  # the demo recipe takes the on-policy shortcut: no log_probs pass
