@@ -33,7 +33,8 @@ bandwidth measured in the same run: ``sync`` (the bytes handed to the rollout en
 ``optimizer`` (Adam's reads and writes). The compute limit of the step is generate + update, at the
 workload's full FLOPs. Peak RSS per phase: the kernel's high-water mark, reset before each phase, on our
 side and inside TRL's subprocess. Rounds alternate which side runs first; the report gives medians and the
-min-max spread; ``--json PATH`` writes all of it as one object.
+min-max spread; ``--json PATH`` writes all of it as one object. The FLOPs, GEMM shapes and limits are
+computed in ``bench/grpo_step_limits.py``, the report in ``bench/grpo_step_report.py``.
 
     python -m bench.bench_grpo_step --rounds 8 --threads 2 [--model realistic] [--baseline both] [--json PATH]
 """
@@ -45,7 +46,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import subprocess
 import tempfile
 import time
@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 
-from bench._measure import memcpy_bytes_per_s, mm_seconds, peak_rss_bytes, reset_peak_rss
-from bench._rollout_models import model_config
+from bench._measure import memcpy_bytes_per_s, peak_rss_bytes, reset_peak_rss
+from bench.grpo_step_limits import WORKLOADS, GemmRate, gemm_shapes
+from bench.grpo_step_report import print_report, report_record
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.optim import OptimConfig
@@ -74,25 +75,12 @@ from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import TrainBatch
 
-WORKLOADS: dict[str, dict[str, Any]] = {
-    # issue 17's model is the rollout bench's tiny one with full multi-head attention
-    "tiny": {"hf_config": model_config("tiny", kv_heads=8), "n": 4, "new_tokens": 32},
-    "realistic": {"hf_config": model_config("realistic"), "n": 8, "new_tokens": 128},
-}
-"""``--model`` -> the HF config both sides build, and the defaults of ``--n`` and ``--new-tokens``."""
 # the default --trl-python: the first that exists (``make trl-venv`` builds the first)
 TRL_PYTHONS = (Path(__file__).parents[1] / ".venv-trl/bin/python", Path("/work/trl-venv/bin/python"))
 TRL_PYTHON = next((p for p in TRL_PYTHONS if p.exists()), TRL_PYTHONS[0])
 TRL_CHILD = Path(__file__).with_name("_trl_grpo.py")
 LR = 1e-6  # every side's Adam learning rate
 SPLIT = ("generate", "forward_backward", "optimizer")  # the baselines' step split, in order
-PHASES = ("sync", "generate", "to_train", "log_probs", "update", "optimizer")
-"""The report's phases, in step order; a baseline's ``forward_backward`` is its ``update``."""
-PHASE_OF = {"forward_backward": "update"}
-ADAM_BYTES_PER_PARAM = 7 * 4
-"""fp32 Adam reads the parameter, its gradient and both moments and writes the parameter and both moments."""
-Gemm = tuple[int, int, int, int]
-"""(rows, inner, cols, count): ``count`` products of a ``[rows, inner]`` by an ``[inner, cols]`` matrix."""
 
 
 def _hf_config(model: str = "tiny") -> dict[str, Any]:
@@ -103,98 +91,6 @@ def _advantages(responses: torch.Tensor, group: int) -> torch.Tensor:
     """[N] group-normalised rewards of a fixed toy reward (share of even token ids)."""
     reward = (responses % 2 == 0).float().mean(dim=1).view(-1, group)
     return ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-6)).view(-1)
-
-
-def linear_shapes(arch: ModelArch) -> list[tuple[int, int]]:
-    """(in, out) of one layer's linear layers: fused QKV (K and V over the KV heads only), the attention
-    output, fused gate + up, down."""
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    return [(h, q + 2 * kv), (q, h), (h, 2 * f), (f, h)]
-
-
-def param_count(arch: ModelArch) -> int:
-    """Parameters of the (Llama-style, bias-free) model: linear layers, two RMSNorms per layer and the final
-    one, the embedding and, untied, the LM head."""
-    per_layer = sum(k * c for k, c in linear_shapes(arch)) + 2 * arch.hidden_size
-    embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_layers * per_layer + embeddings + arch.hidden_size
-
-
-def step_flops(arch: ModelArch, n: int, prompt: int, new: int, samples: int = 1) -> dict[str, float]:
-    """Matmul FLOPs of each phase of one step over ``n`` sequences (``samples`` per prompt): linear layers,
-    causal attention (QK^T + AV over the query heads), the LM head where it runs. ``*_shared``: what the
-    training passes compute with each prompt once per group (``model.share_prompt_prefix``)."""
-    per_token = 2 * arch.num_layers * sum(k * c for k, c in linear_shapes(arch))
-    q, seq = arch.num_attention_heads * arch.head_dim, prompt + new
-
-    def attention(length: int) -> float:  # causal: sum over positions of 2 x 2 x t x q per layer
-        return 4.0 * arch.num_layers * q * length * (length + 1) / 2
-
-    head = 2 * arch.hidden_size * arch.vocab_size
-    generate = n * (seq * per_token + attention(seq) + new * head)  # one head GEMM per decode step
-    forward = n * (seq * per_token + attention(seq) + new * head)  # head only at response positions
-    shared = forward - (n - n // samples) * prompt * per_token  # the linears skip the prompt copies
-    return {
-        "generate": generate,
-        "log_probs": forward,
-        "update": 3 * forward,  # forward + input gradients + weight gradients
-        "log_probs_shared": shared,
-        "update_shared": 3 * shared,
-    }
-
-
-def gemm_shapes(arch: ModelArch, n: int, prompt: int, new: int) -> dict[str, list[Gemm]]:
-    """The step's GEMMs per pass: ``decode``, one decode step of ``n`` rows (each layer's linears and the
-    head); ``train``, the forward (x @ W), input-gradient (g @ W^T) and weight-gradient (x^T @ g) GEMMs over
-    the ``n * (prompt + new)`` training tokens, the head's over the ``n * new`` response tokens."""
-    layers, h, vocab = arch.num_layers, arch.hidden_size, arch.vocab_size
-    tokens, responses = n * (prompt + new), n * new
-    linears = linear_shapes(arch)
-    decode = [(n, k, c, layers) for k, c in linears] + [(n, h, vocab, 1)]
-    forward = [(tokens, k, c, layers) for k, c in linears] + [(responses, h, vocab, 1)]
-    input_grad = [(m, c, k, count) for m, k, c, count in forward]
-    weight_grad = [(k, m, c, count) for m, k, c, count in forward]
-    return {"decode": decode, "train": forward + input_grad + weight_grad}
-
-
-def gemm_flops(gemms: list[Gemm]) -> float:
-    return float(sum(2 * m * k * c * count for m, k, c, count in gemms))
-
-
-def phase_limits(
-    flops: dict[str, float], gflops: dict[str, float], copy_bytes_per_s: float, params: int, sync_bytes: int
-) -> dict[str, float]:
-    """Seconds each phase needs at the machine's rates: compute-bound ones at ``torch.mm``'s GFLOP/s at their
-    shapes, memory-bound ones at the copy bandwidth (a copy reads and writes each byte: 2 bytes of traffic
-    per byte copied, which Adam's reads and writes are counted in)."""
-    return {
-        "sync": sync_bytes / copy_bytes_per_s,
-        "generate": flops["generate"] / (gflops["decode"] * 1e9),
-        "log_probs": flops["log_probs"] / (gflops["train"] * 1e9),
-        "update": flops["update"] / (gflops["train"] * 1e9),
-        "optimizer": params * ADAM_BYTES_PER_PARAM / (2 * copy_bytes_per_s),
-    }
-
-
-class GemmRate:
-    """The machine's GEMM rate at the step's shapes, timed once per round beside the steps (each distinct
-    shape by itself, weighted by how often a pass runs it): the limit uses the best round (the fastest this
-    machine ran those GEMMs in this run), so a noisy moment cannot make the limit look easy to reach."""
-
-    def __init__(self, shapes: dict[str, list[Gemm]]) -> None:
-        self.shapes = shapes
-        self.best = {kind: 0.0 for kind in shapes}
-
-    def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
-        start = time.perf_counter()
-        for kind, gemms in self.shapes.items():
-            # small GEMMs take more repeats: a few tenths of a millisecond are noisy
-            seconds = sum(
-                count * mm_seconds(m, k, c, reps=3 if m * k * c > 5e8 else 15) for m, k, c, count in gemms
-            )
-            self.best[kind] = max(self.best[kind], gemm_flops(gemms) / seconds / 1e9)
-        return {"step": time.perf_counter() - start}
 
 
 class _PhaseClock:
@@ -496,176 +392,10 @@ def main() -> None:
         sync = {"bytes": ours.sync_bytes, "steps_s": last_sync.steps_s}
     sync["copy_bytes_per_s"] = memcpy_bytes_per_s(ours.sync_bytes)
     del rows["gemm"]
-    record = _record(args, ours.arch, rows, labels, gemm.best, sync)
-    _print(record)
+    record = report_record(args, ours.arch, rows, labels, gemm.best, sync)
+    print_report(record)
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=1))
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _ratio(num: list[dict[str, float]], den: list[dict[str, float]]) -> dict[str, Any]:
-    """Step-time ratios of two sides, round by round (each round's pair ran back to back)."""
-    per_round = [a["step"] / b["step"] for a, b in zip(num, den, strict=True)]
-    return {"per_round": per_round, **_stats(per_round)}
-
-
-def _side_record(
-    rows: list[dict[str, float]], tokens: int, limits: dict[str, float], compute_limit_s: float
-) -> dict[str, Any]:
-    """One side's figures over the timed rounds: step and phase seconds, tokens/s, % of the limits, peak RSS
-    per phase (the most of any round)."""
-    phases = {
-        PHASE_OF.get(k, k): _stats([r[k] for r in rows]) for k in rows[0] if k != "step" and ":" not in k
-    }
-    rss = {
-        PHASE_OF.get(k[4:], k[4:]): max(r[k] for r in rows) / 2**20 for k in rows[0] if k.startswith("rss:")
-    }
-    step = _stats([r["step"] for r in rows])
-    return {
-        "step_s": step,
-        "phases_s": phases,
-        "tokens_per_s": _stats([tokens / r["step"] for r in rows]),
-        "compute_limit_percent": 100 * compute_limit_s / step["median"],
-        "phase_limit_percent": {k: 100 * limits[k] / v["median"] for k, v in phases.items() if k in limits},
-        "peak_rss_mib": rss,
-    }
-
-
-def _record(
-    args: argparse.Namespace,
-    arch: ModelArch,
-    rows: dict[str, list[dict[str, float]]],
-    labels: dict[str, str],
-    gflops: dict[str, float],
-    sync: dict[str, Any],
-) -> dict[str, Any]:
-    """Everything the report prints, as one JSON-ready object (``--json``)."""
-    n = args.prompts * args.n
-    flops = step_flops(arch, n, args.prompt_len, args.new_tokens, args.n)
-    copy_rate = sync["copy_bytes_per_s"]
-    limits = phase_limits(flops, gflops, copy_rate, param_count(arch), sync["bytes"])
-    compute_limit_s = limits["generate"] + limits["update"]
-    sides = {
-        name: {"label": labels[name], **_side_record(r, n * args.new_tokens, limits, compute_limit_s)}
-        for name, r in rows.items()
-    }
-    pairs = [("trl", "ours"), ("hf", "ours"), ("trl", "hf"), ("ours_always", "ours")]
-    ratios = {f"{a}/{b}": _ratio(rows[a], rows[b]) for a, b in pairs if a in rows and b in rows}
-    sync_s = sides["ours"]["phases_s"]["sync"]["median"]
-    return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "hf_config"},
-        "model": {"name": args.model, "hf_config": args.hf_config, "params": param_count(arch)},
-        "workload": {"sequences": n, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens},
-        "sides": sides,
-        "ratios": ratios,
-        "limits": {
-            "flops": flops,
-            "gemm_gflop_per_s": gflops,
-            "copy_gb_per_s": copy_rate / 1e9,
-            "phase_s": limits,
-            "compute_s": compute_limit_s,
-        },
-        "sync": {
-            "bytes": sync["bytes"],
-            "seconds": sync_s,
-            "gb_per_s": sync["bytes"] / sync_s / 1e9,
-            "copy_gb_per_s": copy_rate / 1e9,
-            "percent_of_copy": 100 * sync["bytes"] / sync_s / copy_rate,
-            "transition_steps_s": sync["steps_s"],
-        },
-    }
-
-
-def _spread(stats: dict[str, float], digits: int = 3) -> str:
-    return (
-        f"median {stats['median']:.{digits}f} (min {stats['min']:.{digits}f}, max {stats['max']:.{digits}f})"
-    )
-
-
-def _times(side: dict[str, Any]) -> str:
-    phases = ", ".join(f"{k} {v['median']:.3f}s" for k, v in side["phases_s"].items())
-    return f"step {side['step_s']['median']:.3f}s, {phases}"
-
-
-def _print(record: dict[str, Any]) -> None:
-    args, sides, limits = record["args"], record["sides"], record["limits"]
-    a, w = ModelArch.from_hf_config(record["model"]["hf_config"]), record["workload"]
-    print(
-        f"workload: {args['model']} model (h{a.hidden_size}, {a.num_layers} layers, {a.num_attention_heads} "
-        f"heads / {a.num_query_groups} KV heads, ffn {a.ffn_hidden_size}, vocab {a.vocab_size}, "
-        f"{record['model']['params'] / 1e6:.1f}M params, fp32): {w['sequences']} sequences x "
-        f"({w['prompt_len']} + {w['new_tokens']}) tokens, {args['threads']} threads"
-    )
-    baselines = [k for k in ("trl", "hf") if k in sides]
-    print(f"baseline ran: {' and '.join(sides[k]['label'] for k in baselines)}")
-    for name, side in sides.items():
-        print(f"{name + ':':12} {_times(side)}")
-    print(
-        "tokens/s (sequences x new tokens / step, median): "
-        + ", ".join(f"{name} {side['tokens_per_s']['median']:.0f}" for name, side in sides.items())
-    )
-    _print_limits(record)
-    for name, ratio in record["ratios"].items():
-        print(f"ratio {name} (per round): {_spread(ratio)}")
-    for name, side in sides.items():
-        print(f"{name} vs compute limit: {side['compute_limit_percent']:.0f}% of the limit")
-    _print_phase_tables(sides, limits["phase_s"])
-    sync = record["sync"]
-    print(
-        f"sync: {sync['bytes'] / 2**20:.1f} MiB in {sync['seconds'] * 1e3:.1f} ms = {sync['gb_per_s']:.2f} GB/s, "
-        f"memcpy {sync['copy_gb_per_s']:.2f} GB/s ({sync['percent_of_copy']:.0f}% of it); last sync's steps: "
-        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sync["transition_steps_s"].items())
-    )
-
-
-def _print_limits(record: dict[str, Any]) -> None:
-    flops, limits = record["limits"]["flops"], record["limits"]
-    print(
-        f"step FLOPs: generate {flops['generate'] / 1e9:.2f} G, log-probs (forward) "
-        f"{flops['log_probs'] / 1e9:.2f} G, update (forward + backward) {flops['update'] / 1e9:.2f} G; "
-        "LM head included"
-    )
-    if record["args"]["share_prompt_prefix"]:
-        print(
-            f"  ours computes update {flops['update_shared'] / 1e9:.2f} G of them (each prompt once per group, "
-            "model.share_prompt_prefix); the limits count the workload's full FLOPs"
-        )
-    rates = limits["gemm_gflop_per_s"]
-    print(
-        f"torch.mm, best round: {rates['decode']:.1f} GFLOP/s at decode shapes, {rates['train']:.1f} GFLOP/s "
-        "at training shapes (forward, input and weight gradients, LM head included); "
-        f"Tensor.copy_ {limits['copy_gb_per_s']:.2f} GB/s"
-    )
-    print(f"compute limit of the step (generate + update): {limits['compute_s']:.3f}s")
-
-
-def _print_phase_tables(sides: dict[str, Any], limits: dict[str, float]) -> None:
-    names = list(sides)
-    print("phase vs its own limit (median s, % of the limit):")
-    print(f"  {'phase':10} {'limit':>9}" + "".join(f" {n:>20}" for n in names))
-    for phase in PHASES:
-        cells = []
-        for name in names:
-            seconds = sides[name]["phases_s"].get(phase, {}).get("median")
-            percent = sides[name]["phase_limit_percent"].get(phase)
-            cell = (
-                "-"
-                if seconds is None
-                else f"{seconds:.3f}s" + (f" ({percent:.0f}%)" if percent is not None else "")
-            )
-            cells.append(f" {cell:>20}")
-        limit = f"{limits[phase]:.3f}s" if phase in limits else "-"
-        print(f"  {phase:10} {limit:>9}" + "".join(cells))
-    with_rss = [n for n in names if sides[n]["peak_rss_mib"]]
-    print("peak RSS per phase (MiB, the most of any timed round):")
-    print(f"  {'phase':10}" + "".join(f" {n:>12}" for n in with_rss))
-    for phase in PHASES:
-        values = [sides[n]["peak_rss_mib"].get(phase) for n in with_rss]
-        if any(v is not None for v in values):
-            print(f"  {phase:10}" + "".join(f" {'-' if v is None else f'{v:.0f}':>12}" for v in values))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""bench/bench_grpo_step.py's step model: FLOPs, GEMM shapes and limits agree with each other and with
-hand-computed figures for the realistic model (h512, 8 layers, 8 query heads / 2 KV heads, vocab 32000)."""
+"""bench/bench_grpo_step.py's step model (``bench/grpo_step_limits.py``): FLOPs, GEMM shapes and limits
+agree with each other and with hand-computed figures for the realistic model (h512, 8 layers, 8 query heads
+/ 2 KV heads, vocab 32000)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.bench_grpo_step import (
+from bench.grpo_step_limits import (
     WORKLOADS,
     gemm_flops,
     gemm_shapes,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mcore_rl.compat.context_attention import local_token_index
+from mcore_rl.engine.packed_seq import packed_seq_params
 from mcore_rl.parallel.context import ParallelContext
 
 if TYPE_CHECKING:
@@ -100,46 +101,26 @@ def _packed_shard(mb: MicroBatch, ctx: ParallelContext) -> ContextShard:
     lengths = torch.diff(packed.seq_params.cu_seqlens_q).tolist()
     source_rows = torch.full((packed.tokens.shape[1],), b * s, dtype=torch.long, device=device)
     source_rows[: packed.index.numel()] = packed.index  # filler tokens belong to no row
-    tokens, rows, positions, padded, start = [], [], [], [], 0
+    tokens, rows, positions, widths, start = [], [], [], [], 0
     for length in lengths:
         width = -(-length // multiple) * multiple
         pad = width - length
         tokens += [packed.tokens[0, start : start + length], packed.tokens.new_zeros(pad)]
         rows += [source_rows[start : start + length], source_rows.new_full((pad,), b * s)]
         positions.append(torch.arange(width, device=device))
-        padded.append(width)
+        widths.append(width)
         start += length
     all_tokens, all_rows, all_positions = torch.cat(tokens), torch.cat(rows), torch.cat(positions)
-    held = [local_token_index(padded, cp, r).to(device) for r in range(cp)]
+    held = [local_token_index(widths, cp, r).to(device) for r in range(cp)]
     mine = held[ctx.cp_rank]
     return ContextShard(
         tokens=all_tokens[mine][None],
         position_ids=all_positions[mine][None],
-        seq_params=_padded_seq_params(padded, device),
+        seq_params=packed_seq_params(widths, padded=True, device=device),
         rows=all_rows[mine],
         all_rows=torch.cat([all_rows[h] for h in held]),
         shape=(b, s),
         group=ctx.cp_group,
-    )
-
-
-def _padded_seq_params(lengths: list[int], device: torch.device) -> Any:
-    """megatron's ``PackedSeqParams`` for segments already padded to the CP multiple: the padded and the
-    real boundaries are the same (the padding is part of each row's segment; TE's CP attention reads
-    ``cu_seqlens_*_padded`` for the split)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int32, device=device), dim=0)
-    longest = max(lengths)
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from mcore_rl.engine.packed_seq import packed_seq_params
 from mcore_rl.engine.train_engine import PackedInput
 
 T = TypeVar("T")
@@ -123,19 +124,6 @@ def select_rows(record: T, rows: Sequence[int], width: int | None = None) -> T:
 def trim_columns(width: int, multiple: int) -> int:
     """A micro-batch's width: its longest row, rounded up to ``multiple`` (TP with sequence parallelism)."""
     return -(-width // multiple) * multiple
-
-
-def packed_seq_params(lengths: Sequence[int]) -> Any:
-    """megatron's ``PackedSeqParams`` for rows of ``lengths`` packed into one ``thd`` sequence: the rows
-    attend only within themselves and positions restart per row."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int32), dim=0)
-    longest = max(lengths) if lengths else 0
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-    )
 
 
 @dataclass(frozen=True)
