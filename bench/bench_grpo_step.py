@@ -64,6 +64,7 @@ from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
 from mcore_rl.engine.rollout import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
 from mcore_rl.engine.workers.losses import (
     LogProbMicroBatch,
     PolicyLossSettings,
@@ -329,6 +330,12 @@ def _parse() -> argparse.Namespace:
         default=TRL_PYTHON if TRL_PYTHON.exists() else None,
         help=f"python with trl installed (default: {TRL_PYTHON} where it exists)",
     )
+    parser.add_argument(
+        "--release-host-memory",
+        action="store_true",
+        help="leave glibc's default (freed blocks returned to the system) instead of what a CPU rank does "
+        "(mcore_rl/engine/workers/host_heap.py): the A/B of that policy",
+    )
     parser.add_argument("--json", type=Path, help="also write everything the report prints to this file")
     args = parser.parse_args()
     workload = WORKLOADS[args.model]
@@ -366,6 +373,10 @@ def _run_rounds(
 def main() -> None:
     args = _parse()
     torch.set_num_threads(args.threads)
+    if (
+        not args.release_host_memory
+    ):  # as a CPU rank does in Worker.init_parallel; TRL runs in its own process
+        print(keep_freed_host_memory())
     torch.manual_seed(0)
     prompts = torch.randint(1, args.hf_config["vocab_size"], (args.prompts, args.prompt_len))
     labels = {"ours": "ours", "ours_always": "ours, recompute_old_log_probs=always"}

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from mcore_rl.config.run import RunConfig
 
 
-def _device(cfg: RunConfig) -> str:
+def compute_device(cfg: RunConfig) -> str:
+    """The device the ranks compute on: ``trainer.device``, with auto resolved here."""
     if cfg.trainer.device != "auto":
         return str(cfg.trainer.device)
     import torch
@@ -35,7 +36,7 @@ def packing_blocker(cfg: RunConfig) -> str | None:
     """Why rows cannot be packed (``model.use_remove_padding``) by default, or None when they can."""
     if cfg.parallel.pipeline_model_parallel_size > 1:
         return f"parallel.pipeline_model_parallel_size={cfg.parallel.pipeline_model_parallel_size}"
-    if _device(cfg) != "cpu":
+    if compute_device(cfg) != "cpu":
         return "not yet verified with Transformer Engine's packed attention on a GPU"
     from mcore_rl.io.errors import ConfigError
 

@@ -140,12 +140,14 @@ def _logits_grad(
     vocab_size: int,
     inv_t: float,
     chunk_size: int,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """d(g1 . logprob + g2 . entropy) / d logits, ``chunk_size`` rows per kernel call."""
+    """d(g1 . logprob + g2 . entropy) / d logits, ``chunk_size`` rows per kernel call, into ``out`` when
+    given (a buffer shaped like ``logits``)."""
     zeros = torch.zeros_like(softmax_stats[:, 0])
     g1 = zeros if grad_logprob is None else grad_logprob.to(zeros.dtype).contiguous()
     g2 = zeros if grad_entropy is None else grad_entropy.to(zeros.dtype).contiguous()
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out
     backward_fn = _backward_fn(logits)
     for start in range(0, logits.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
@@ -224,6 +226,21 @@ def _vocab_chunks(num_rows: int, vocab_start: int, vocab_size: int, chunk: int) 
     return [(start, min(start + chunk, real_rows)) for start in range(0, real_rows, chunk)]
 
 
+class _ChunkBuffer:
+    """One allocation reused by every vocab chunk's [N, columns] block. A fresh block per chunk costs more
+    than its GEMM's memory traffic on CPU: blocks this large (N x 4096 x 4 bytes is 134 MB at 8k tokens)
+    come straight from mmap and go back to the system when freed, so every chunk would page-fault its
+    whole block in again (measured 20-25% of the chunk's GEMM time on the 2-core CPU machines)."""
+
+    def __init__(self, like: Tensor, chunks: list[tuple[int, int]]) -> None:
+        widest = max((stop - start for start, stop in chunks), default=0)
+        self.rows = like.shape[0]
+        self.flat = like.new_empty(self.rows * widest)
+
+    def block(self, columns: int) -> Tensor:
+        return self.flat[: self.rows * columns].view(self.rows, columns)
+
+
 @torch.library.custom_op("mcore_rl::linear_logprob_entropy", mutates_args=())
 def _linear_logprob_entropy_op(
     hidden: Tensor,
@@ -237,8 +254,10 @@ def _linear_logprob_entropy_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     stats = torch.zeros(hidden.shape[0], 4, dtype=reference.compute_dtype(hidden.dtype), device=hidden.device)
     stats[:, 0] = float("-inf")
-    for start, stop in _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size):
-        logits = hidden @ weight[start:stop].T
+    chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
+    buffer = _ChunkBuffer(hidden, chunks)
+    for start, stop in chunks:
+        logits = torch.mm(hidden, weight[start:stop].T, out=buffer.block(stop - start))
         chunk_stats = _stats_fn(logits)(logits, targets, vocab_start + start, vocab_size, inv_temperature)
         stats = _merge(stats, chunk_stats)
     return _finalize(_reduce_over_tp(stats, tp_group_name))
@@ -261,9 +280,14 @@ def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, _: Te
     # Accumulate dL/dhidden over vocab chunks in fp32; padding rows of the weight get zero gradient.
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.zeros_like(weight)
-    for start, stop in _vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk):
+    chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk)
+    logits_buffer, grad_buffer = _ChunkBuffer(hidden, chunks), _ChunkBuffer(hidden, chunks)
+    # In place where the dtypes allow (fp32): no [N, hidden] or [chunk, hidden] temporary per chunk.
+    accumulate = hidden.dtype == torch.float32 and weight.dtype == hidden.dtype
+    for start, stop in chunks:
         w = weight[start:stop]
-        logits = hidden @ w.T  # recomputed: the forward kept only the per-row (lse, entropy)
+        # recomputed: the forward kept only the per-row (lse, entropy)
+        logits = torch.mm(hidden, w.T, out=logits_buffer.block(stop - start))
         chunk_start, all_rows = vocab_start + start, hidden.shape[0] or 1
         grad_logits = _logits_grad(
             grad_logprob,
@@ -275,9 +299,14 @@ def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, _: Te
             vocab_size,
             inv_t,
             all_rows,
+            out=grad_buffer.block(stop - start),
         )
-        grad_hidden += grad_logits @ w
-        grad_weight[start:stop] = grad_logits.T @ hidden
+        if accumulate:
+            grad_hidden.addmm_(grad_logits, w)
+            torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
+        else:
+            grad_hidden += grad_logits @ w
+            grad_weight[start:stop] = grad_logits.T @ hidden
     return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
 
 

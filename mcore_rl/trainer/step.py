@@ -24,12 +24,13 @@ import torch
 from mcore_rl.algo.agreement import ProbAgreement, truncated_importance_weights
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import AlgorithmConfig, RunConfig
-from mcore_rl.config.fast_paths import describe_fast_paths
+from mcore_rl.config.fast_paths import compute_device, describe_fast_paths
 from mcore_rl.config.model import RecomputeOldLogProbs
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import NonFiniteLossError
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
 from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
@@ -407,6 +408,8 @@ def fast_path_note(cfg: RunConfig) -> str:
     lines = describe_fast_paths(cfg)
     if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
         lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
+    if compute_device(cfg) == "cpu":
+        lines.append(keep_freed_host_memory(apply=False))
     return "fast paths: " + "; ".join(lines)
 
 

@@ -68,13 +68,16 @@ def _run(folder: str, extra: list[str], steps: int = 2, use_ray: bool = False) -
 def _assert_same_run(auto: tuple[list[dict], dict], always: tuple[list[dict], dict]) -> None:
     (auto_metrics, auto_weights), (always_metrics, always_weights) = auto, always
     for a, b in zip(auto_metrics, always_metrics, strict=True):
-        for key in SAME:
-            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+        for key in SAME:  # a few fp32 ulps: grad_norm sums every weight's gradient (2.2663870 vs 2.2663853 seen)
+            assert a[key] == pytest.approx(b[key], rel=2e-6, abs=1e-6), key
         assert a["num_optimizer_steps"] == b["num_optimizer_steps"] == 1
     assert auto_weights.keys() == always_weights.keys()
     for name, weight in auto_weights.items():
         assert weight.dtype == torch.float32
-        assert (weight - always_weights[name]).abs().max() <= 1e-6, name
+        # Adam divides by the gradient's own scale, so ulp-level gradient differences on near-zero entries
+        # move a weight by a small fraction of the learning rate (1e-3 here): up to 2.6e-5 seen at DP2 with
+        # the token budget, where the two runs' GEMMs see their rows in different slices
+        assert (weight - always_weights[name]).abs().max() <= 1e-4, name
     moved = [m["grad_norm"] > 0 for m in auto_metrics]
     assert all(moved) and auto_metrics[1]["pg_loss"] != auto_metrics[0]["pg_loss"]  # a real second step
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.launch_env import rendezvous_for_init
@@ -28,6 +29,8 @@ class Worker:
         self.world_size = world_size
         self.num_threads = num_threads
         self._ctx: ParallelContext | None = None
+        self.host_heap = "host heap: left as is (GPU rank)"
+        """What :func:`keep_freed_host_memory` did in this process (CPU ranks)."""
 
     @property
     def ctx(self) -> ParallelContext:
@@ -52,6 +55,8 @@ class Worker:
             LOCAL_RANK="0",
         ):
             self._ctx = ParallelContext.initialize(parallel, seed)
+        if self._ctx.device.type == "cpu":
+            self.host_heap = keep_freed_host_memory()
         return self.rank_info()
 
     def rank_info(self) -> RankInfo:
