@@ -68,7 +68,8 @@ def _run(folder: str, extra: list[str], steps: int = 2, use_ray: bool = False) -
 def _assert_same_run(auto: tuple[list[dict], dict], always: tuple[list[dict], dict]) -> None:
     (auto_metrics, auto_weights), (always_metrics, always_weights) = auto, always
     for a, b in zip(auto_metrics, always_metrics, strict=True):
-        for key in SAME:  # a few fp32 ulps: grad_norm sums every weight's gradient (2.2663870 vs 2.2663853 seen)
+        # a few fp32 ulps: grad_norm sums every weight's gradient (2.2663870 vs 2.2663853 seen)
+        for key in SAME:
             assert a[key] == pytest.approx(b[key], rel=2e-6, abs=1e-6), key
         assert a["num_optimizer_steps"] == b["num_optimizer_steps"] == 1
     assert auto_weights.keys() == always_weights.keys()
