@@ -16,6 +16,7 @@ from mcore_rl.engine.rollout import (
     SamplingParams,
     rollout_shards_from_full,
 )
+from mcore_rl.engine.rollout.projection import panels_pay
 from mcore_rl.ops import decode as fused_decode
 from tests.engine.rollout.common import make_engine, random_full_state, recomputed_log_probs
 from tests.models import tiny_arch
@@ -337,7 +338,8 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_weights_are_laid_out_for_how_decode_steps_will_multiply(threads) -> None:
     """With 2+ threads (MKL-packed decode steps) the projection weights stay row-major as megatron holds them;
-    on one thread (plain NN gemms) they are column-major."""
+    on one thread (plain NN gemms), and on CPUs without AVX-512 (where our AVX2 panels run the decode
+    projections instead: ``projection.panels_pay``), they are column-major."""
     arch = tiny_arch("llama")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -346,5 +348,6 @@ def test_weights_are_laid_out_for_how_decode_steps_will_multiply(threads) -> Non
     finally:
         torch.set_num_threads(previous)
     weight = engine.decoder.weights["layers.0.mlp.gate_up_proj.weight"]
-    assert engine.decoder._packs_for_decode == (threads > 1)
-    assert weight.is_contiguous() == (threads > 1) and weight.t().is_contiguous() == (threads == 1)
+    mkl_packed = threads > 1 and not panels_pay(torch.device("cpu"), torch.float32)
+    assert engine.decoder._packs_for_decode == mkl_packed
+    assert weight.is_contiguous() == mkl_packed and weight.t().is_contiguous() == (not mkl_packed)
