@@ -77,8 +77,11 @@ def test_critic_tp2_pp2_equals_tp1(run_distributed) -> None:
     assert len(owners) == 1  # the last stage's TP rank 0
     got = owners[0]
     assert tp1["before"].shape == (ROWS, SEQ)
-    assert (got["before"] - tp1["before"]).abs().max() <= 1e-5
-    assert (got["after"] - tp1["after"]).abs().max() <= 1e-5
+    # 1e-5 relative to the values' scale (up to ~2): TP/PP-split GEMMs round differently per CPU kernel (AVX2
+    # machines measured 1.08e-5 on a value of ~1.8 after the step)
+    for when in ("before", "after"):
+        scale = max(1.0, float(tp1[when].abs().max()))
+        assert (got[when] - tp1[when]).abs().max() <= 1e-5 * scale, when
     assert (tp1["after"] - tp1["before"]).abs().max() > 1e-3  # the step moved the values
     for key in ("vf_loss", "vf_clip_frac", "vpred_mean", "grad_norm"):
         assert abs(getattr(got["stats"], key) - getattr(tp1["stats"], key)) <= 1e-5, key
