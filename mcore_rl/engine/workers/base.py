@@ -29,8 +29,6 @@ class Worker:
         self.world_size = world_size
         self.num_threads = num_threads
         self._ctx: ParallelContext | None = None
-        self.host_heap = "host heap: left as is (GPU rank)"
-        """What :func:`keep_freed_host_memory` did in this process (CPU ranks)."""
 
     @property
     def ctx(self) -> ParallelContext:
@@ -55,8 +53,8 @@ class Worker:
             LOCAL_RANK="0",
         ):
             self._ctx = ParallelContext.initialize(parallel, seed)
-        if self._ctx.device.type == "cpu":
-            self.host_heap = keep_freed_host_memory()
+        if self._ctx.device.type == "cpu":  # the driver's fast-path note says what this does
+            keep_freed_host_memory()
         return self.rank_info()
 
     def rank_info(self) -> RankInfo:
