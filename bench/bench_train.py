@@ -21,7 +21,11 @@ Sides:
 
 Reported per side: the median step of each run (after ``--warmup`` steps), the median over runs, the
 run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
-the ratios. ``--override KEY=VALUE`` applies to ``train`` and ``rlstep`` alike.
+the ratios. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
+training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
+mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it
+there. Two seconds do not stand for a run of minutes, so the bench reports the rate beside the steps and does
+not divide by it. ``--override KEY=VALUE`` applies to ``train`` and ``rlstep`` alike.
 
     python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
         [--sides train rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
@@ -42,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from bench._measure import mm_seconds
 from bench._rollout_models import MODELS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,6 +239,16 @@ def run_trl(workload: dict[str, Any], steps: int, warmup: int, threads: int) -> 
     }
 
 
+PROBE_SHAPES = ((4096, 512, 768), (4096, 512, 2752), (4096, 1376, 512), (2048, 512, 32000))
+"""(rows, inner, cols) of the machine probe: the realistic model's QKV, gate + up, down and an LM-head chunk."""
+
+
+def gemm_probe_gflops() -> float:
+    """The machine's ``torch.mm`` rate of the moment at :data:`PROBE_SHAPES` (about a second)."""
+    seconds = sum(mm_seconds(m, k, c, reps=5) for m, k, c in PROBE_SHAPES)
+    return sum(2.0 * m * k * c for m, k, c in PROBE_SHAPES) / seconds / 1e9
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -257,6 +272,8 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
             f"  {side:<7} step {medians[side]:.3f} s (runs: {cells}; run-to-run spread {spread:.1%}), "
             f"{tokens / medians[side]:.0f} tokens/s"
         )
+        rates = " ".join(f"{r['probe_gflops']:.0f}" for r in per_run)
+        print(f"          machine    {rates} GFLOP/s (torch.mm around each run)")
         for phase in ("iteration", "driver", "generate", "update"):
             values = [v for r in per_run for v in r.get(phase, [])]
             if values:
@@ -308,6 +325,7 @@ def main() -> int:
                 folder = Path(tmp)
                 write_inputs(folder / "inputs", workload, workload["prompts"] * args.steps)
                 recipe = write_recipe(folder, workload, args.steps, args.threads)
+                rate_before = gemm_probe_gflops()
                 start = time.perf_counter()
                 if side == "train":
                     runs[side].append(run_train(folder, recipe, args.override, args.warmup))
@@ -317,8 +335,13 @@ def main() -> int:
                     )
                 else:
                     runs[side].append(run_trl(workload, args.steps, args.warmup, args.threads))
+                seconds = time.perf_counter() - start
+                runs[side][-1]["probe_gflops"] = (rate_before + gemm_probe_gflops()) / 2
                 print(
-                    f"round {r + 1} {side}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True
+                    f"round {r + 1} {side}: {seconds:.0f} s, machine {runs[side][-1]['probe_gflops']:.0f} "
+                    "GFLOP/s",
+                    file=sys.stderr,
+                    flush=True,
                 )
     report(args.workload, runs, args)
     return 0
