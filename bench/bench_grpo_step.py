@@ -42,7 +42,6 @@ computed in ``bench/grpo_step_limits.py``, the report in ``bench/grpo_step_repor
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import math
@@ -337,13 +336,6 @@ def _parse() -> argparse.Namespace:
         help="leave glibc's default (freed blocks returned to the system) instead of what a CPU rank does "
         "(mcore_rl/engine/workers/host_heap.py): the A/B of that policy",
     )
-    parser.add_argument(
-        "--hand-back-heap",
-        action="store_true",
-        help="after each of our steps, return the kept heap to the system (malloc_trim) before another side "
-        "runs, so that two sides' peaks are never resident at once (at 512 new tokens they exceed 24 GiB); "
-        "our next step then faults its pages in again, and its time includes that",
-    )
     parser.add_argument("--json", type=Path, help="also write everything the report prints to this file")
     args = parser.parse_args()
     workload = WORKLOADS[args.model]
@@ -365,28 +357,17 @@ def _run_rounds(
     prompts: torch.Tensor,
     rounds: int,
     unwarmed: tuple[str, ...] = (),
-    hand_back: tuple[str, ...] = (),
 ) -> dict[str, list[dict[str, float]]]:
-    """``unwarmed``: sides that warm themselves up inside each call (the GEMM timing); ``hand_back``: sides
-    after whose every call the process's freed heap is returned to the system (``--hand-back-heap``)."""
+    """``unwarmed``: sides that warm themselves up inside each call (the GEMM timing)."""
     for name, fn in sides.items():  # warm-up
         if name not in unwarmed:
             fn(prompts, 0)
-            _hand_back_heap(name in hand_back)
     rows: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
     for r in range(rounds):  # the order rotates, so that each side runs first in some rounds
         names = list(sides)
         for name in names[r % len(names) :] + names[: r % len(names)]:
             rows[name].append(sides[name](prompts, r + 1))
-            _hand_back_heap(name in hand_back)
     return rows
-
-
-def _hand_back_heap(wanted: bool) -> None:
-    """Returns this process's free heap memory to the system (glibc's ``malloc_trim``, which also releases
-    free pages inside the heap): what the kept-heap policy holds between steps."""
-    if wanted:
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def main() -> None:
@@ -414,8 +395,7 @@ def main() -> None:
                 labels["hf"] = "HF generate + plain PyTorch GRPO step"
             if not args.no_always:
                 sides["ours_always"] = lambda p, seed: ours.step(p, seed, recompute=True)
-            hand_back = ("ours", "ours_always") if args.hand_back_heap else ()
-            rows = _run_rounds(sides, prompts, args.rounds, unwarmed=("gemm",), hand_back=hand_back)
+            rows = _run_rounds(sides, prompts, args.rounds, unwarmed=("gemm",))
         finally:
             if trl is not None:
                 trl.close()

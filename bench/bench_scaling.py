@@ -5,11 +5,7 @@ Two sweeps: new tokens per response (``--lengths``, default 32,128,512) at ``--n
 (default 8), and samples per prompt (``--samples``, default 4,8,16) at ``--new-tokens`` (default 128). Each
 point runs in its own process, so no allocator state or thread placement carries from one point to the next,
 and the points run one after another, never two at once: each side's timing needs the whole machine. A point
-that lies on both sweeps (128 tokens x 8 samples by default) is measured once and used in both. Within a
-point, ours runs in the bench's process and TRL's in a process of its own beside it; ours hands its kept heap
-back to the system after each of its steps (``bench_grpo_step --hand-back-heap``), because at the long points
-the two peaks together exceed a 24 GiB machine (512 new tokens x 8 samples was killed for memory without it).
-Our steps then fault their pages in again each round, which their times include: against us, not for us.
+that lies on both sweeps (128 tokens x 8 samples by default) is measured once and used in both.
 
 Growth: ours(point) / ours(first point of its sweep) against TRL(point) / TRL(first). Ours should grow no
 faster than TRL's anywhere; a point where it does (by more than ``--tolerance``) is flagged. Equivalently, the
@@ -238,7 +234,6 @@ def run_point(point: Point, args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "bench.bench_grpo_step", "--model", args.model]
         cmd += ["--new-tokens", str(point.new_tokens), "--n", str(point.n), "--rounds", str(args.rounds)]
         cmd += ["--threads", str(args.threads), "--baseline", "trl", "--no-always", "--json", str(json_path)]
-        cmd += ["--hand-back-heap"]  # see the module docstring
         cmd += shlex.split(args.bench_args)
         try:
             done = subprocess.run(
