@@ -48,6 +48,8 @@ import yaml
 
 from bench._measure import mm_seconds
 from bench._rollout_models import MODELS
+from bench.grpo_step_limits import gemm_flops, linear_shapes
+from mcore_rl.engine.arch import ModelArch
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LEN = 16
@@ -239,14 +241,13 @@ def run_trl(workload: dict[str, Any], steps: int, warmup: int, threads: int) -> 
     }
 
 
-PROBE_SHAPES = ((4096, 512, 768), (4096, 512, 2752), (4096, 1376, 512), (2048, 512, 32000))
-"""(rows, inner, cols) of the machine probe: the realistic model's QKV, gate + up, down and an LM-head chunk."""
-
-
 def gemm_probe_gflops() -> float:
-    """The machine's ``torch.mm`` rate of the moment at :data:`PROBE_SHAPES` (about a second)."""
-    seconds = sum(mm_seconds(m, k, c, reps=5) for m, k, c in PROBE_SHAPES)
-    return sum(2.0 * m * k * c for m, k, c in PROBE_SHAPES) / seconds / 1e9
+    """The machine's ``torch.mm`` rate of the moment (about a second): the realistic model's linear layers over
+    4096 tokens and its LM head over 2048, one product each."""
+    arch = ModelArch.from_hf_config(WORKLOADS["realistic"]["hf_config"])
+    gemms = [(4096, k, c, 1) for k, c in linear_shapes(arch)] + [(2048, arch.hidden_size, arch.vocab_size, 1)]
+    seconds = sum(mm_seconds(m, k, c, reps=5) for m, k, c, _ in gemms)
+    return gemm_flops(gemms) / seconds / 1e9
 
 
 def _median(values: list[float]) -> float:
