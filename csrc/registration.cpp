@@ -8,11 +8,21 @@
 #define MCORE_RL_WITH_CUDA 0
 #endif
 
+// The host cache's two functions (csrc/host_cache_cpu.cpp): plain module functions, not ops, since they
+// take no tensors and change the process's CPU allocator.
+PyObject* mcore_rl_host_cache_configure(PyObject* self, PyObject* args);
+PyObject* mcore_rl_host_cache_stats(PyObject* self, PyObject* args);
+
 extern "C" {
 // `import mcore_rl._C` loads this library, which runs the static registrations below. The module itself
-// only tells Python whether CUDA kernels were compiled in.
+// tells Python whether CUDA kernels were compiled in and holds the host cache's functions.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"host_cache_configure", mcore_rl_host_cache_configure, METH_VARARGS,
+       "host_cache_configure(max_cached_bytes, min_block_bytes): torch's CPU allocator keeps freed blocks"},
+      {"host_cache_stats", mcore_rl_host_cache_stats, METH_NOARGS, "host_cache_stats() -> dict of counters"},
+      {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module != nullptr && PyModule_AddIntConstant(module, "WITH_CUDA", MCORE_RL_WITH_CUDA) != 0) {
     Py_DECREF(module);

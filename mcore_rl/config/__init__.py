@@ -37,7 +37,7 @@ the meaning is the same::
     trainer:    project_name, experiment_name, total_epochs, total_training_steps, test_freq,
                 val_before_train, save_freq, resume_mode, resume_from_path, max_ckpt_to_keep,
                 default_local_dir, seed, nnodes, n_gpus_per_node, device, ray_address, num_cpus,
-                on_nonfinite_loss, overlap_stages, one_step_off
+                host_cache_gib, on_nonfinite_loss, overlap_stages, one_step_off
     logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold,
                 log_val_generations, wandb, wandb_mode, mlflow, mlflow_tracking_uri, tracker_project,
                 tracker_run_name

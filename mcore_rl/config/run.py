@@ -19,6 +19,7 @@ from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.io.fields import (
     FREQUENCY,
     NON_NEGATIVE,
+    OPTIONAL_NON_NEGATIVE,
     OPTIONAL_POSITIVE,
     POSITIVE,
     Rule,
@@ -124,6 +125,11 @@ class TrainerConfig:
     """An existing Ray cluster (``ray start``) to join; None starts a local one."""
     num_cpus: int | None = None
     """CPUs for a local Ray; None takes them from the environment (Slurm / cgroup), never a guess."""
+    host_cache_gib: float | None = None
+    """CPU ranks: freed tensor memory (blocks of 1 MiB and up) each rank keeps for the next step to reuse
+    instead of faulting fresh pages in (``engine/workers/host_heap.py``), at most this many GiB per rank;
+    None: a quarter of the host's memory (or its cgroup's limit) shared by the ranks on it; 0: glibc's own
+    behaviour (blocks above 32 MiB are unmapped when freed and faulted in again). GPU ranks ignore it."""
     on_nonfinite_loss: str = OnNonFiniteLoss.STOP.value
     """A NaN/inf loss or grad norm: stop (no update is written, the step is named) or skip the update."""
     overlap_stages: bool = True
@@ -154,6 +160,7 @@ class TrainerConfig:
                 "n_gpus_per_node": POSITIVE,
                 "device": choice(Device),
                 "num_cpus": OPTIONAL_POSITIVE,
+                "host_cache_gib": OPTIONAL_NON_NEGATIVE,
                 "on_nonfinite_loss": choice(OnNonFiniteLoss),
                 "on_save_failure": choice(OnSaveFailure),
                 "max_restarts": NON_NEGATIVE,

@@ -31,6 +31,7 @@ UNWATCHED = frozenset(
         "configure_watchdog",
         "rendezvous_address",
         "init_parallel",
+        "keep_freed_host_memory",
         "build",
         "pid",
         "shutdown",

@@ -43,6 +43,7 @@ class Rule:
 POSITIVE = Rule("> 0", lambda v: v > 0)
 NON_NEGATIVE = Rule(">= 0", lambda v: v >= 0)
 OPTIONAL_POSITIVE = Rule("> 0 or null", lambda v: v is None or v > 0)
+OPTIONAL_NON_NEGATIVE = Rule(">= 0 or null", lambda v: v is None or v >= 0)
 UNIT_INTERVAL = Rule("in [0, 1)", lambda v: 0 <= v < 1)
 CLOSED_UNIT = Rule("in [0, 1]", lambda v: 0 <= v <= 1)
 PROBABILITY = Rule("in (0, 1]", lambda v: 0 < v <= 1)

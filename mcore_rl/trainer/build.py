@@ -201,7 +201,7 @@ def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelCon
     """``ranks`` Ray workers of class ``worker`` on a placement group of their own (each rank its share of
     the cluster's CPUs, a GPU when the run uses them), console output to :func:`worker_output_dir`."""
     pool = ResourcePool(ranks, _cpus_per_rank(cfg), 1.0 if _use_gpus(cfg) else 0.0)
-    return WorkerGroup.spawn(
+    group = WorkerGroup.spawn(
         worker,
         ranks,
         collectives_outlast_the_watchdog(parallel, cfg.trainer.phase_timeout_s),
@@ -212,6 +212,12 @@ def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelCon
         phase_timeout_s=cfg.trainer.phase_timeout_s,
         stacks_dir=os.path.join(cfg.logging.log_dir, STACKS_DIR),
     )
+    try:  # the driver's fast-path note says what this does
+        group.run("keep_freed_host_memory", cfg.trainer.host_cache_gib)
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
 
 
 STACKS_DIR = "stacks"
@@ -284,6 +290,7 @@ def build_actor_group(cfg: RunConfig, spec: WorkerSpec, use_ray: bool = True) ->
             )
         worker = HybridWorker(0, 1, num_threads=cfg.trainer.num_cpus or available_cpus())
         worker.init_parallel("127.0.0.1", free_local_port(), parallel, cfg.trainer.seed)
+        worker.keep_freed_host_memory(cfg.trainer.host_cache_gib)
         worker.build(spec)
         backend = InProcessBackend(worker)
     actors = ActorGroup(backend)

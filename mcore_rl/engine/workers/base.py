@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
+from mcore_rl.engine.workers.host_heap import GIB, keep_freed_host_memory, ranks_on_this_host
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.launch_env import rendezvous_for_init
@@ -53,9 +53,15 @@ class Worker:
             LOCAL_RANK="0",
         ):
             self._ctx = ParallelContext.initialize(parallel, seed)
-        if self._ctx.device.type == "cpu":  # the driver's fast-path note says what this does
-            keep_freed_host_memory()
         return self.rank_info()
+
+    def keep_freed_host_memory(self, cache_gib: float | None) -> str:
+        """A CPU rank keeps freed tensor memory for reuse, at most ``cache_gib`` (``trainer.host_cache_gib``;
+        ``engine/workers/host_heap.py``); one line for the log. GPU ranks are left alone."""
+        if self.ctx.device.type != "cpu":
+            return "host memory: left as is (GPU rank)"
+        cache_bytes = None if cache_gib is None else int(cache_gib * GIB)
+        return keep_freed_host_memory(cache_bytes, ranks_on_this_host(self.world_size))
 
     def rank_info(self) -> RankInfo:
         """This rank's coordinates; without a rollout engine every rank is its own rollout replica."""

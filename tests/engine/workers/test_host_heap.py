@@ -1,47 +1,105 @@
-"""A CPU rank keeps freed blocks in its heap (``engine/workers/host_heap.py``): a second step's allocation of
-the same size reuses the pages instead of faulting them in again; a user's glibc setting wins. Each case runs
-in a fresh interpreter, since the policy is process-wide."""
+"""A CPU rank keeps freed tensor memory for reuse within a cap (``engine/workers/host_heap.py``, the caching
+allocator in ``csrc/host_cache_cpu.cpp``): a second step's blocks reuse the first step's pages instead of
+faulting them in again, what is kept never exceeds the cap, a block serves only requests within 1/8 of its
+size, and the numbers a step computes do not change. Each case runs in a fresh interpreter, since the
+allocator is process-wide."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-CHILD = """
-import json, resource
-import torch
+from mcore_rl.config import RunConfig, check_config
 from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
+from mcore_rl.io.errors import ConfigError
+from mcore_rl.ops._native import extension_loaded
 
-note = keep_freed_host_memory()
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the cache maps memory the Linux way"),
+    pytest.mark.skipif(not extension_loaded(), reason="the cache is in mcore_rl._C"),
+]
+MIB = 1 << 20
+
+STEPS = """
+import json, resource, sys
+import torch
+from mcore_rl.engine.workers.host_heap import host_cache_stats, keep_freed_host_memory
+
+cap = None if sys.argv[1] == "default" else int(sys.argv[1])
+note = keep_freed_host_memory(cap)
 torch.manual_seed(0)
 layer = torch.nn.Linear(256, 4096)
 batch = torch.randn(4096, 256)
-faults = []
+faults, losses = [], []
 for step in range(8):  # a training step's pattern: 64 MiB activations and their gradients, freed each step
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.relu(layer(batch)).square().mean().backward()
+    loss = torch.relu(layer(batch)).square().mean()
+    loss.backward()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"note": note, "faults": faults}))
+    losses.append(loss.item())
+print(json.dumps({"note": note, "faults": faults, "losses": losses, "grad": layer.weight.grad.sum().item(),
+                  "stats": host_cache_stats()}))
 """
 
 
-def _child(env: dict[str, str]) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], env={**os.environ, **env}, capture_output=True, text=True, check=True
-    )
+def _child(script: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_a_repeated_step_reuses_its_pages_unless_the_user_set_glibcs_own() -> None:
-    kept, left = _child({}), _child({"MALLOC_MMAP_MAX_": "65536"})
-    assert kept["note"] == "host heap: freed blocks kept for reuse (no mmap, no trim)", kept["note"]
-    assert left["note"] == "host heap: left as is (MALLOC_MMAP_MAX_ set)", left["note"]
-    one_step = min(left["faults"][-5:])  # glibc's default: every step faults its blocks in again
-    assert one_step > 100_000, left  # 4096 x 4096 fp32 blocks, 4 KiB pages
-    # kept: the last five steps together fault in less than half of one step (an odd block may land anew)
-    assert sum(kept["faults"][-5:]) < one_step // 2, (kept, left)
+def test_a_repeated_step_reuses_its_pages_and_computes_the_same() -> None:
+    kept, returned = _child(STEPS, "default"), _child(STEPS, "0")
+    assert kept["note"].startswith("host memory: freed blocks of 1 MiB and up kept for reuse, at most "), kept
+    assert returned["note"] == "host memory: left to glibc (trainer.host_cache_gib=0)"
+    one_step = min(returned["faults"][-5:])  # glibc maps blocks above 32 MiB anew: every step faults them in
+    assert one_step > 100_000, returned  # 4096 x 4096 fp32 blocks, 4 KiB pages
+    # kept: the last five steps together fault in less than a tenth of one step
+    assert sum(kept["faults"][-5:]) < one_step // 10, (kept, returned)
+    assert kept["stats"]["reused"] > 0 and returned["stats"]["reused"] == 0
+    assert kept["losses"] == returned["losses"] and kept["grad"] == returned["grad"]  # bit for bit
+
+
+BOUND = """
+import json
+import torch
+from mcore_rl.engine.workers.host_heap import host_cache_stats, keep_freed_host_memory
+
+MIB = 1 << 20
+keep_freed_host_memory(64 * MIB)
+seen = []
+blocks = [torch.ones(mib * MIB // 4) for mib in (4, 8, 12, 16, 20, 24, 28, 32)]  # 144 MiB, all distinct sizes
+while blocks:  # freed smallest first: the cap keeps the last freed that fit in 64 MiB (32 and 28)
+    blocks.pop(0)
+seen.append(host_cache_stats())
+fit = torch.empty(30 * MIB // 4)  # the 32 MiB block serves it (within 1/8); 16 MiB would not serve 20
+seen.append(host_cache_stats())
+small = torch.empty(20 * MIB // 4)
+seen.append(host_cache_stats())
+keep_freed_host_memory(8 * MIB)  # a lower cap returns what is kept beyond it
+seen.append(host_cache_stats())
+print(json.dumps(seen))
+"""
+
+
+def test_what_is_kept_stays_within_the_cap_and_serves_only_near_sizes() -> None:
+    freed, took, missed, lowered = _child(BOUND)
+    assert freed["max_cached_bytes"] == 64 * MIB
+    # 32 + 28 MiB fit under 64 MiB (each block rounds up by one page for its header)
+    assert freed["cached_bytes"] <= 64 * MIB and freed["cached_bytes"] > 56 * MIB, freed
+    assert freed["returned_bytes"] > 80 * MIB, freed
+    assert took["reused"] == freed["reused"] + 1 and took["mapped"] == freed["mapped"], took
+    # 20 MiB: the kept 28 MiB block is more than 1/8 too large, so a new block is mapped
+    assert missed["reused"] == took["reused"] and missed["mapped"] == took["mapped"] + 1, missed
+    assert lowered["cached_bytes"] <= 8 * MIB, lowered
+
+
+def test_a_negative_cap_is_named_at_the_boundary() -> None:
+    cfg = RunConfig()
+    cfg.trainer.host_cache_gib = -1.0
+    with pytest.raises(ConfigError, match=r"trainer\.host_cache_gib"):
+        check_config(cfg)
+    with pytest.raises(ValueError, match=r"trainer\.host_cache_gib"):
+        keep_freed_host_memory(-1)
