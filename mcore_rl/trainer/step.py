@@ -30,7 +30,7 @@ from mcore_rl.controller import WorkerError
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import NonFiniteLossError
-from mcore_rl.engine.workers.host_heap import GIB, keep_freed_host_memory, ranks_on_this_host
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory_of_run
 from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
@@ -409,9 +409,7 @@ def fast_path_note(cfg: RunConfig) -> str:
     if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
         lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
     if compute_device(cfg) == "cpu":
-        cache_gib = cfg.trainer.host_cache_gib
-        cache_bytes = None if cache_gib is None else int(cache_gib * GIB)
-        lines.append(keep_freed_host_memory(cache_bytes, ranks_on_this_host(cfg.world_size), apply=False))
+        lines.append(keep_freed_host_memory_of_run(cfg.trainer.host_cache_gib, cfg.world_size, apply=False))
     return "fast paths: " + "; ".join(lines)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.engine.workers.host_heap import GIB, keep_freed_host_memory, ranks_on_this_host
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory_of_run
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.launch_env import rendezvous_for_init
@@ -60,8 +60,7 @@ class Worker:
         ``engine/workers/host_heap.py``); one line for the log. GPU ranks are left alone."""
         if self.ctx.device.type != "cpu":
             return "host memory: left as is (GPU rank)"
-        cache_bytes = None if cache_gib is None else int(cache_gib * GIB)
-        return keep_freed_host_memory(cache_bytes, ranks_on_this_host(self.world_size))
+        return keep_freed_host_memory_of_run(cache_gib, self.world_size)
 
     def rank_info(self) -> RankInfo:
         """This rank's coordinates; without a rollout engine every rank is its own rollout replica."""

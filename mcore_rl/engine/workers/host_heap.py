@@ -98,3 +98,10 @@ def host_cache_stats() -> dict[str, int] | None:
 def ranks_on_this_host(world_size: int) -> int:
     """torchrun's ``LOCAL_WORLD_SIZE`` where set, else the whole world (CPU runs share one host)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def keep_freed_host_memory_of_run(cache_gib: float | None, world_size: int, apply: bool = True) -> str:
+    """:func:`keep_freed_host_memory` for a run's ``trainer.host_cache_gib`` and world size (the worker
+    applies it, the driver's fast-path note only describes it)."""
+    cache_bytes = None if cache_gib is None else int(cache_gib * GIB)
+    return keep_freed_host_memory(cache_bytes, ranks_on_this_host(world_size), apply)
