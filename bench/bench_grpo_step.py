@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -336,8 +337,16 @@ def _parse() -> argparse.Namespace:
         help="leave glibc's default (freed blocks returned to the system) instead of what a CPU rank does "
         "(mcore_rl/engine/workers/host_heap.py): the A/B of that policy",
     )
+    parser.add_argument(
+        "--return-host-cache",
+        action="store_true",
+        help="return the blocks our host cache kept after each of our steps (its cap back before the next): "
+        "a 24 GiB machine cannot hold them and TRL's process at 512 new tokens (the scaling sweep)",
+    )
     parser.add_argument("--json", type=Path, help="also write everything the report prints to this file")
     args = parser.parse_args()
+    if args.return_host_cache and args.release_host_memory:
+        parser.error("--return-host-cache: there is no cache to return with --release-host-memory")
     workload = WORKLOADS[args.model]
     args.hf_config = dict(workload["hf_config"])
     for name in ("n", "new_tokens"):
@@ -370,6 +379,22 @@ def _run_rounds(
     return rows
 
 
+def _returning_host_cache(
+    step: Callable[[torch.Tensor, int], dict[str, float]],
+) -> Callable[[torch.Tensor, int], dict[str, float]]:
+    """``step`` with the host cache at its default cap while it runs and emptied after it (outside its
+    timing): blocks freed and reused within the step are kept, none stay while another side runs."""
+
+    def run(prompts: torch.Tensor, seed: int) -> dict[str, float]:
+        keep_freed_host_memory()
+        try:
+            return step(prompts, seed)
+        finally:
+            keep_freed_host_memory(0)
+
+    return run
+
+
 def main() -> None:
     args = _parse()
     torch.set_num_threads(args.threads)
@@ -384,7 +409,9 @@ def main() -> None:
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         ours = Ours(ctx, args)
         gemm = GemmRate(gemm_shapes(ours.arch, args.prompts * args.n, args.prompt_len, args.new_tokens))
-        sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {"ours": ours.step}
+        sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {
+            "ours": _returning_host_cache(ours.step) if args.return_host_cache else ours.step
+        }
         sides["gemm"] = gemm.step
         try:
             if args.baseline in ("trl", "both"):
@@ -394,7 +421,8 @@ def main() -> None:
                 sides["hf"] = Baseline(args).step
                 labels["hf"] = "HF generate + plain PyTorch GRPO step"
             if not args.no_always:
-                sides["ours_always"] = lambda p, seed: ours.step(p, seed, recompute=True)
+                always = functools.partial(ours.step, recompute=True)
+                sides["ours_always"] = _returning_host_cache(always) if args.return_host_cache else always
             rows = _run_rounds(sides, prompts, args.rounds, unwarmed=("gemm",))
         finally:
             if trl is not None:

@@ -275,6 +275,10 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
         )
         rates = " ".join(f"{r['probe_gflops']:.0f}" for r in per_run)
         print(f"          machine    {rates} GFLOP/s (torch.mm around each run)")
+        # a spread between runs that the steps within one run also show is the machine's, not a run's state
+        steps = " | ".join(" ".join(f"{s:.2f}" for s in r["step"]) for r in per_run)
+        within = max(max(r["step"]) / min(r["step"]) - 1 for r in per_run)
+        print(f"          steps      {steps} s (largest spread within a run: {within:.1%})")
         for phase in ("iteration", "driver", "generate", "update"):
             values = [v for r in per_run for v in r.get(phase, [])]
             if values:

@@ -55,4 +55,7 @@ if __name__ == "__main__":
     from mcore_rl import cli
 
     cli.SUBCOMMANDS["slow-write"] = ("tests.io.slow_writer", "test writer")
+    # That filter is for megatron's CPU warnings, and deciding on it imports torch: 1.5 s of each of the
+    # tests' 7 writer processes, which import neither (main's signal and error handling stay as they are).
+    cli._quiet_expected_warnings = lambda: None
     sys.exit(cli.main(sys.argv[1:]))

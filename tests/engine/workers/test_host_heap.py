@@ -103,3 +103,29 @@ def test_a_negative_cap_is_named_at_the_boundary() -> None:
         check_config(cfg)
     with pytest.raises(ValueError, match=r"trainer\.host_cache_gib"):
         keep_freed_host_memory(-1)
+
+
+RETURNED_BETWEEN_SIDES = """
+import json
+import torch
+from bench.bench_grpo_step import _returning_host_cache
+from mcore_rl.engine.workers.host_heap import host_cache_stats
+
+during = {}
+def step(prompts, seed):
+    block = torch.ones(16 << 18)  # 16 MiB, freed within the step: the cache keeps it
+    del block
+    during.update(host_cache_stats())
+    return {"step": float(seed)}
+out = _returning_host_cache(step)(None, 3)
+print(json.dumps({"out": out, "during": during, "after": host_cache_stats()}))
+"""
+
+
+def test_the_scaling_bench_keeps_the_cache_within_our_step_and_empties_it_after() -> None:
+    """``bench_grpo_step --return-host-cache``: TRL's process runs while ours holds nothing it kept."""
+    seen = _child(RETURNED_BETWEEN_SIDES)
+    assert seen["out"] == {"step": 3.0}
+    assert seen["during"]["max_cached_bytes"] > 0 and seen["during"]["cached_bytes"] >= 16 * MIB, seen
+    assert seen["after"]["cached_bytes"] == 0 and seen["after"]["max_cached_bytes"] == 0, seen
+    assert seen["after"]["returned_bytes"] >= 16 * MIB, seen
