@@ -43,6 +43,9 @@ class HostCache final : public c10::Allocator {
     }
     Header* block = n + kHeader < min_block_.load(std::memory_order_relaxed) ? small(n) : mapped(n);
     void* data = reinterpret_cast<char*>(block) + kHeader;
+    // What torch's default CPU allocator reports, so the profiler's memory view (profile_memory=True) and
+    // caffe2_report_cpu_memory_usage see our blocks as they would see its own: cheap unless either is on.
+    c10::profiledCPUMemoryReporter().New(data, n);
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -181,29 +184,40 @@ HostCache* cache() {
 
 void release(void* data) {
   if (data != nullptr) {
+    c10::profiledCPUMemoryReporter().Delete(data);
     cache()->free_block(reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader));
   }
 }
 
+bool installed = false;  // whether torch's CPU allocator is the cache (set under the GIL)
+
 }  // namespace
 
-// _C.host_cache_configure(max_cached_bytes, min_block_bytes): installs the allocator as torch's CPU
-// allocator on first call (tensors allocated before keep their own deleters), then sets its bounds.
+// _C.host_cache_configure(max_cached_bytes, min_block_bytes): sets the cache's bounds, and on the first
+// positive cap installs it as torch's CPU allocator (tensors allocated before keep their own deleters). A
+// zero cap before that leaves torch's allocator untouched; after it, the cache keeps nothing and every
+// request goes to c10::alloc_cpu, as torch's own allocator does. It stays installed: tensors it allocated
+// may still be alive, and each frees through the deleter it was given, whichever allocator is current.
 PyObject* mcore_rl_host_cache_configure(PyObject* /*self*/, PyObject* args) {
   unsigned long long max_cached = 0, min_block = 0;
   if (!PyArg_ParseTuple(args, "KK", &max_cached, &min_block)) {
     return nullptr;
   }
-  static bool installed = false;
   cache()->configure(max_cached, min_block);
-  if (!installed) {
+  if (!installed && max_cached > 0) {
     c10::SetCPUAllocator(cache(), /*priority=*/1);
     installed = true;
   }
   Py_RETURN_NONE;
 }
 
-// _C.host_cache_stats() -> dict of the cache's counters (bytes kept, mapped, peak, reuses, maps, returned).
+// _C.host_cache_stats() -> dict of the cache's counters (bytes kept, mapped, peak, reuses, maps, returned)
+// and whether it is torch's CPU allocator.
 PyObject* mcore_rl_host_cache_stats(PyObject* /*self*/, PyObject* /*args*/) {
-  return cache()->stats();
+  PyObject* stats = cache()->stats();
+  if (stats != nullptr && PyDict_SetItemString(stats, "installed", installed ? Py_True : Py_False) != 0) {
+    Py_DECREF(stats);
+    return nullptr;
+  }
+  return stats;
 }

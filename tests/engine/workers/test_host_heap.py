@@ -59,6 +59,8 @@ def test_a_repeated_step_reuses_its_pages_and_computes_the_same() -> None:
     # kept: the last five steps together fault in less than a tenth of one step
     assert sum(kept["faults"][-5:]) < one_step // 10, (kept, returned)
     assert kept["stats"]["reused"] > 0 and returned["stats"]["reused"] == 0
+    # a zero cap leaves torch's own CPU allocator in place, not ours passing every block through
+    assert kept["stats"]["installed"] and not returned["stats"]["installed"]
     assert kept["losses"] == returned["losses"] and kept["grad"] == returned["grad"]  # bit for bit
 
 
@@ -103,6 +105,28 @@ def test_a_negative_cap_is_named_at_the_boundary() -> None:
         check_config(cfg)
     with pytest.raises(ValueError, match=r"trainer\.host_cache_gib"):
         keep_freed_host_memory(-1)
+
+
+PROFILED = """
+import json
+import torch
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
+
+keep_freed_host_memory(64 << 20)
+seen = []
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    for _ in range(2):  # the second block is the first one reused from the cache
+        block = torch.ones(4 << 18)  # 4 MiB: one of the cache's blocks
+        del block
+seen = [e.cpu_memory_usage for e in prof.key_averages() if e.key == "aten::empty"]
+print(json.dumps({"empty": seen}))
+"""
+
+
+def test_the_profilers_memory_view_sees_the_caches_blocks() -> None:
+    """Profiling with ``profile_memory=True`` reports our blocks as it reports torch's own allocator's."""
+    seen = _child(PROFILED)
+    assert seen["empty"] == [2 * 4 * MIB], seen
 
 
 RETURNED_BETWEEN_SIDES = """
