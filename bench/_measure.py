@@ -109,3 +109,27 @@ def memcpy_bytes_per_s(num_bytes: int, reps: int = 5) -> float:
         target.copy_(source)
         best = min(best, time.perf_counter() - start)
     return source.numel() / best
+
+
+def parallel_region_us(threads: int, reps: int = 2000) -> float:
+    """Microseconds per smallest parallel region at ``threads`` threads: an add over 64 Ki floats (two of
+    at::parallel_for's 32 Ki grains, so two threads split it), best of three rounds of ``reps``. At 2 threads
+    it is mostly the cost of the threads meeting: on these VMs it moves with how far apart the host runs the
+    two vCPUs (about 4.2 us against 5.7 us), while the same add on 1 thread does not move; decode, made of
+    many small parallel regions per token, slows with it (bench/bench_machine_modes.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    x = torch.ones(1 << 16)
+    out = torch.empty_like(x)
+    torch.set_num_threads(threads)
+    try:
+        rounds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(reps):
+                torch.add(x, 1.0, out=out)
+            rounds.append((time.perf_counter() - start) / reps * 1e6)
+    finally:
+        torch.set_num_threads(before)
+    return min(rounds)

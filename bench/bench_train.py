@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from bench._measure import mm_seconds
+from bench._measure import mm_seconds, parallel_region_us
 from bench._rollout_models import MODELS
 from bench.grpo_step_limits import gemm_flops, linear_shapes
 from mcore_rl.engine.arch import ModelArch
@@ -275,6 +275,11 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
         )
         rates = " ".join(f"{r['probe_gflops']:.0f}" for r in per_run)
         print(f"          machine    {rates} GFLOP/s (torch.mm around each run)")
+        # the threads' meeting cost moves with where the host runs the vCPUs (bench/bench_machine_modes.py)
+        regions = " ".join(f"{r['probe_region_us'][0]:.1f}->{r['probe_region_us'][1]:.1f}" for r in per_run)
+        print(
+            f"          vCPUs      {regions} us per {args.threads}-thread region (before -> after each run)"
+        )
         # a spread between runs that the steps within one run also show is the machine's, not a run's state
         steps = " | ".join(" ".join(f"{s:.2f}" for s in r["step"]) for r in per_run)
         within = max(max(r["step"]) / min(r["step"]) - 1 for r in per_run)
@@ -330,7 +335,7 @@ def main() -> int:
                 folder = Path(tmp)
                 write_inputs(folder / "inputs", workload, workload["prompts"] * args.steps)
                 recipe = write_recipe(folder, workload, args.steps, args.threads)
-                rate_before = gemm_probe_gflops()
+                rate_before, region_before = gemm_probe_gflops(), parallel_region_us(args.threads)
                 start = time.perf_counter()
                 if side == "train":
                     runs[side].append(run_train(folder, recipe, args.override, args.warmup))
@@ -342,9 +347,11 @@ def main() -> int:
                     runs[side].append(run_trl(workload, args.steps, args.warmup, args.threads))
                 seconds = time.perf_counter() - start
                 runs[side][-1]["probe_gflops"] = (rate_before + gemm_probe_gflops()) / 2
+                region_after = parallel_region_us(args.threads)
+                runs[side][-1]["probe_region_us"] = (region_before, region_after)
                 print(
                     f"round {r + 1} {side}: {seconds:.0f} s, machine {runs[side][-1]['probe_gflops']:.0f} "
-                    "GFLOP/s",
+                    f"GFLOP/s, {region_before:.2f} -> {region_after:.2f} us per parallel region",
                     file=sys.stderr,
                     flush=True,
                 )
