@@ -36,15 +36,6 @@ else:  # python bench/bench_machine_modes.py
     from bench_rollout import Bench, Cell
 
 
-def correlation(xs: list[float], ys: list[float]) -> float:
-    """Pearson's r of two equally long series."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    sx = sum((x - mx) ** 2 for x in xs) ** 0.5
-    sy = sum((y - my) ** 2 for y in ys) ** 0.5
-    return cov / (sx * sy) if sx and sy else float("nan")
-
-
 def timeline(iterations: int, threads: int) -> list[tuple[float, float, float]]:
     """(decode ms, 2-thread region us, 1-thread region us) per iteration; decode is the median of 3 calls."""
     torch.set_num_threads(threads)
@@ -80,8 +71,8 @@ def report(rows: list[tuple[float, float, float]]) -> None:
             )
     print(
         f"all: decode {min(decode):.1f}-{max(decode):.1f} ms (spread {max(decode) / min(decode) - 1:.1%}); "
-        f"correlation of decode with the 2-thread region {correlation(decode, region):+.2f}, with the "
-        f"1-thread op {correlation(decode, single):+.2f}"
+        f"correlation of decode with the 2-thread region {statistics.correlation(decode, region):+.2f}, with the "
+        f"1-thread op {statistics.correlation(decode, single):+.2f}"
     )
 
 

@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_machine_modes import correlation, report
-
-
-def test_correlation_is_pearsons_r() -> None:
-    assert correlation([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
-    assert correlation([1.0, 2.0, 3.0], [3.0, 1.0, -1.0]) == pytest.approx(-1.0)
-    assert correlation([1.0, 2.0, 1.0, 2.0], [5.0, 5.0, 7.0, 7.0]) == pytest.approx(0.0)
+from bench.bench_machine_modes import report
 
 
 def test_the_split_follows_the_two_thread_probe(capsys: pytest.CaptureFixture[str]) -> None:

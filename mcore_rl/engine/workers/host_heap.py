@@ -17,9 +17,9 @@ at a 10.4 GiB live peak, 8 x 8 x 512 new tokens); exact-size reuse held 11.4 GiB
 
 The cap (``trainer.host_cache_gib``; by default a quarter of the memory this process may use, the machine's
 or its cgroup's, shared by the ranks on the host) bounds what a rank holds beyond its live tensors; 0 leaves
-torch's own CPU allocator in place (a cache installed earlier in the process keeps nothing more and passes every
-request to glibc). The cache reports to torch's profiler as torch's allocator does. GPU ranks allocate device memory through CUDA's caching
-allocator and are left alone, as is a build without the native extension.
+torch's own CPU allocator in place (a cache installed earlier in the process keeps nothing more and passes
+every request to glibc). The cache reports to torch's profiler as torch's allocator does. GPU ranks allocate
+device memory through CUDA's caching allocator and are left alone, as is a build without the native extension.
 """
 
 from __future__ import annotations
