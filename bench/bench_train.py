@@ -15,6 +15,10 @@ Sides:
   and the fast paths at auto, as base.yaml has them), its steps read from ``metrics.jsonl``: ``time/step_s``
   (the step as the driver times it) and the gaps between the records' ``time/timestamp`` (the whole loop
   iteration: data loading, scoring, metrics, logging, progress bar included);
+- ``percore``: the same ``mcore-rl train`` run laid out as one single-threaded rank per vCPU
+  (``trainer.n_gpus_per_node`` = ``--threads``, data parallel over gloo, the micro-batch the rank's share),
+  where ``train`` runs one rank on all the threads: a rank whose threads span two vCPUs pays for where the
+  host places them against each other (``bench/bench_machine_modes.py``), a single-threaded one does not;
 - ``rlstep``: the same config's ``GRPOStep`` through a Ray worker, driven by this bench's loop (no logs, no
   progress bar): ``bench/bench_driver.py``'s measure, the step without the run around it;
 - ``trl``: TRL's step on the same model, prompts and lengths (``bench/bench_grpo_step.py``'s subprocess).
@@ -25,10 +29,10 @@ the ratios. Beside each run, a sample of the machine's own speed: ``torch.mm`` a
 training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
 mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it
 there. Two seconds do not stand for a run of minutes, so the bench reports the rate beside the steps and does
-not divide by it. ``--override KEY=VALUE`` applies to ``train`` and ``rlstep`` alike.
+not divide by it. ``--override KEY=VALUE`` applies to ``train``, ``percore`` and ``rlstep`` alike.
 
     python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
-        [--sides train rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
+        [--sides train percore rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
     "realistic": {"hf_config": dict(MODELS["realistic"]), "prompts": 8, "samples": 8, "new_tokens": 128},
 }
-SIDES = ("train", "rlstep", "trl")
+SIDES = ("train", "percore", "rlstep", "trl")
 
 
 def even_first_word(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
@@ -159,6 +163,20 @@ def run_train(folder: Path, recipe: Path, overrides: list[str], warmup: int) -> 
         "update": [r.get("time/update_s", float("nan")) for r in steps[warmup:]],
         "notes": notes,  # type: ignore[dict-item]
     }
+
+
+def per_core_overrides(workload: dict[str, Any], threads: int) -> list[str]:
+    """The ``percore`` side's layout: one single-threaded rank per vCPU (data parallel, gloo), each with its
+    share of the batch in one micro-batch, where ``train`` runs one rank on all of them."""
+    batch = workload["prompts"] * workload["samples"]
+    if batch % threads:
+        raise SystemExit(
+            f"--threads={threads} does not divide the workload's {batch} sequences (percore side)"
+        )
+    return [
+        f"trainer.n_gpus_per_node={threads}",
+        f"algorithm.ppo_micro_batch_size_per_gpu={batch // threads}",
+    ]
 
 
 def rlstep_child(folder: Path, overrides: list[str], steps: int, warmup: int, threads: int) -> None:
@@ -288,6 +306,15 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
             values = [v for r in per_run for v in r.get(phase, [])]
             if values:
                 print(f"          {phase:<10} {_median(values):.3f} s (median over runs' steps)")
+    if "train" in medians and "percore" in medians:
+        per_round = [
+            _median(p["step"]) / _median(t["step"])
+            for t, p in zip(runs["train"], runs["percore"], strict=True)
+        ]
+        print(
+            f"  percore / train: step {medians['percore'] / medians['train']:.3f} (medians); per round "
+            f"{', '.join(f'{r:.3f}' for r in per_round)}"
+        )
     if "train" in medians and "rlstep" in medians:
         train_iter = _median([v for r in runs["train"] for v in r["iteration"]])
         print(
@@ -295,7 +322,7 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
             f"{train_iter / medians['rlstep']:.3f}"
         )
     if "trl" in medians:
-        for side in ("train", "rlstep"):
+        for side in ("train", "percore", "rlstep"):
             if side in medians:
                 per_round = [
                     _median(t["step"]) / _median(o["step"])
@@ -337,8 +364,11 @@ def main() -> int:
                 recipe = write_recipe(folder, workload, args.steps, args.threads)
                 rate_before, region_before = gemm_probe_gflops(), parallel_region_us(args.threads)
                 start = time.perf_counter()
-                if side == "train":
-                    runs[side].append(run_train(folder, recipe, args.override, args.warmup))
+                if side in ("train", "percore"):
+                    overrides = args.override + (
+                        per_core_overrides(workload, args.threads) if side == "percore" else []
+                    )
+                    runs[side].append(run_train(folder, recipe, overrides, args.warmup))
                 elif side == "rlstep":
                     runs[side].append(
                         run_rlstep(folder, args.override, args.steps, args.warmup, args.threads)
