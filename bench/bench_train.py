@@ -167,12 +167,9 @@ def run_train(folder: Path, recipe: Path, overrides: list[str], warmup: int) -> 
 
 def per_core_overrides(workload: dict[str, Any], threads: int) -> list[str]:
     """The ``percore`` side's layout: one single-threaded rank per vCPU (data parallel, gloo), each with its
-    share of the batch in one micro-batch, where ``train`` runs one rank on all of them."""
+    share of the batch in one micro-batch, where ``train`` runs one rank on all of them. ``threads`` divides
+    the batch (``main`` checks it)."""
     batch = workload["prompts"] * workload["samples"]
-    if batch % threads:
-        raise SystemExit(
-            f"--threads={threads} does not divide the workload's {batch} sequences (percore side)"
-        )
     return [
         f"trainer.n_gpus_per_node={threads}",
         f"algorithm.ppo_micro_batch_size_per_gpu={batch // threads}",
@@ -272,6 +269,14 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _per_round(runs: dict[str, list[dict[str, Any]]], numerator: str, denominator: str) -> list[float]:
+    """Each round's ratio of two sides' run medians (the sides of one round ran back to back)."""
+    return [
+        _median(a["step"]) / _median(b["step"])
+        for a, b in zip(runs[numerator], runs[denominator], strict=True)
+    ]
+
+
 def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     workload = WORKLOADS[workload_name]
     tokens = workload["prompts"] * workload["samples"] * workload["new_tokens"]
@@ -307,13 +312,9 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
             if values:
                 print(f"          {phase:<10} {_median(values):.3f} s (median over runs' steps)")
     if "train" in medians and "percore" in medians:
-        per_round = [
-            _median(p["step"]) / _median(t["step"])
-            for t, p in zip(runs["train"], runs["percore"], strict=True)
-        ]
         print(
             f"  percore / train: step {medians['percore'] / medians['train']:.3f} (medians); per round "
-            f"{', '.join(f'{r:.3f}' for r in per_round)}"
+            f"{', '.join(f'{r:.3f}' for r in _per_round(runs, 'percore', 'train'))}"
         )
     if "train" in medians and "rlstep" in medians:
         train_iter = _median([v for r in runs["train"] for v in r["iteration"]])
@@ -324,13 +325,9 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
     if "trl" in medians:
         for side in ("train", "percore", "rlstep"):
             if side in medians:
-                per_round = [
-                    _median(t["step"]) / _median(o["step"])
-                    for t, o in zip(runs["trl"], runs[side], strict=True)
-                ]
                 print(
                     f"  TRL / {side}: {medians['trl'] / medians[side]:.2f}x (medians); per round "
-                    f"{', '.join(f'{r:.2f}x' for r in per_round)}"
+                    f"{', '.join(f'{r:.2f}x' for r in _per_round(runs, 'trl', side))}"
                 )
     notes = runs.get("train", [{}])[0].get("notes")
     if notes:
@@ -354,6 +351,16 @@ def main() -> int:
         rlstep_child(args.child_rlstep, args.override, args.steps, args.warmup, args.threads)
         return 0
     workload = WORKLOADS[args.workload]
+    batch = workload["prompts"] * workload["samples"]
+    if "percore" in args.sides and batch % args.threads:
+        parser.error(
+            f"--threads={args.threads} does not divide the workload's {batch} sequences (percore side)"
+        )
+    # the percore side is the train side laid out one single-threaded rank per vCPU
+    train_overrides = {
+        "train": args.override,
+        "percore": args.override + per_core_overrides(workload, args.threads),
+    }
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
     for r in range(args.rounds):
         order = args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]
@@ -364,11 +371,8 @@ def main() -> int:
                 recipe = write_recipe(folder, workload, args.steps, args.threads)
                 rate_before, region_before = gemm_probe_gflops(), parallel_region_us(args.threads)
                 start = time.perf_counter()
-                if side in ("train", "percore"):
-                    overrides = args.override + (
-                        per_core_overrides(workload, args.threads) if side == "percore" else []
-                    )
-                    runs[side].append(run_train(folder, recipe, overrides, args.warmup))
+                if side in train_overrides:
+                    runs[side].append(run_train(folder, recipe, train_overrides[side], args.warmup))
                 elif side == "rlstep":
                     runs[side].append(
                         run_rlstep(folder, args.override, args.steps, args.warmup, args.threads)
