@@ -15,10 +15,11 @@ Sides:
   and the fast paths at auto, as base.yaml has them), its steps read from ``metrics.jsonl``: ``time/step_s``
   (the step as the driver times it) and the gaps between the records' ``time/timestamp`` (the whole loop
   iteration: data loading, scoring, metrics, logging, progress bar included);
-- ``percore``: the same ``mcore-rl train`` run laid out as one single-threaded rank per vCPU
-  (``trainer.n_gpus_per_node`` = ``--threads``, data parallel over gloo, the micro-batch the rank's share),
-  where ``train`` runs one rank on all the threads: a rank whose threads span two vCPUs pays for where the
-  host places them against each other (``bench/bench_machine_modes.py``), a single-threaded one does not;
+- ``onerank``: the same ``mcore-rl train`` run laid out as the default was before 2026-12-05: one rank on all
+  ``--threads`` threads (``trainer.n_gpus_per_node=1``, the whole batch one micro-batch, the optimizer
+  distributed), where ``train`` now takes the default, one single-threaded rank per vCPU (data parallel over
+  gloo, each rank's share one micro-batch, ``config/machine.py``): a rank whose threads span two vCPUs pays
+  for where the host places them against each other (``bench/bench_machine_modes.py``);
 - ``rlstep``: the same config's ``GRPOStep`` through a Ray worker, driven by this bench's loop (no logs, no
   progress bar): ``bench/bench_driver.py``'s measure, the step without the run around it;
 - ``trl``: TRL's step on the same model, prompts and lengths (``bench/bench_grpo_step.py``'s subprocess).
@@ -29,10 +30,10 @@ the ratios. Beside each run, a sample of the machine's own speed: ``torch.mm`` a
 training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
 mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it
 there. Two seconds do not stand for a run of minutes, so the bench reports the rate beside the steps and does
-not divide by it. ``--override KEY=VALUE`` applies to ``train``, ``percore`` and ``rlstep`` alike.
+not divide by it. ``--override KEY=VALUE`` applies to ``train``, ``onerank`` and ``rlstep`` alike.
 
     python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
-        [--sides train percore rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
+        [--sides train onerank rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     },
     "realistic": {"hf_config": dict(MODELS["realistic"]), "prompts": 8, "samples": 8, "new_tokens": 128},
 }
-SIDES = ("train", "percore", "rlstep", "trl")
+SIDES = ("train", "onerank", "rlstep", "trl")
 
 
 def even_first_word(data_source: str, solution_str: str, ground_truth: object, extra_info: object) -> float:
@@ -118,7 +119,8 @@ def write_recipe(folder: Path, workload: dict[str, Any], steps: int, threads: in
             "shuffle": False,
         },
         "rollout": {"n": workload["samples"]},
-        "algorithm": {"ppo_micro_batch_size_per_gpu": batch},
+        # each rank's share of the batch in one micro-batch when the run takes a rank per thread (the default)
+        "algorithm": {"ppo_micro_batch_size_per_gpu": batch // threads},
         "optim": {"lr": 1.0e-5},
         "reward": {"custom_function": f"{Path(__file__).resolve()}:even_first_word"},
         "trainer": {
@@ -165,14 +167,14 @@ def run_train(folder: Path, recipe: Path, overrides: list[str], warmup: int) -> 
     }
 
 
-def per_core_overrides(workload: dict[str, Any], threads: int) -> list[str]:
-    """The ``percore`` side's layout: one single-threaded rank per vCPU (data parallel, gloo), each with its
-    share of the batch in one micro-batch, where ``train`` runs one rank on all of them. ``threads`` divides
-    the batch (``main`` checks it)."""
+def one_rank_overrides(workload: dict[str, Any]) -> list[str]:
+    """The ``onerank`` side's layout: one rank on all the threads, the whole batch one micro-batch, the
+    optimizer distributed (the defaults before ``trainer.n_gpus_per_node`` became automatic)."""
     batch = workload["prompts"] * workload["samples"]
     return [
-        f"trainer.n_gpus_per_node={threads}",
-        f"algorithm.ppo_micro_batch_size_per_gpu={batch // threads}",
+        "trainer.n_gpus_per_node=1",
+        f"algorithm.ppo_micro_batch_size_per_gpu={batch}",
+        "optim.use_distributed_optimizer=true",
     ]
 
 
@@ -277,6 +279,47 @@ def _per_round(runs: dict[str, list[dict[str, Any]]], numerator: str, denominato
     ]
 
 
+def _spread(values: list[float]) -> float:
+    return max(values) / min(values) - 1
+
+
+def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: int) -> float:
+    """One side's lines of the report; returns the median over its runs' median steps."""
+    run_medians = [_median(r["step"]) for r in per_run]
+    median = _median(run_medians)
+    cells = " ".join(f"{m:.3f}" for m in run_medians)
+    print(
+        f"  {side:<7} step {median:.3f} s (runs: {cells}; run-to-run spread {_spread(run_medians):.1%}), "
+        f"{tokens / median:.0f} tokens/s"
+    )
+    # what a user's run delivers is its tokens over its time: the mean step, which a run longer than the
+    # machine's spells of speed (tens of seconds, bench/bench_machine_modes.py) averages over them
+    run_means = [statistics.fmean(r["step"]) for r in per_run]
+    print(
+        f"          run mean   {' '.join(f'{m:.3f}' for m in run_means)} s (run-to-run spread "
+        f"{_spread(run_means):.1%}; {sum(len(r['step']) for r in per_run) // len(per_run)} timed steps per run)"
+    )
+    rates = " ".join(f"{r['probe_gflops']:.0f}" for r in per_run)
+    print(f"          machine    {rates} GFLOP/s (torch.mm around each run)")
+    # the threads' meeting cost moves with where the host runs the vCPUs (bench/bench_machine_modes.py)
+    regions = " ".join(f"{r['probe_region_us'][0]:.1f}->{r['probe_region_us'][1]:.1f}" for r in per_run)
+    print(f"          vCPUs      {regions} us per {threads}-thread region (before -> after each run)")
+    # a spread between runs that the steps within one run also show is the machine's, not a run's state
+    steps = " | ".join(
+        " ".join(f"{s:.2f}" for s in r["step"])
+        if len(r["step"]) <= 12
+        else f"{min(r['step']):.2f}-{max(r['step']):.2f}"
+        for r in per_run
+    )
+    within = max(_spread(r["step"]) for r in per_run)
+    print(f"          steps      {steps} s (largest spread within a run: {within:.1%})")
+    for phase in ("iteration", "driver", "generate", "update"):
+        values = [v for r in per_run for v in r.get(phase, [])]
+        if values:
+            print(f"          {phase:<10} {_median(values):.3f} s (median over runs' steps)")
+    return median
+
+
 def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
     workload = WORKLOADS[workload_name]
     tokens = workload["prompts"] * workload["samples"] * workload["new_tokens"]
@@ -286,35 +329,11 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
         f"{args.steps} steps per run, median after {args.warmup} warm-up; {args.threads} threads"
         f"{'; overrides ' + ' '.join(args.override) if args.override else ''}"
     )
-    medians: dict[str, float] = {}
-    for side, per_run in runs.items():
-        run_medians = [_median(r["step"]) for r in per_run]
-        medians[side] = _median(run_medians)
-        spread = max(run_medians) / min(run_medians) - 1
-        cells = " ".join(f"{m:.3f}" for m in run_medians)
+    medians = {side: _print_side(side, per_run, tokens, args.threads) for side, per_run in runs.items()}
+    if "train" in medians and "onerank" in medians:
         print(
-            f"  {side:<7} step {medians[side]:.3f} s (runs: {cells}; run-to-run spread {spread:.1%}), "
-            f"{tokens / medians[side]:.0f} tokens/s"
-        )
-        rates = " ".join(f"{r['probe_gflops']:.0f}" for r in per_run)
-        print(f"          machine    {rates} GFLOP/s (torch.mm around each run)")
-        # the threads' meeting cost moves with where the host runs the vCPUs (bench/bench_machine_modes.py)
-        regions = " ".join(f"{r['probe_region_us'][0]:.1f}->{r['probe_region_us'][1]:.1f}" for r in per_run)
-        print(
-            f"          vCPUs      {regions} us per {args.threads}-thread region (before -> after each run)"
-        )
-        # a spread between runs that the steps within one run also show is the machine's, not a run's state
-        steps = " | ".join(" ".join(f"{s:.2f}" for s in r["step"]) for r in per_run)
-        within = max(max(r["step"]) / min(r["step"]) - 1 for r in per_run)
-        print(f"          steps      {steps} s (largest spread within a run: {within:.1%})")
-        for phase in ("iteration", "driver", "generate", "update"):
-            values = [v for r in per_run for v in r.get(phase, [])]
-            if values:
-                print(f"          {phase:<10} {_median(values):.3f} s (median over runs' steps)")
-    if "train" in medians and "percore" in medians:
-        print(
-            f"  percore / train: step {medians['percore'] / medians['train']:.3f} (medians); per round "
-            f"{', '.join(f'{r:.3f}' for r in _per_round(runs, 'percore', 'train'))}"
+            f"  onerank / train: step {medians['onerank'] / medians['train']:.3f} (medians); per round "
+            f"{', '.join(f'{r:.3f}' for r in _per_round(runs, 'onerank', 'train'))}"
         )
     if "train" in medians and "rlstep" in medians:
         train_iter = _median([v for r in runs["train"] for v in r["iteration"]])
@@ -323,7 +342,7 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
             f"{train_iter / medians['rlstep']:.3f}"
         )
     if "trl" in medians:
-        for side in ("train", "percore", "rlstep"):
+        for side in ("train", "onerank", "rlstep"):
             if side in medians:
                 print(
                     f"  TRL / {side}: {medians['trl'] / medians[side]:.2f}x (medians); per round "
@@ -352,15 +371,9 @@ def main() -> int:
         return 0
     workload = WORKLOADS[args.workload]
     batch = workload["prompts"] * workload["samples"]
-    if "percore" in args.sides and batch % args.threads:
-        parser.error(
-            f"--threads={args.threads} does not divide the workload's {batch} sequences (percore side)"
-        )
-    # the percore side is the train side laid out one single-threaded rank per vCPU
-    train_overrides = {
-        "train": args.override,
-        "percore": args.override + per_core_overrides(workload, args.threads),
-    }
+    if batch % args.threads:  # the recipe's micro-batch is a rank's share at one rank per thread
+        parser.error(f"--threads={args.threads} does not divide the workload's {batch} sequences")
+    train_overrides = {"train": args.override, "onerank": args.override + one_rank_overrides(workload)}
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
     for r in range(args.rounds):
         order = args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]

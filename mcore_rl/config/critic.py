@@ -17,7 +17,7 @@ from mcore_rl.parallel.config import ParallelConfig
 
 def _critic_optim() -> OptimConfig:
     # verl's critic default: a learning rate 10x the actor's (the value head starts from scratch).
-    return OptimConfig(lr=1e-5, weight_decay=0.0)
+    return OptimConfig(lr=1e-5, weight_decay=0.0, use_distributed_optimizer=None)
 
 
 @dataclass

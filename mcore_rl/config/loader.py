@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mcore_rl.config.fast_paths import resolve_fast_paths
 from mcore_rl.config.key_hints import key_hint
+from mcore_rl.config.machine import resolve_ranks_per_node
 from mcore_rl.config.run import RunConfig
 from mcore_rl.config.validate import problems_message, validate
 from mcore_rl.io.errors import ConfigError
@@ -42,11 +43,14 @@ def load_config(
     overrides: Sequence[str] = (),
     check_paths: bool = False,
     rules: bool = True,
+    max_ranks: int | None = None,
 ) -> RunConfig:
     """The run config of recipe ``path`` (None: the schema defaults) with ``key=value`` ``overrides``
     applied in order, resolved and validated (see :func:`validate`; ``check_paths`` also requires files).
     ``rules=False`` checks each field (unknown keys, types, ranges) but not the rules that span sections
-    (:func:`~mcore_rl.config.validate.config_problems`): ``config show`` prints a config that cannot run."""
+    (:func:`~mcore_rl.config.validate.config_problems`): ``config show`` prints a config that cannot run.
+    ``max_ranks`` bounds an automatic ``trainer.n_gpus_per_node`` (:mod:`mcore_rl.config.machine`): 1 for a run
+    in this process."""
     merged = OmegaConf.structured(RunConfig)
     layers = _recipe_chain(_find_recipe(Path(path), None), ()) if path is not None else []
     layers.append(("overrides", _parse_overrides(overrides)))
@@ -54,13 +58,19 @@ def load_config(
         _drop_null_sections(layer, RunConfig)  # before the key check: null is not "a section expected"
         _check_keys(OmegaConf.to_container(layer, resolve=False), RunConfig, "", source)
         merged = _merge(merged, layer, source)
-    return check_config(merged, check_paths=check_paths, rules=rules)
+    return check_config(merged, check_paths=check_paths, rules=rules, max_ranks=max_ranks)
 
 
-def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False, rules: bool = True) -> RunConfig:
+def check_config(
+    cfg: RunConfig | DictConfig,
+    check_paths: bool = False,
+    rules: bool = True,
+    max_ranks: int | None = None,
+) -> RunConfig:
     """A resolved, type-checked and validated copy of ``cfg`` (e.g. one built in Python): interpolations
-    such as ``rollout.response_length`` take their values, wrong types and broken rules raise ConfigError
-    (the rules that span sections only with ``rules``)."""
+    such as ``rollout.response_length`` take their values, an automatic ``trainer.n_gpus_per_node`` its count
+    on this machine (at most ``max_ranks``), wrong types and broken rules raise ConfigError (the rules that
+    span sections only with ``rules``)."""
     try:
         node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
         values = OmegaConf.to_container(node, resolve=True)
@@ -71,6 +81,7 @@ def check_config(cfg: RunConfig | DictConfig, check_paths: bool = False, rules: 
     if resolved is None:
         raise ConfigError(problems_message(problems))
     assert isinstance(resolved, RunConfig)
+    resolved = resolve_ranks_per_node(resolved, max_ranks)
     if rules:
         validate(resolved, check_paths=check_paths)
         resolved = resolve_fast_paths(resolved)  # the run logs what they do (describe_fast_paths)

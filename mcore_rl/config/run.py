@@ -16,6 +16,7 @@ from mcore_rl.config.model import ActorConfig, AlgorithmConfig, ModelConfig, Rol
 from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.data.config import DataConfig
 from mcore_rl.engine.optim import OptimConfig
+from mcore_rl.io.errors import ConfigError
 from mcore_rl.io.fields import (
     FREQUENCY,
     NON_NEGATIVE,
@@ -117,8 +118,11 @@ class TrainerConfig:
     """Seed of model init, data order and sampling."""
     nnodes: int = 1
     """Nodes in the run."""
-    n_gpus_per_node: int = 1
-    """Ranks per node: GPUs, or worker processes on CPU. World size = nnodes * n_gpus_per_node."""
+    n_gpus_per_node: int | None = None
+    """Ranks per node: GPUs, or worker processes on CPU. World size = nnodes * n_gpus_per_node. None (auto,
+    torchrun's ``--nproc-per-node=auto``): the ranks torchrun started, else every GPU, else on CPU one
+    single-threaded rank per vCPU, as many as the layout, the batch sizes and (CPU) the host's memory allow
+    (``config/machine.py``); ``mcore-rl config show`` prints the count."""
     device: str = Device.AUTO.value
     """auto (cuda when available), cuda or cpu."""
     ray_address: str | None = None
@@ -157,7 +161,7 @@ class TrainerConfig:
                 "resume_mode": choice(ResumeMode),
                 "max_ckpt_to_keep": OPTIONAL_POSITIVE,
                 "nnodes": POSITIVE,
-                "n_gpus_per_node": POSITIVE,
+                "n_gpus_per_node": OPTIONAL_POSITIVE,
                 "device": choice(Device),
                 "num_cpus": OPTIONAL_POSITIVE,
                 "host_cache_gib": OPTIONAL_NON_NEGATIVE,
@@ -192,7 +196,7 @@ class SFTConfig:
     max_length: int | None = None
     """Longest prompt + response in tokens (None: ``data.max_prompt_length + data.max_response_length``);
     longer examples follow ``data.filter_overlong_prompts``."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, use_distributed_optimizer=None))
     """Optimizer and schedule of the SFT stage (RL continues with ``optim``)."""
     test_freq: int = 50
     """Validate every this many steps."""
@@ -225,7 +229,7 @@ class RunConfig:
     """Training layout of the actor and reference."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(use_distributed_optimizer=None))
     """Optimizer and learning-rate schedule of the RL stage."""
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -241,4 +245,9 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
+        if self.trainer.n_gpus_per_node is None:
+            raise ConfigError(
+                "trainer.n_gpus_per_node=null (auto) is resolved when the config is checked: load it with "
+                "load_config or pass it through check_config first"
+            )
         return self.trainer.nnodes * self.trainer.n_gpus_per_node

@@ -56,12 +56,18 @@ def check_paths(cfg: RunConfig) -> None:
 
 def config_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     """Every broken rule of :func:`validate`, one line each (empty when the config can run)."""
-    layout = _layout_problems(cfg)
-    problems = layout + ([] if layout else _batch_problems(cfg)) + _run_problems(cfg)
+    problems = world_size_problems(cfg) + _run_problems(cfg)
     problems += _hub_id_problems(cfg)
     if check_paths:
         problems += _path_problems(cfg)
     return problems
+
+
+def world_size_problems(cfg: RunConfig) -> list[str]:
+    """The rules the world size enters: the layouts fit it and the model, and the batches split over its
+    data-parallel ranks (``trainer.n_gpus_per_node=null`` takes the most ranks these allow)."""
+    layout = _layout_problems(cfg)
+    return layout + ([] if layout else _batch_problems(cfg))
 
 
 def _looks_like_hub_id(path: str) -> bool:

@@ -16,22 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.controller.tensor_transport import register_tensor_transport
+from mcore_rl.io.host import available_cpus
 from mcore_rl.io.signals import HANDLED_SIGNALS, STOP_SIGNALS, reclaim_handlers
-
-
-def available_cpus(environ: dict[str, str] | None = None) -> int:
-    """CPUs granted to this job: ``SLURM_CPUS_ON_NODE``, else ``len(os.sched_getaffinity(0))``."""
-    env = os.environ if environ is None else environ
-    slurm = env.get("SLURM_CPUS_ON_NODE")
-    if slurm:
-        try:
-            value = int(slurm)
-        except ValueError:
-            raise ValueError(f"SLURM_CPUS_ON_NODE must be an integer, got {slurm!r}") from None
-        if value < 1:
-            raise ValueError(f"SLURM_CPUS_ON_NODE must be >= 1, got {value}")
-        return value
-    return len(os.sched_getaffinity(0))
 
 
 @dataclass(frozen=True)

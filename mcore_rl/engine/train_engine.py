@@ -209,8 +209,9 @@ class TrainEngine:
         config = bare[0].config
         config.calculate_per_token_loss = True
         bf16 = model_options.dtype == torch.bfloat16
+        distributed = optim.distributed_on(ctx.device.type)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed
         )
         chunks = [
             DistributedDataParallel(
@@ -236,7 +237,7 @@ class TrainEngine:
                 clip_grad=optim.clip_grad,
                 bf16=bf16,
                 params_dtype=model_options.dtype,
-                use_distributed_optimizer=optim.use_distributed_optimizer,
+                use_distributed_optimizer=distributed,
             ),
             chunks,
             # megatron asks for gloo DP groups by default; ParallelContext builds them only on gloo worlds

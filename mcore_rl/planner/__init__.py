@@ -5,8 +5,7 @@ Pure arithmetic over a :class:`~mcore_rl.engine.arch.ModelArch` and a layout (no
 the mixture-of-experts terms (expert activations, router tensors, dispatcher buffers, the rollout's experts).
 """
 
-from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, TrainState, plan_memory, train_state
-from mcore_rl.planner.params import (
+from mcore_rl.engine.params import (
     RankParams,
     active_params,
     layer_params,
@@ -15,6 +14,7 @@ from mcore_rl.planner.params import (
     stage_params,
     stage_split,
 )
+from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, TrainState, plan_memory, train_state
 from mcore_rl.planner.search import smallest_fitting_layout
 from mcore_rl.planner.spec import GPU_MEMORY_BYTES, PlanError, PlanInput
 

@@ -40,7 +40,7 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
     return PlanInput(
         arch=arch or cfg.model.arch(),
         world_size=cfg.world_size,
-        gpus_per_node=cfg.trainer.n_gpus_per_node,
+        gpus_per_node=cfg.world_size // cfg.trainer.nnodes,  # resolved: load_config sets an automatic count
         tp=par.tensor_model_parallel_size,
         pp=par.pipeline_model_parallel_size,
         vpp=par.virtual_pipeline_model_parallel_size,
@@ -52,7 +52,7 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
         global_batch_size=algo.ppo_mini_batch_size * rollout.n,
         bf16=cfg.model.dtype != "float32",
-        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        use_distributed_optimizer=cfg.optim.distributed_on("cuda"),  # the planner sizes GPU runs
         reference=algo.use_kl_loss or algo.use_kl_in_reward,
         lora_rank=cfg.model.lora_rank,
         lora_targets=_lora_targets(cfg),

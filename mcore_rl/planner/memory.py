@@ -40,12 +40,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mcore_rl.engine.params import active_params, model_params, rank_split, stage_split
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.activations import activation_terms, logits_bytes
 from mcore_rl.planner.lora import stage_adapter_params, stage_merged_params
 from mcore_rl.planner.moe import dispatcher_bytes, rollout_mlp_token_bytes, rollout_weight_numel
-from mcore_rl.planner.params import active_params, model_params, rank_split, stage_split
 from mcore_rl.planner.spec import PlanInput
 
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.engine.params import stage_split
 from mcore_rl.planner.lora import stage_adapter_params
-from mcore_rl.planner.params import stage_split
 from mcore_rl.planner.spec import PlanInput
 
 

@@ -192,10 +192,15 @@ def eval_source(given: str) -> EvalSource:
 
 
 def eval_config(
-    model: str, data_files: Sequence[str], overrides: Sequence[str] = (), recipe: str | None = None
+    model: str,
+    data_files: Sequence[str],
+    overrides: Sequence[str] = (),
+    recipe: str | None = None,
+    max_ranks: int | None = None,
 ) -> RunConfig:
     """The run config of an evaluation: ``recipe`` (else a run checkpoint's saved config, else the schema
-    defaults), training switched off (:data:`EVAL_KEYS`), the model and data, then ``overrides``."""
+    defaults), training switched off (:data:`EVAL_KEYS`), the model and data, then ``overrides``;
+    ``max_ranks`` as :func:`~mcore_rl.config.load_config`'s (1 in this process)."""
     from mcore_rl.config import ConfigError, load_config
 
     source = eval_source(model)
@@ -207,9 +212,9 @@ def eval_config(
         *overrides,
     ]
     if base is not None:
-        return load_config(base, keys)
+        return load_config(base, keys, max_ranks=max_ranks)
     try:
-        return load_config(None, keys)
+        return load_config(None, keys, max_ranks=max_ranks)
     except ConfigError as err:  # e.g. the base lengths exceed a small model's max_position_embeddings
         raise ConfigError(
             f"{err} (eval read the schema's defaults: pass the recipe the model was trained with, "
@@ -238,7 +243,7 @@ def evaluate_model(
 
     if not data_files:
         raise ConfigError("eval: give at least one data file (.parquet or .jsonl, verl's columns)")
-    cfg = eval_config(model, data_files, overrides, recipe)
+    cfg = eval_config(model, data_files, overrides, recipe, max_ranks=None if use_ray else 1)
     val = cfg.rollout.val_kwargs
     if val.n > 1 and val.temperature == 0:
         raise ConfigError(

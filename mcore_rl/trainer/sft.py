@@ -59,9 +59,16 @@ class SFTSummary:
     """The plot written at the end (``logging.plot``); None when off."""
 
 
-def sft_config(config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = ()) -> RunConfig:
-    """The run config of an SFT run: the recipe with ``sft.enable`` on; refuses one without examples."""
-    cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+def sft_config(
+    config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), max_ranks: int | None = None
+) -> RunConfig:
+    """The run config of an SFT run: the recipe with ``sft.enable`` on; refuses one without examples.
+    ``max_ranks``: as :func:`~mcore_rl.config.load_config`'s (1 for a run in this process)."""
+    if not isinstance(
+        config, RunConfig
+    ):  # loaded as an SFT run: an automatic rank count meets its batch rules
+        config = load_config(config, [*overrides, "sft.enable=true"], max_ranks=max_ranks)
+    cfg = config
     if not cfg.sft.train_files:
         raise ConfigError("sft.train_files: empty; an SFT run needs labelled examples")
     return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, enable=True))
@@ -106,5 +113,6 @@ def run_sft(
     config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), use_ray: bool = True
 ) -> SFTSummary:
     """An SFT run from a recipe path (+ ``key=value`` overrides) or a checked :class:`RunConfig`."""
-    with Trainer.from_config(sft_config(config, overrides), use_ray=use_ray) as trainer:
+    cfg = sft_config(config, overrides, max_ranks=None if use_ray else 1)
+    with Trainer.from_config(cfg, use_ray=use_ray) as trainer:
         return fit_sft(trainer)

@@ -25,6 +25,7 @@ from mcore_rl.algo.agreement import ProbAgreement, truncated_importance_weights
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import AlgorithmConfig, RunConfig
 from mcore_rl.config.fast_paths import compute_device, describe_fast_paths
+from mcore_rl.config.machine import describe_cpu_layout
 from mcore_rl.config.model import RecomputeOldLogProbs
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.tokenizer import Tokenizer
@@ -409,6 +410,7 @@ def fast_path_note(cfg: RunConfig) -> str:
     if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
         lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
     if compute_device(cfg) == "cpu":
+        lines.append(describe_cpu_layout(cfg))
         lines.append(keep_freed_host_memory_of_run(cfg.trainer.host_cache_gib, cfg.world_size, apply=False))
     return "fast paths: " + "; ".join(lines)
 

@@ -130,7 +130,12 @@ class Trainer:
         here as a recipe is); everything that can refuse the run is checked before anything is written."""
         if isinstance(config, RunConfig) and overrides:
             raise ValueError("overrides apply to a recipe path; set the fields of a RunConfig directly")
-        cfg = check_config(config) if isinstance(config, RunConfig) else load_config(config, overrides)
+        ranks = None if use_ray else 1  # an in-process run is one rank: an automatic count stops there
+        cfg = (
+            check_config(config, max_ranks=ranks)
+            if isinstance(config, RunConfig)
+            else load_config(config, overrides, max_ranks=ranks)
+        )
         check_run_folders(cfg)  # first: where it writes, before even generated data is written
         prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
         check_paths(cfg)  # now that generated data exists: each missing input named as itself

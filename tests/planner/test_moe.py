@@ -9,11 +9,11 @@ import math
 import pytest
 
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.params import active_params, model_params, stage_split
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.planner import PlanError, PlanInput, plan_memory, smallest_fitting_layout
 from mcore_rl.planner.moe import rollout_weight_numel
-from mcore_rl.planner.params import active_params, model_params, stage_split
 from mcore_rl.planner.report import format_plan
 from mcore_rl.planner.search import _expert_splits
 from mcore_rl.planner.selfcheck import RankBytes, check_rank

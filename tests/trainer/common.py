@@ -34,6 +34,7 @@ def tiny_run_config(folder: str, overrides: list[str] | None = None, family: str
         "optim.weight_decay=0.0",
         f"trainer.default_local_dir={os.path.join(folder, 'run')}",
         "trainer.num_cpus=2",
+        "trainer.n_gpus_per_node=1",  # one rank, in process or on Ray; the tests of more ranks set theirs
         "trainer.val_before_train=false",  # the driver tests compare training steps; test_lifecycle.py sets it
     ]
     node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})

@@ -49,6 +49,7 @@ def tool_run_config(folder: str, overrides: list[str]) -> RunConfig:
         "algorithm.recompute_old_log_probs=always",
         "optim.lr=1e-3",
         "trainer.num_cpus=2",
+        "trainer.n_gpus_per_node=1",  # in-process runs
         "trainer.total_training_steps=2",
         *QUIET,
     ]

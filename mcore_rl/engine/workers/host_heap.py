@@ -27,26 +27,13 @@ from __future__ import annotations
 import os
 import platform
 
+from mcore_rl.io.host import host_memory_limit
+
 MIN_BLOCK_BYTES = 1 << 20
 """Blocks from this size up are the cache's; below it glibc's heap already reuses freed memory."""
 CACHE_SHARE = 4
 """The default cap is the process's memory limit over this, over the ranks on the host."""
 GIB = 1 << 30
-
-
-def host_memory_limit() -> int:
-    """Bytes this process may use: the machine's memory, or its cgroup's limit (v2 or v1) when lower."""
-    with open("/proc/meminfo") as f:
-        limit = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                value = f.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():
-            limit = min(limit, int(value))
-    return limit
 
 
 def default_cache_bytes(ranks_on_host: int) -> int:
