@@ -10,7 +10,8 @@
 #      must fail with the missing softmax kernel where megatron's compiled kernels are absent), and the fp32
 #      RL step on CUDA (reshard -> rollout -> trainer log-probs within 1e-5 -> update, twice) for a dense
 #      Llama and a Qwen3-MoE (megatron's CUDA all-to-all dispatcher and fp32 router against our rollout
-#      decoder's MoE; never run on a GPU yet: it has been written without a device);
+#      decoder's MoE; never run on a GPU yet: it has been written without a device), and the automatic
+#      trainer.n_gpus_per_node (every GPU) with the optimizer sharded (never run on a GPU yet);
 #   4. the vLLM engine tests (construction, in-place weight sync from megatron, log-probs equal the actor's,
 #      TP 2), which skip where vLLM is absent (the device image has no vLLM 0.33 / torch 2.14, and its wheels
 #      are too large to carry).
@@ -54,6 +55,6 @@ status=0
 echo "== nvcc sm_80 / sm_90"
 timeout 300 python3 -m pytest tests/ops/test_cuda.py -k compiles -q -p no:cacheprovider || status=1
 echo "== gpu tests"
-timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/engine/test_gpu_step.py tests/engine/rollout/test_vllm_engine.py -m gpu -q \
+timeout 420 python3 -m pytest tests/ops tests/compat/test_fusion.py tests/engine/test_gpu_step.py tests/engine/rollout/test_vllm_engine.py tests/config/test_machine.py -m gpu -q \
     -p no:cacheprovider -rs || status=1
 exit $status

@@ -2,7 +2,9 @@
 
 Which key feeds which planner field (the run config stays the one schema; the planner only reads it):
 
-    trainer.nnodes * trainer.n_gpus_per_node    world_size (training and rollout colocated on all GPUs)
+    trainer.nnodes * trainer.n_gpus_per_node    world_size (training and rollout colocated on all GPUs; a
+                                                null count is this machine's, config/machine.py: set it to
+                                                plan for a cluster's nodes)
     trainer.n_gpus_per_node                     gpus_per_node
     parallel.*                                  tp, pp, vpp, sp, ep (expert_model_parallel_size),
                                                 etp (expert_tensor_parallel_size), cp (context_parallel_size)

@@ -104,3 +104,18 @@ def test_a_rollout_pool_of_its_own_takes_its_devices_first() -> None:
     pool = ["rollout.colocate=false", "rollout.num_ranks=2"]
     assert _cfg("trainer.num_cpus=4", *pool).world_size == 2
     assert _cfg("trainer.num_cpus=2", *pool).world_size == 1  # at least one actor rank
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_machine_auto_takes_every_gpu_and_shards_the_optimizer() -> None:
+    import torch
+
+    cfg = _cfg(
+        "trainer.device=auto",
+        "data.train_batch_size=8",
+        "rollout.n=8",
+        "algorithm.ppo_micro_batch_size_per_gpu=1",
+    )
+    assert machine.node_devices(cfg) == (torch.cuda.device_count(), "GPUs")
+    assert cfg.world_size == torch.cuda.device_count()  # 64 sequences split over any count up to 8 GPUs
+    assert cfg.optim.distributed_on("cuda")
