@@ -31,16 +31,16 @@ MEMORY_SHARE = 2
 """Ranks of a CPU run hold their training state in at most 1 / this of the host's memory."""
 
 
-def node_devices(cfg: RunConfig) -> tuple[int, str]:
-    """How many ranks a node could run and what they are: torchrun's ranks, the GPUs, or the vCPUs."""
+def node_devices(cfg: RunConfig, device: str) -> int:
+    """How many ranks a node could run on ``device`` (cuda, cpu): torchrun's ranks, the GPUs, or the vCPUs."""
     launched = os.environ.get("LOCAL_WORLD_SIZE")
     if launched and launched.isdigit() and int(launched) > 0:
-        return int(launched), "ranks torchrun started (LOCAL_WORLD_SIZE)"
-    if compute_device(cfg) == "cuda":
+        return int(launched)
+    if device == "cuda":
         import torch
 
-        return max(1, torch.cuda.device_count()), "GPUs"
-    return cfg.trainer.num_cpus or available_cpus(), "vCPUs"
+        return max(1, torch.cuda.device_count())
+    return cfg.trainer.num_cpus or available_cpus()
 
 
 def resolve_ranks_per_node(cfg: RunConfig, max_ranks: int | None = None) -> RunConfig:
@@ -49,10 +49,10 @@ def resolve_ranks_per_node(cfg: RunConfig, max_ranks: int | None = None) -> RunC
     no count passes them, the devices' count is kept, so that the error the rules then give names it."""
     if cfg.trainer.n_gpus_per_node is not None:
         return cfg
-    devices, _ = node_devices(cfg)
-    devices = max(1, devices - _ranks_of_other_pools(cfg))
+    device = compute_device(cfg)
+    devices = max(1, node_devices(cfg, device) - ranks_beside_actor(cfg))
     limit = min(devices, max_ranks or devices)
-    if compute_device(cfg) == "cpu":
+    if device == "cpu":
         limit = max(1, min(limit, _ranks_in_memory(cfg)))
     for ranks in range(limit, 0, -1):
         candidate = _with_ranks(cfg, ranks)
@@ -61,9 +61,9 @@ def resolve_ranks_per_node(cfg: RunConfig, max_ranks: int | None = None) -> RunC
     return _with_ranks(cfg, limit)
 
 
-def _ranks_of_other_pools(cfg: RunConfig) -> int:
-    """Devices a PPO critic or a rollout pool of its own takes beside the actor's ranks (``trainer/build.py``
-    shares the node's CPUs over all of them)."""
+def ranks_beside_actor(cfg: RunConfig) -> int:
+    """Ranks a PPO critic or a rollout pool of its own runs beside the actor's (``trainer/build.py`` shares
+    the cluster's CPUs over all of them; an automatic actor count leaves them their devices)."""
     critic = cfg.critic.num_ranks if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.colocate else 0
     return critic + (0 if cfg.rollout.colocate else cfg.rollout.num_ranks)
 

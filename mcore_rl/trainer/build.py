@@ -14,6 +14,7 @@ import torch
 
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import ConfigError, RunConfig
+from mcore_rl.config.machine import ranks_beside_actor
 from mcore_rl.config.model import RolloutEngineName
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
@@ -243,11 +244,7 @@ def collectives_outlast_the_watchdog(
 def _cpus_per_rank(cfg: RunConfig) -> float:
     """The cluster's CPUs shared evenly by every rank of the run: the actor's, a separate critic's and a
     separate rollout pool's (each rank's torch threads are its share, at least one)."""
-    ranks = cfg.world_size + (
-        0 if cfg.critic.colocate or cfg.algorithm.adv_estimator != "gae" else cfg.critic.num_ranks
-    )
-    ranks += 0 if cfg.rollout.colocate else cfg.rollout.num_ranks
-    return cluster_cpus() / ranks
+    return cluster_cpus() / (cfg.world_size + ranks_beside_actor(cfg))
 
 
 def worker_output_dir(cfg: RunConfig) -> str | None:

@@ -64,14 +64,12 @@ def sft_config(
 ) -> RunConfig:
     """The run config of an SFT run: the recipe with ``sft.enable`` on; refuses one without examples.
     ``max_ranks``: as :func:`~mcore_rl.config.load_config`'s (1 for a run in this process)."""
-    if not isinstance(
-        config, RunConfig
-    ):  # loaded as an SFT run: an automatic rank count meets its batch rules
+    if not isinstance(config, RunConfig):
+        # loaded as an SFT run, so that an automatic rank count meets the SFT batch rules too
         config = load_config(config, [*overrides, "sft.enable=true"], max_ranks=max_ranks)
-    cfg = config
-    if not cfg.sft.train_files:
+    if not config.sft.train_files:
         raise ConfigError("sft.train_files: empty; an SFT run needs labelled examples")
-    return dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, enable=True))
+    return dataclasses.replace(config, sft=dataclasses.replace(config.sft, enable=True))
 
 
 def fit_sft(trainer: Trainer) -> SFTSummary:

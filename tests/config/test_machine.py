@@ -61,7 +61,7 @@ def test_an_in_process_run_stops_at_one_rank() -> None:
 def test_torchrun_decides_when_it_launched_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert _cfg("trainer.num_cpus=4").world_size == 2
-    assert machine.node_devices(_cfg("trainer.n_gpus_per_node=1"))[1].startswith("ranks torchrun started")
+    assert machine.node_devices(_cfg("trainer.num_cpus=4", "trainer.n_gpus_per_node=1"), "cpu") == 2
 
 
 def test_the_host_memory_bounds_cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,6 +116,6 @@ def test_on_a_gpu_machine_auto_takes_every_gpu_and_shards_the_optimizer() -> Non
         "rollout.n=8",
         "algorithm.ppo_micro_batch_size_per_gpu=1",
     )
-    assert machine.node_devices(cfg) == (torch.cuda.device_count(), "GPUs")
+    assert machine.node_devices(cfg, "cuda") == torch.cuda.device_count()
     assert cfg.world_size == torch.cuda.device_count()  # 64 sequences split over any count up to 8 GPUs
     assert cfg.optim.distributed_on("cuda")
