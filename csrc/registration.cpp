@@ -12,15 +12,19 @@
 // take no tensors and change the process's CPU allocator.
 PyObject* mcore_rl_host_cache_configure(PyObject* self, PyObject* args);
 PyObject* mcore_rl_host_cache_stats(PyObject* self, PyObject* args);
+// The host all-reduce's barrier (csrc/host_reduce_cpu.cpp): a module function, it waits with the GIL released.
+PyObject* mcore_rl_host_barrier(PyObject* self, PyObject* args);
 
 extern "C" {
 // `import mcore_rl._C` loads this library, which runs the static registrations below. The module itself
-// tells Python whether CUDA kernels were compiled in and holds the host cache's functions.
+// tells Python whether CUDA kernels were compiled in and holds the host cache's and host barrier's functions.
 PyObject* PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"host_cache_configure", mcore_rl_host_cache_configure, METH_VARARGS,
        "host_cache_configure(max_cached_bytes, min_block_bytes): torch's CPU allocator keeps freed blocks"},
       {"host_cache_stats", mcore_rl_host_cache_stats, METH_NOARGS, "host_cache_stats() -> dict of counters"},
+      {"host_barrier", mcore_rl_host_barrier, METH_VARARGS,
+       "host_barrier(counters_address, rank, world, generation, pids, timeout_s): meet the host group's ranks"},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);

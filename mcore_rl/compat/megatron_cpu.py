@@ -340,8 +340,9 @@ def apply() -> bool:
     _patch_distopt_step_entry()
     _patch_single_rank_param_gather()
     _patch_wgrad_accumulation()
-    from mcore_rl.compat import moe
+    from mcore_rl.compat import grad_reduce, moe
 
+    grad_reduce.patch_bucket_group()  # DDP's all-reduce through a host reducer where a run gives one
     moe.patch_cpu_dispatcher()  # MoE: megatron's all-to-all dispatcher without its CUDA stream
     mode = MegatronCudaToCpuMode()
     mode.__enter__()

@@ -95,5 +95,5 @@ def describe_cpu_layout(cfg: RunConfig) -> str:
     return (
         f"trainer.n_gpus_per_node={ranks} ({threads} thread{'s' * (threads > 1)} per rank); "
         f"optim.use_distributed_optimizer={str(sharded).lower()} "
-        f"({'optimizer state sharded' if sharded else 'gradients all-reduced, no parameter all-gather'})"
+        f"({'optimizer state sharded' if sharded else 'gradients all-reduced, through shared memory between the ranks of a host; no parameter all-gather'})"
     )

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.compat import megatron_cpu
+from mcore_rl.compat.grad_reduce import reduce_grads_on_host
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.context_parallel import ContextShard, context_shards, gather_rows
@@ -46,6 +47,7 @@ from mcore_rl.engine.moe import (
 from mcore_rl.engine.optim import OptimConfig, use_fused_torch_adam
 from mcore_rl.engine.weights import load_full_state, unwrap
 from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.parallel.host_reduce import open_for_buckets
 
 
 class NonFiniteLossError(RuntimeError):
@@ -223,6 +225,10 @@ class TrainEngine:
             for i, chunk in enumerate(bare)
         ]
         megatron_cpu.fuse_weight_grad_accumulation(chunks)  # on CPU: weight grads GEMM'd into DDP's buffer
+        if megatron_cpu.is_applied():  # CPU ranks of one host sum gradients through shared memory, not TCP
+            reduce_grads_on_host(
+                chunks, partial(open_for_buckets, timeout_s=60.0 * ctx.config.timeout_minutes)
+            )
         config.finalize_model_grads_func = _finalize_without_token_scaling
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         optimizer = get_megatron_optimizer(

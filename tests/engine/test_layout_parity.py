@@ -6,10 +6,13 @@ Each case runs megatron's real schedules, DDP and (distributed) optimizer throug
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_rl.compat.grad_reduce import REDUCER_ATTR
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
@@ -108,20 +111,25 @@ def _sum_over_dp(ctx, metrics: list[dict]) -> float:
     return float(total)
 
 
-def _layout_run(family: str, parallel: dict, dtype: torch.dtype = torch.float32) -> dict:
+def _layout_run(
+    family: str, parallel: dict, dtype: torch.dtype = torch.float32, optim: OptimConfig = OPTIM
+) -> dict:
     arch = tiny_arch(family)
     tokens, labels = _global_batch(arch.vocab_size)
     with ParallelContext.initialize(ParallelConfig()) as ctx:  # TP1 source of truth + reference
         full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
         reference = _reference(arch, ctx, full, tokens, labels) if dist.get_rank() == 0 else None
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
-        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=dtype), OPTIM)
+        engine = TrainEngine.build(arch, ctx, ModelOptions(dtype=dtype), optim)
         engine.load_full_state(full)
         batches = _dp_slice_batches(ctx, tokens, labels, arch.vocab_size)
         logits = engine.forward_backward(batches, _collect_logits, forward_only=True)
         step, metrics = engine.train_step(batches, _ce_loss)
         after = engine.forward_backward(batches, _ce_loss, forward_only=True)
         result = {"reference": reference, "grad_norm": step.grad_norm, "last_stage": ctx.is_last_stage}
+        result["host_reduced"] = sum(  # bucket groups whose all-reduce goes through shared memory
+            hasattr(group, REDUCER_ATTR) for chunk in engine.chunks for group in chunk.bucket_groups
+        )
         if ctx.is_last_stage:
             result["logits"] = {int(m["index"]): m["logits"][0, :, : arch.vocab_size] for m in logits}
         # Every rank of the DP group must join the reduction; only the last stage holds losses.
@@ -158,6 +166,15 @@ CASES_WORLD2 = {
 @pytest.mark.parametrize("case", sorted(CASES_WORLD2))
 def test_parity_world2_llama(run_distributed, case):
     _check(run_distributed(_layout_run, "llama", CASES_WORLD2[case]), atol=1e-5)
+
+
+def test_parity_dp2_gradients_through_host_memory(run_distributed):
+    """DP2 as CPU runs default to it: the optimizer whole on each rank, the gradients summed through shared
+    memory rather than gloo (tp1-dp2-distopt above keeps megatron's reduce-scatter)."""
+    whole = dataclasses.replace(OPTIM, use_distributed_optimizer=None)
+    results = run_distributed(_layout_run, "llama", {}, optim=whole)
+    _check(results, atol=1e-5)
+    assert all(r["host_reduced"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])

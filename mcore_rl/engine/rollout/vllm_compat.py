@@ -231,14 +231,36 @@ DIST_IDENT_ENV = "MCORE_RL_VLLM_DIST_IDENT"
 """What our CPU worker hands vLLM as ``VLLM_DIST_IDENT`` (not a ``VLLM_*`` name: vLLM warns on unknown ones)."""
 
 
-def share_dist_ident() -> None:
+def share_dist_ident() -> str | None:
     """Collective on CPU: one identifier for the world, drawn on rank 0 (from ``os.urandom``, so no RNG of
-    ours moves), which names the shared memory of every vLLM TP group this world builds."""
+    ours moves), which names the shared memory of every vLLM TP group this world builds; returned (None on
+    other platforms) so that :func:`unlink_shared_memory` can remove those names."""
     if platform_name() != "cpu":
-        return
+        return None
     token = torch.tensor([int.from_bytes(os.urandom(6), "little")])
     dist.broadcast(token, src=0)
-    os.environ[DIST_IDENT_ENV] = f"mcore_rl-{int(token):012x}"
+    ident = f"mcore_rl-{int(token):012x}"
+    os.environ[DIST_IDENT_ENV] = ident
+    return ident
+
+
+SHM_DIR = "/dev/shm"
+
+
+def unlink_shared_memory(ident: str | None) -> list[str]:
+    """Remove the names of the shared-memory segments vLLM's CPU build made for the TP groups of the world
+    named ``ident`` (``{ident}-tp:...-cpushm_{rank}``, 4 MiB each): its engine leaves them in ``/dev/shm``
+    when it shuts down, two more per TP-2 engine. The identifier is drawn fresh per engine, so every such name
+    is this engine's; a rank still mapping a segment keeps it (only the name goes). Returns the names removed."""
+    if not ident or not os.path.isdir(SHM_DIR):
+        return []
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(f"{ident}-"):
+            with contextlib.suppress(FileNotFoundError):  # another rank of the world removed it first
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+    return removed
 
 
 def local_device_index(rank: int) -> int:

@@ -158,11 +158,12 @@ class VLLMRolloutEngine:
         self._shapes = vllm_param_shapes(arch, tensor_parallel_size)  # refuses a TP that splits no heads
         self.sleep_frees_memory = vllm_compat.sleep_mode_available()
         set_launcher_env(rank, vllm_compat.local_device_index(rank))
-        vllm_compat.share_dist_ident()
+        self._dist_ident = vllm_compat.share_dist_ident()
         self._config_dir = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
         try:
             self.llm = self._start_vllm(vllm, tensor_parallel_size)
         except BaseException:
+            vllm_compat.unlink_shared_memory(self._dist_ident)
             shutil.rmtree(self._config_dir, ignore_errors=True)
             raise
         self._closed = False
@@ -286,6 +287,7 @@ class VLLMRolloutEngine:
         self._closed = True
         with vllm_compat.default_group_kept():
             self.llm.llm_engine.engine_core.shutdown()
+        vllm_compat.unlink_shared_memory(self._dist_ident)  # vLLM's CPU TP segments, left by its shutdown
         shutil.rmtree(self._config_dir, ignore_errors=True)
 
     def _check_open(self) -> None:

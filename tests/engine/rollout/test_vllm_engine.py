@@ -464,8 +464,10 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str
             rollout.generate(PROMPTS, SamplingParams(top_k=5, max_new_tokens=2))
         in_place = rollout.llm is llm and rollout.llm.apply_model(_embedding_param)[0] == embedding
         files = os.listdir(rollout._config_dir)
+        segments = _shared_memory_of(rollout._dist_ident)
         rollout.close()
         rollout.close()  # idempotent
+        segments_left = _shared_memory_of(rollout._dist_ident)
         world = torch.tensor([float(ctx.rank)])
         dist.all_reduce(world)  # the trainer's world survives vLLM's shutdown
         return {
@@ -476,9 +478,15 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str
             "in_place": in_place,
             "process_kept": process_kept,
             "files": files,
+            "shm": (len(segments), segments_left),
             "world_sum": float(world),
             "vllm_groups_left": _vllm_groups_left(),
         }
+
+
+def _shared_memory_of(ident: str | None) -> list[str]:
+    """The /dev/shm names vLLM's CPU build gave this world's TP groups."""
+    return sorted(n for n in os.listdir("/dev/shm") if ident and n.startswith(f"{ident}-"))
 
 
 def _process_state() -> tuple[Any, ...]:
@@ -512,6 +520,8 @@ def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
     world = len(results)
     for rank, result in enumerate(results):
         assert result["in_place"] and result["files"] == ["config.json"] and result["process_kept"]
+        made, left = result["shm"]
+        assert left == [] and (made > 0 or tp_g == 1)  # vLLM's TP segments named, then unlinked at close
         assert result["world_sum"] == sum(range(world)) and not result["vllm_groups_left"]
         expected = RolloutMemory(
             _expected_weight_bytes(ARCHS[family], tp_g), ROLLOUT.kv_cache_memory_bytes, False
@@ -641,3 +651,16 @@ def _refusals() -> list[str]:
 def test_what_vllm_would_refuse_deep_inside_is_refused_first(vllm_ranks: Any) -> None:
     first, second = vllm_ranks(_refusals)
     assert first == second and len(first) >= 3
+
+
+def test_only_this_worlds_vllm_segments_are_unlinked(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_rl.engine.rollout import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "SHM_DIR", str(tmp_path))
+    ours = ["mcore_rl-00000000abcd-tp:0-[0-1]-cpushm_0", "mcore_rl-00000000abcd-tp:0-[0-1]-cpushm_1"]
+    others = ["mcore_rl-00000000abce-tp:0-[0-1]-cpushm_0", "mcore_rl-00000000abcd", "psm_1234"]
+    for name in ours + others:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(vllm_compat.unlink_shared_memory("mcore_rl-00000000abcd")) == ours
+    assert sorted(os.listdir(tmp_path)) == sorted(others)
+    assert vllm_compat.unlink_shared_memory(None) == []  # GPU platforms name no segments
