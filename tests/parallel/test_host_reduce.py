@@ -29,6 +29,7 @@ def _sums(slot_bytes: int) -> dict:
     piece, two dtypes, the average) against gloo's all-reduce and a float64 sum."""
     reducer = HostReduce.open(None, slot_bytes)
     assert reducer is not None
+    dist.barrier()  # rank 0 unlinks the name once all have mapped it, as it leaves open()
     ours_prefix = f"mcore_rl-grads-{reducer.pids[0]}-"
     leftovers = [n for n in os.listdir(host_reduce.SHM_DIR) if n.startswith(ours_prefix)]
     results = {"leftovers": leftovers, "pieces": 0}
