@@ -1,8 +1,9 @@
 """Gradient all-reduce through shared memory for the CPU ranks of one data-parallel group on one host.
 
 On CPU, torch.distributed's backend is gloo, whose all-reduce between processes of one host goes through TCP
-loopback: the tiny workload's 15 MB of gradients took 7.5-10.4 ms between two ranks on this project's 2-vCPU
-VMs (min and median of 20), about 1.5 GB/s against 14.85 GB/s for a plain copy, and that all-reduce is what
+loopback: the tiny workload's 15 MB of gradients took 9.7 ms (median; 6.3 at best) between two ranks on this
+project's 2-vCPU VMs, about 1.5 GB/s against 14.85 GB/s for a plain copy, and 2.2 ms (1.9) through the mapping
+below (40 alternating pairs, README "Ranks per node"). That all-reduce is what
 made two single-threaded ranks' update slower than one rank's on the tiny workload (README, "Step speed").
 The ranks instead sum through one shared mapping (a file in ``/dev/shm``, unlinked as soon as every rank has
 mapped it, so nothing is left behind): each rank copies in the parts of its buffer the others sum, sums its
