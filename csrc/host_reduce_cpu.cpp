@@ -8,7 +8,10 @@
 // Waiting spins briefly (the peer is usually a few microseconds behind on its own core), then yields, then
 // sleeps, so a rank that arrives early does not take a core a late peer on the same core needs. Every few
 // milliseconds of waiting it asks whether the awaited peer's process still runs: a rank that died must end
-// the wait with an error naming it, as gloo's closed connection would, not hang the survivors.
+// the wait with an error naming it, as gloo's closed connection would, not hang the survivors. A rank that
+// lives on but failed (an exception in its loss, say) never arrives either: its failure guard writes its
+// rank + 1 into the mapping's abort word (mcore_rl/parallel/failure.py severs its gloo connections at the same
+// moment), and every rank waiting here stops with an error naming it.
 #include <Python.h>
 
 #include <cerrno>
@@ -61,10 +64,13 @@ bool process_gone(long pid) {
 struct Outcome {
   long gone = -1;       // the rank whose process exited while awaited
   long timed_out = -1;  // the rank still awaited when the timeout passed
+  long aborted = -1;    // the rank that stopped the group's reductions (its abort word)
 };
 
-// Waits until counters[r * kLineWords] >= generation for every r, at most timeout_s in all (0: no limit).
-Outcome wait_for_all(int64_t* counters, long world, int64_t generation, const long* pids, double timeout_s) {
+// Waits until counters[r * kLineWords] >= generation for every r, at most timeout_s in all (0: no limit), or
+// until the abort word is set.
+Outcome wait_for_all(int64_t* counters, const int64_t* abort_word, long world, int64_t generation,
+                     const long* pids, double timeout_s) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   for (long r = 0; r < world; ++r) {
@@ -72,6 +78,10 @@ Outcome wait_for_all(int64_t* counters, long world, int64_t generation, const lo
     long rounds = 0;
     auto last_check = clock::now();
     while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < generation) {
+      int64_t aborter = __atomic_load_n(abort_word, __ATOMIC_RELAXED);
+      if (aborter > 0) {
+        return Outcome{-1, -1, static_cast<long>(aborter - 1)};
+      }
       ++rounds;
       if (rounds < kSpins) {
         cpu_relax();
@@ -100,22 +110,26 @@ Outcome wait_for_all(int64_t* counters, long world, int64_t generation, const lo
 
 }  // namespace
 
-// _C.host_barrier(counters_address, rank, world, generation, pids, timeout_s): publishes this rank's arrival
-// at barrier `generation` and waits for the group's other ranks, the GIL released. counters_address is the
-// shared mapping's counter block (world lines of 64 bytes, 64-byte aligned); pids the group's process ids in
-// rank order. Raises RuntimeError naming the rank when an awaited peer's process no longer runs, or when it
-// has not arrived within timeout_s seconds (0: no limit; the world's collective timeout, as gloo's).
+// _C.host_barrier(counters_address, abort_address, rank, world, generation, pids, timeout_s): publishes this
+// rank's arrival at barrier `generation` and waits for the group's other ranks, the GIL released.
+// counters_address is the shared mapping's counter block (world lines of 64 bytes, 64-byte aligned);
+// abort_address its abort word (int64, 0 while the group runs); pids the group's process ids in rank order.
+// Raises RuntimeError naming the rank when an awaited peer's process no longer runs, when a rank set the
+// abort word, or when a peer has not arrived within timeout_s seconds (0: no limit; the world's collective
+// timeout, as gloo's).
 PyObject* mcore_rl_host_barrier(PyObject* /*self*/, PyObject* args) {
-  unsigned long long address = 0;
+  unsigned long long address = 0, abort_address = 0;
   long rank = 0, world = 0;
   long long generation = 0;
   PyObject* pid_seq = nullptr;
   double timeout_s = 0;
-  if (!PyArg_ParseTuple(args, "KllLOd", &address, &rank, &world, &generation, &pid_seq, &timeout_s)) {
+  if (!PyArg_ParseTuple(args, "KKllLOd", &address, &abort_address, &rank, &world, &generation, &pid_seq,
+                        &timeout_s)) {
     return nullptr;
   }
-  if (address == 0 || address % 64 != 0 || world < 1 || rank < 0 || rank >= world || generation < 1) {
-    PyErr_SetString(PyExc_ValueError, "host_barrier: bad counters address, rank, world or generation");
+  if (address == 0 || address % 64 != 0 || abort_address == 0 || abort_address % 8 != 0 || world < 1 ||
+      rank < 0 || rank >= world || generation < 1) {
+    PyErr_SetString(PyExc_ValueError, "host_barrier: bad counters or abort address, rank, world or generation");
     return nullptr;
   }
   PyObject* pid_list = PySequence_Fast(pid_seq, "host_barrier: pids must be a sequence");
@@ -136,11 +150,19 @@ PyObject* mcore_rl_host_barrier(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   auto* counters = reinterpret_cast<int64_t*>(static_cast<uintptr_t>(address));
+  const auto* abort_word = reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(abort_address));
   Outcome outcome;
   Py_BEGIN_ALLOW_THREADS;
   __atomic_store_n(counters + rank * kLineWords, static_cast<int64_t>(generation), __ATOMIC_RELEASE);
-  outcome = wait_for_all(counters, world, generation, pids.data(), timeout_s);
+  outcome = wait_for_all(counters, abort_word, world, generation, pids.data(), timeout_s);
   Py_END_ALLOW_THREADS;
+  if (outcome.aborted >= 0) {
+    PyErr_Format(PyExc_RuntimeError,
+                 "host all-reduce: rank %ld of the group stopped its reductions (it failed) while rank %ld "
+                 "waited for it",
+                 outcome.aborted, rank);
+    return nullptr;
+  }
   if (outcome.gone >= 0) {
     PyErr_Format(PyExc_RuntimeError,
                  "host all-reduce: rank %ld of the data-parallel group (pid %ld) exited while rank %ld waited "

@@ -24,7 +24,8 @@ PyObject* PyInit__C(void) {
        "host_cache_configure(max_cached_bytes, min_block_bytes): torch's CPU allocator keeps freed blocks"},
       {"host_cache_stats", mcore_rl_host_cache_stats, METH_NOARGS, "host_cache_stats() -> dict of counters"},
       {"host_barrier", mcore_rl_host_barrier, METH_VARARGS,
-       "host_barrier(counters_address, rank, world, generation, pids, timeout_s): meet the host group's ranks"},
+       "host_barrier(counters_address, abort_address, rank, world, generation, pids, timeout_s): meet the "
+       "host group's ranks"},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore_rl.parallel.host_reduce import abort_open_reducers
+
 logger = logging.getLogger(__name__)
 
 _SEVER_TAG = 0x5E7E4  # a tag no real message uses: these receives exist only to time out
@@ -163,8 +165,11 @@ def _uses_nccl() -> bool:
 def sever_connections() -> None:
     """Close every connection of this rank in every group it belongs to, so that peers blocked on it fail now.
 
-    Destroys the world's usability on this rank (see :func:`rejoin_world`); never raises.
+    Destroys the world's usability on this rank (see :func:`rejoin_world`); never raises. Peers waiting for this
+    rank at a host all-reduce's barrier (``host_reduce.py``: shared memory, no connection to close) are stopped
+    through the mapping's abort word.
     """
+    abort_open_reducers()
     if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d

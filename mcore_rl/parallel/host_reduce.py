@@ -15,6 +15,10 @@ result from run to run. Buffers larger than a slot go through in pieces of the s
 :meth:`HostReduce.open` returns None, and the caller keeps gloo, wherever this cannot hold: one rank, no
 native extension, ranks that do not share a process-id namespace (a dead peer could not be told apart), or a
 ``/dev/shm`` the ranks do not share or that has no room for the slots.
+
+A rank that fails while its peers wait at a barrier stops them as a closed gloo connection would: its failure
+guard (``failure.py``, :func:`abort_open_reducers`) writes its rank into the abort word of every mapping this
+process holds, and each waiting peer raises an error naming it, then handles it in its own guard.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +35,8 @@ import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
 LINE = 64
+ABORT_OFFSET = 32
+"""The abort word (int64) in the mapping's first line, after the 16-byte token: 0, or the aborting rank + 1."""
 """Each rank's barrier counter sits on its own cache line."""
 ALIGN_ELEMENTS = 16
 """Each rank's part of a piece starts on a 64-byte boundary (fp32), so two ranks never write one line."""
@@ -61,6 +68,17 @@ def _pid_namespace() -> str:
         return ""
 
 
+_OPEN: weakref.WeakSet[HostReduce] = weakref.WeakSet()
+"""The reducers this process holds open: the mappings a failing rank must abort (as it severs gloo's pairs)."""
+
+
+def abort_open_reducers() -> None:
+    """Stop every reduction of every group this process holds a mapping of: peers waiting at a barrier raise an
+    error naming this rank. Called when this rank fails (``failure.sever_connections``); never raises."""
+    for reducer in list(_OPEN):
+        reducer.abort()
+
+
 def _header_bytes(world: int) -> int:
     return -(-(LINE + LINE * world) // mmap.PAGESIZE) * mmap.PAGESIZE
 
@@ -80,11 +98,13 @@ class HostReduce:
         self._mapping = mapping
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         self._counters_address = self._bytes.data_ptr() + LINE
+        self._abort_word = self._bytes[ABORT_OFFSET : ABORT_OFFSET + 8].view(torch.int64)
         self._header = _header_bytes(self.world)
         self._generation = 0
         self._barrier_fn = _native_barrier()
         self._last_layout: tuple[int, list[int]] | None = None
         """The element size and part bounds of the last piece reduced (see :meth:`_reduce_piece`)."""
+        _OPEN.add(self)
 
     @classmethod
     def open(
@@ -123,7 +143,13 @@ class HostReduce:
         self._generation += 1
         assert self._barrier_fn is not None  # open() makes one only where every rank has the barrier
         self._barrier_fn(
-            self._counters_address, self.rank, self.world, self._generation, self.pids, float(self.timeout_s)
+            self._counters_address,
+            self._abort_word.data_ptr(),
+            self.rank,
+            self.world,
+            self._generation,
+            self.pids,
+            float(self.timeout_s),
         )
 
     def _slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -175,9 +201,16 @@ class HostReduce:
         # this rank's slot that the others finished reading before the barrier above, and this rank's own part
         # only after the next piece's first barrier.
 
+    def abort(self) -> None:
+        """Stop the group's reductions: every rank waiting at a barrier of this mapping, now or later, raises
+        an error naming this rank. The mapping is unusable afterwards, as severed gloo pairs are."""
+        if not self._mapping.closed:
+            self._abort_word[0] = self.rank + 1  # one aligned 8-byte store: peers read it whole
+
     def close(self) -> None:
         """Unmaps the slots; the object is unusable afterwards."""
-        del self._bytes
+        _OPEN.discard(self)
+        del self._bytes, self._abort_word
         self._mapping.close()
 
 

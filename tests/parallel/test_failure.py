@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mcore_rl.compat.grad_reduce import REDUCER_ATTR
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.rollout.base import SamplingParams
@@ -93,6 +94,50 @@ def test_one_failing_rank_stops_every_peer_with_its_name(run_distributed, where,
             assert kind == "PeerFailureError", (rank, outcome)
             assert f"rank {FAIL_RANK} failed during" in message and error in message, (rank, message)
     assert run_distributed(_world_still_works, world_size=4) == [4.0] * 4
+
+
+def _fails_before_the_gradient_sum() -> dict:
+    """Two data-parallel ranks (their gradients summed through host memory): rank 1 raises in its loss while
+    rank 0 goes on to the gradient sum and waits there for it."""
+    outcome: dict = {"error": None, "host_reduce": False}
+    started = time.time()
+    try:
+        with ParallelContext.initialize(ParallelConfig()) as ctx:
+            # the run's default on CPU: gradients all-reduced, through host memory
+            optim = OptimConfig(lr=1e-3, use_distributed_optimizer=None)
+            engine = TrainEngine.build(tiny_arch("llama", num_hidden_layers=1), ctx, optim=optim)
+            outcome["host_reduce"] = all(
+                getattr(group, REDUCER_ATTR, None) is not None
+                for chunk in engine.chunks
+                for group in chunk.bucket_groups
+            )
+
+            def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
+                if dist.get_rank() == 1:
+                    raise ZeroDivisionError("injected in rank 1's loss")
+                return logits.float().logsumexp(-1).mean(), {}
+
+            dist.barrier()
+            started = time.time()
+            engine.train_step([MicroBatch(torch.tensor([PROMPTS[1] * 2]), torch.arange(10)[None])], loss_fn)
+    except Exception as err:
+        outcome["error"] = (type(err).__name__, str(err))
+    outcome["stopped_after_s"] = time.time() - started
+    rejoin_world()
+    return outcome
+
+
+def test_a_rank_failing_before_the_host_gradient_sum_stops_the_peer_waiting_there(run_distributed):
+    """No gloo connection is involved in the wait, so severing alone would leave rank 0 there for the
+    collective timeout (30 minutes): the mapping's abort word stops it."""
+    waiting, failed = run_distributed(_fails_before_the_gradient_sum, timeout_s=120)
+    assert waiting["host_reduce"], "the engine's gradients did not go through host memory"
+    assert failed["error"][0] == "ZeroDivisionError", failed
+    kind, message = waiting["error"]
+    assert kind == "PeerFailureError" and "rank 1 failed during forward_backward" in message, waiting
+    assert "ZeroDivisionError" in message, message
+    assert waiting["stopped_after_s"] < BOUND_S and failed["stopped_after_s"] < BOUND_S
+    assert run_distributed(_world_still_works) == [2.0, 2.0]
 
 
 def test_failure_report_round_trips_and_names_the_rank():

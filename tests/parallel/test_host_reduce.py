@@ -163,6 +163,29 @@ def _late_peer() -> str:
     return outcome
 
 
+def _aborted_by_peer() -> str:
+    reducer = HostReduce.open(None, 1024, timeout_s=60.0)
+    assert reducer is not None
+    outcome = "returned"
+    if dist.get_rank() == 1:  # fails and stops the group's reductions instead of joining this one
+        reducer.abort()
+    else:
+        try:
+            reducer.all_reduce_(torch.ones(100))
+        except RuntimeError as exc:
+            outcome = str(exc)
+    dist.barrier()
+    reducer.close()
+    return outcome
+
+
+def test_a_peer_that_aborts_stops_the_waiting_rank_with_its_name(run_distributed):
+    start = time.monotonic()
+    message = run_distributed(_aborted_by_peer)[0]
+    assert "rank 1 of the group stopped its reductions" in message, message
+    assert time.monotonic() - start < 30.0  # not the reducer's 60 s timeout
+
+
 def test_a_peer_that_never_arrives_times_out(run_distributed):
     message = run_distributed(_late_peer)[0]
     assert "rank 1 of the data-parallel group" in message and "did not arrive within 0.5 s" in message
