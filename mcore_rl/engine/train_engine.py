@@ -26,7 +26,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.compat import megatron_cpu
 from mcore_rl.compat.grad_reduce import reduce_grads_on_host
@@ -358,7 +357,7 @@ class TrainEngine:
         the caller counts it) or :class:`NonFiniteLossError` names the rank and ``what``. Every rank takes the
         same branch (a MAX all-reduce), so no collective of the optimizer step is left waiting."""
         bad = torch.tensor([0.0 if bool(torch.isfinite(local_metrics).all()) else 1.0])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.ctx.all_reduce(bad, op="max")
         if not bad.item():
             return True
         self.zero_grad()

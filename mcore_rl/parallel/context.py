@@ -20,6 +20,7 @@ from torch.distributed import distributed_c10d
 
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.failure import FailureGuard
+from mcore_rl.parallel.host_reduce import HostReduce
 from mcore_rl.parallel.launch_env import free_local_port, prepare_launch_env, rendezvous_for_init
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 
@@ -62,6 +63,10 @@ def _live_process_groups() -> list[dist.ProcessGroup]:
     return [g for g in distributed_c10d._world.pg_map if g is not default]
 
 
+SMALL_REDUCE_SLOT_BYTES = 4096
+"""Per rank, for :meth:`ParallelContext.all_reduce`'s counts, loss terms and flags (larger ones go in pieces)."""
+
+
 class ParallelContext:
     """The process groups and coordinates of this rank, built once and passed explicitly.
 
@@ -92,6 +97,8 @@ class ParallelContext:
         self._live = True
         self._subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
         self._megatron_groups: list[dist.ProcessGroup] = []
+        self._host_reducers: dict[int | None, HostReduce | None] = {}
+        """:meth:`all_reduce`'s shared-memory reducer per group (None: the group keeps gloo or NCCL)."""
         self.failures: FailureGuard | None = None
         """Failure propagation among this context's ranks (see :meth:`guard`); set by :meth:`initialize`."""
 
@@ -146,6 +153,10 @@ class ParallelContext:
 
         if self.failures is not None:
             self.failures.close()
+        for reducer in self._host_reducers.values():
+            if reducer is not None:
+                reducer.close()
+        self._host_reducers.clear()
         parallel_state.destroy_model_parallel()
         for group in {id(g): g for g in [*self._subgroups.values(), *self._megatron_groups]}.values():
             if group in _live_process_groups():  # some are aliases of one communicator
@@ -308,6 +319,36 @@ class ParallelContext:
             ]  # collective: same on every rank
             self._subgroups[key] = next(h for g, h in zip(key, handles, strict=True) if self.rank in g)
         return self._subgroups[key]
+
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum"
+    ) -> None:
+        """In place over ``group`` (the world when None), ``op`` "sum" or "max": for the step's small
+        collectives (token counts, loss terms, the finite flag). On CPU ranks of one host these go through a
+        shared mapping (:class:`~mcore_rl.parallel.host_reduce.HostReduce`, opened for the group at its first
+        call here, collectively, as the all-reduce itself is). Six floats between two single-threaded ranks on
+        this project's 2-vCPU VMs, 400 calls each way: gloo's TCP loopback 0.25 ms median and 3.8 ms at the
+        90th percentile, through the mapping 0.05 and 0.2 ms. Elsewhere torch.distributed's."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce: op {op!r} is not 'sum' or 'max'")
+        reducer = self._host_reducer(group)
+        if reducer is None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+            return
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        reducer.all_reduce_(flat, op=op)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+
+    def _host_reducer(self, group: dist.ProcessGroup | None) -> HostReduce | None:
+        key = None if group is None else id(group)
+        if key not in self._host_reducers:
+            shared = self.device.type == "cpu" and dist.get_backend(group) == "gloo"
+            timeout_s = 60.0 * self.config.timeout_minutes
+            self._host_reducers[key] = (
+                HostReduce.open(group, SMALL_REDUCE_SLOT_BYTES, timeout_s) if shared else None
+            )
+        return self._host_reducers[key]
 
     def guard(self, what: str) -> contextlib.AbstractContextManager[None]:
         """A region whose failure on this rank stops every peer within seconds, their errors

@@ -164,19 +164,22 @@ class HostReduce:
         share = -(-share // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
         return [min(numel, r * share) for r in range(self.world + 1)]
 
-    def all_reduce_(self, flat: torch.Tensor, average: bool = False) -> None:
-        """Sums ``flat`` (1-D, contiguous, on CPU) over the group's ranks in place; every rank must call it
-        with a tensor of the same length and dtype. ``average`` divides the sum by the number of ranks."""
+    def all_reduce_(self, flat: torch.Tensor, average: bool = False, op: str = "sum") -> None:
+        """Reduces ``flat`` (1-D, contiguous, on CPU) over the group's ranks in place: ``op`` "sum" (``average``
+        divides the sum by the number of ranks) or "max"; every rank must call it with a tensor of the same
+        length and dtype."""
         if flat.dim() != 1 or not flat.is_contiguous() or flat.device.type != "cpu":
             raise ValueError("host all-reduce: needs a flat contiguous CPU tensor")
+        if op not in ("sum", "max"):
+            raise ValueError(f"host all-reduce: op {op!r} is not 'sum' or 'max'")
         slots = self._slots(flat.dtype)
         piece_len = slots[0].numel()
         for start in range(0, flat.numel(), piece_len):
-            self._reduce_piece(flat[start : start + piece_len], slots)
+            self._reduce_piece(flat[start : start + piece_len], slots, op)
         if average:
             flat.div_(self.world)
 
-    def _reduce_piece(self, piece: torch.Tensor, slots: list[torch.Tensor]) -> None:
+    def _reduce_piece(self, piece: torch.Tensor, slots: list[torch.Tensor], op: str) -> None:
         bounds = self._bounds(piece.numel())
         layout = (piece.element_size(), bounds)
         if self._last_layout is not None and layout != self._last_layout:
@@ -186,14 +189,17 @@ class HostReduce:
         self._last_layout = layout
         others = [r for r in range(self.world) if r != self.rank]
         mine = slots[self.rank]
-        for r in others:  # the parts the other ranks sum
+        for r in others:  # the parts the other ranks reduce
             mine[bounds[r] : bounds[r + 1]].copy_(piece[bounds[r] : bounds[r + 1]])
         self._barrier()
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         own = piece[lo:hi]
         for r in others:
-            own.add_(slots[r][lo:hi])
-        mine[lo:hi].copy_(own)  # this rank's part of the sum, for the others
+            if op == "sum":
+                own.add_(slots[r][lo:hi])
+            else:
+                torch.maximum(own, slots[r][lo:hi], out=own)
+        mine[lo:hi].copy_(own)  # this rank's part of the result, for the others
         self._barrier()
         for r in others:
             piece[bounds[r] : bounds[r + 1]].copy_(slots[r][bounds[r] : bounds[r + 1]])

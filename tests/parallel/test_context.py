@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.config import ParallelConfig
@@ -151,3 +152,47 @@ def _threads_after_rebuilds() -> tuple[int, int]:
 def test_destroy_releases_megatron_groups(run_distributed):
     for baseline, after in run_distributed(_threads_after_rebuilds):
         assert after <= baseline + 2, f"threads grew from {baseline} to {after} over 5 rebuilds"
+
+
+def _small_reductions(tp: int) -> dict:
+    """ctx.all_reduce over the world and the data-parallel group against gloo's own, with the shared-memory
+    reducer it opened per group; non-contiguous, integer and multi-piece tensors included. Sums of more than two
+    floats may differ from gloo's in the last bits (another order of addition), never between ranks."""
+
+    with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp)) as ctx:
+        rank = dist.get_rank()
+        generator = torch.Generator().manual_seed(rank)
+        cases = {
+            "world_sum": (torch.randn(6, generator=generator), None, "sum"),
+            "world_max": (torch.randn(3, generator=generator), None, "max"),
+            "dp_sum_ints": (torch.arange(5) * (rank + 1), ctx.dp_group, "sum"),
+            "dp_sum_strided": (torch.randn(4, 6, generator=generator)[:, ::2], ctx.dp_group, "sum"),
+            "dp_max_pieces": (torch.randn(3000, generator=generator), ctx.dp_group, "max"),  # 3 slots' worth
+        }
+        out = {}
+        for name, (tensor, group, op) in cases.items():
+            ours, theirs = tensor.clone(), tensor.clone()
+            ctx.all_reduce(ours, group, op)
+            dist.all_reduce(theirs, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+            out[name] = (ours, theirs)
+        out["host"] = {k is None: v is not None for k, v in ctx._host_reducers.items()}
+        try:
+            ctx.all_reduce(torch.ones(1), op="min")
+        except ValueError as err:
+            out["refused"] = str(err)
+    return out
+
+
+@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (4, 2)])
+def test_small_all_reduce_equals_gloo_through_host_memory(run_distributed, world_size, tp):
+    from mcore_rl.ops._native import extension_loaded
+
+    results = run_distributed(_small_reductions, tp, world_size=world_size)
+    for result in results:
+        assert result.pop("host") == {True: extension_loaded(), False: extension_loaded()}
+        assert result.pop("refused") == "all_reduce: op 'min' is not 'sum' or 'max'"
+        for name, (ours, theirs) in result.items():
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, name
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=name)
+            if name.startswith("world"):  # bitwise the same on every rank of the group
+                assert torch.equal(ours, results[0][name][0]), name

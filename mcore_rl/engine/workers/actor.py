@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.hf.peft import load_peft_adapter, save_peft_adapter
@@ -262,7 +261,7 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
         mask = pad_width(batch.loss_mask, multiple, 0.0)
         count = mask.sum().reshape(1)
-        dist.all_reduce(count, group=ctx.dp_group)
+        ctx.all_reduce(count, ctx.dp_group)
         micro: list[MicroBatch] = [
             self._packed(SFTMicroBatch(t, positions(t), loss_mask=m), m)
             for t, m in zip(row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
@@ -273,7 +272,7 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         result = self.engine.step()
         loss = torch.tensor([sum(float(m.loss) for m in out)])
         if out:
-            dist.all_reduce(loss, group=ctx.dp_group)
+            ctx.all_reduce(loss, ctx.dp_group)
         if not self._owns_training_result():
             return None
         return {"loss": float(loss), "grad_norm": result.grad_norm}

@@ -20,7 +20,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.hf.state import load_hf_full_state
@@ -120,7 +119,7 @@ class Critic:
         from mcore_rl.engine.packing.micro_batches import positions, row_chunks
 
         count = mini.response_mask.sum().reshape(1)
-        dist.all_reduce(count, group=self.ctx.dp_group)  # the mini-batch's global response tokens
+        self.ctx.all_reduce(count, self.ctx.dp_group)  # the mini-batch's global response tokens
         row_chunks(mini.tokens, micro_batch_size)  # validates the split
         micro: list[MicroBatch] = [
             self._packed(
@@ -135,7 +134,7 @@ class Critic:
         self.scheduler.step(1)
         result = self.engine.step()
         if out:
-            dist.all_reduce(local, group=self.ctx.dp_group)
+            self.ctx.all_reduce(local, self.ctx.dp_group)
         return torch.cat([local, torch.tensor([result.grad_norm])])
 
     def _packed(self, micro: MicroBatch, mask: torch.Tensor) -> MicroBatch:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.engine.moe import RouterLosses
 from mcore_rl.engine.packing.micro_batches import (
@@ -155,7 +154,7 @@ class PolicyUpdateHost:
         ctx = self.ctx
         mask = mini.response_mask
         counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float()])
-        dist.all_reduce(counts, group=ctx.dp_group)  # global counts of this mini-batch
+        ctx.all_reduce(counts, ctx.dp_group)  # global counts of this mini-batch
         parts = micro_parts(ctx.layout, mini, micro_batch_size, token_budget)
         micro: list[MicroBatch] = [
             self._packed(
@@ -179,7 +178,7 @@ class PolicyUpdateHost:
         self.scheduler.step(1)  # the k-th update runs at the schedule's k-th learning rate
         result = self.engine.step()
         if out:
-            dist.all_reduce(local, group=ctx.dp_group)
+            ctx.all_reduce(local, ctx.dp_group)
         return torch.cat([local, torch.tensor([result.grad_norm])]), log_probs
 
     @contextlib.contextmanager
