@@ -140,6 +140,13 @@ class TrainerConfig:
     """PPO: after each rollout, start scoring, critic values and actor/reference log-probs together (they
     depend only on the rollout), and then the critic's and the actor's updates together (they read the same
     batch); False runs them one after another (a timing baseline: same numbers)."""
+    balance_batch: bool = True
+    """Deal each actor mini-batch's prompt groups (``rollout.n`` samples each, kept together for shared-prompt
+    packing) to the data-parallel ranks by tokens, greedy longest-first with equal counts (verl's
+    ``balance_batch``), instead of in batch order, so that no rank waits for a longer-answering one at the
+    gradient sum. Each optimizer step sees the same rows, so the update is the same up to the order of float
+    sums. Off where a rank's share of a mini-batch is not whole groups (the start-up note says so); with
+    ``algorithm.ppo_max_token_len_per_gpu`` rows are balanced one by one instead."""
     one_step_off: bool = False
     """Generate the next step's rollout before this step's update, with the weights the update starts from
     (verl's one-step-off data flow: a policy lag of 1, logged as ``policy_lag``). The PPO ratio's old

@@ -34,7 +34,7 @@ from mcore_rl.engine.train_engine import NonFiniteLossError
 from mcore_rl.engine.workers.host_heap import keep_freed_host_memory_of_run
 from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
-from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
+from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan, balances_groups
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.multi_turn import MultiTurnOutput, build_multi_turn, conversation_samples
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
@@ -403,12 +403,35 @@ def old_log_prob_line(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) 
     return f"algorithm.recompute_old_log_probs=auto (the old-log-prob pass runs: {reason})"
 
 
+def balance_line(cfg: RunConfig) -> str:
+    """``trainer.balance_batch`` for the note: what it does in this layout, or what keeps it off."""
+    if not cfg.trainer.balance_batch:
+        return "trainer.balance_batch=false (the update's rows dealt to the ranks in batch order)"
+    par = cfg.parallel
+    dp = cfg.world_size // (
+        par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+    )
+    plan = update_plan(cfg)
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    if dp < 2:
+        return "trainer.balance_batch=true (one data-parallel rank: nothing to balance)"
+    if not balances_groups(rows, plan.num_mini_batches, dp, plan.balance_group_size):
+        share = rows // plan.num_mini_batches // dp
+        return (
+            f"trainer.balance_batch=true but off: a rank's share of a mini-batch ({share} rows) is not whole "
+            f"groups of rollout.n={cfg.rollout.n}"
+        )
+    return f"trainer.balance_batch=true (each mini-batch's prompt groups dealt to the {dp} ranks by tokens)"
+
+
 def fast_path_note(cfg: RunConfig) -> str:
     """One line: what the run's exact fast paths do, and what keeps any of them off (``config/fast_paths.py``;
     critic-free estimators also the on-policy shortcut)."""
     lines = describe_fast_paths(cfg)
     if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
         lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
+    if cfg.algorithm.ppo_max_token_len_per_gpu is None:
+        lines.append(balance_line(cfg))
     if compute_device(cfg) == "cpu":
         lines.append(describe_cpu_layout(cfg))
         lines.append(keep_freed_host_memory_of_run(cfg.trainer.host_cache_gib, cfg.world_size, apply=False))
@@ -460,4 +483,5 @@ def update_plan(cfg: RunConfig) -> UpdatePlan:
         micro_batch_size=algo.ppo_micro_batch_size_per_gpu,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
         token_budget=algo.ppo_max_token_len_per_gpu,
+        balance_group_size=cfg.rollout.n if cfg.trainer.balance_batch else None,
     )

@@ -101,3 +101,27 @@ def test_the_note_says_why_the_old_log_prob_pass_runs() -> None:
     assert "ppo_epochs" in fast_path_note(_cfg("llama", "algorithm.ppo_epochs=2"))
     assert "one_step_off" in fast_path_note(_cfg("llama", "trainer.one_step_off=true"))
     assert "recompute_old_log_probs" not in fast_path_note(_cfg("llama", "algorithm.adv_estimator=gae"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.n_gpus_per_node=2"], "prompt groups dealt to the 2 ranks by tokens"),
+        (["trainer.n_gpus_per_node=1"], "one data-parallel rank: nothing to balance"),
+        (["trainer.n_gpus_per_node=2", "trainer.balance_batch=false"], "trainer.balance_batch=false"),
+        # mini-batches of 3 prompts x 4 samples over 2 ranks: 6 rows each, a group and a half
+        (
+            [
+                "trainer.n_gpus_per_node=2",
+                "data.train_batch_size=6",
+                "algorithm.ppo_mini_batch_size=3",
+                "algorithm.ppo_micro_batch_size_per_gpu=3",
+            ],
+            "a rank's share of a mini-batch (6 rows) is not whole groups of rollout.n=4",
+        ),
+    ],
+)
+def test_the_note_says_where_prompt_groups_are_balanced(overrides: list[str], expected: str) -> None:
+    assert expected in fast_path_note(_cfg("llama", "rollout.n=4", "data.train_batch_size=8", *overrides))
+    budget = _cfg("llama", "rollout.n=4", "algorithm.ppo_max_token_len_per_gpu=64", *overrides)
+    assert "balance_batch" not in fast_path_note(budget)  # the token budget balances rows one by one

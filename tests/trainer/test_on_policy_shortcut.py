@@ -225,3 +225,37 @@ def test_ppo_with_kl_in_reward_keeps_the_actor_pass(tmp_path) -> None:
         assert actors.phase_memory()[LOG_PROBS_PHASE] > 0
     finally:
         actors.shutdown()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_prompt_groups_balanced_over_dp2_equal_the_batch_order(tmp_path, monkeypatch) -> None:
+    """``trainer.balance_batch`` (on by default) deals each prompt's samples to the two ranks by tokens: the
+    run must equal the batch-order one, and the update's log-probs must come back in the rollout's row
+    order (``token_mult_prob_error`` 1)."""
+    from mcore_rl.trainer.groups.actor import ActorGroup
+
+    orders: list[list[int] | None] = []
+    split = ActorGroup._update_shards
+
+    def recorded(self, batch, plan):  # type: ignore[no-untyped-def]
+        shards, order = split(self, batch, plan)
+        orders.append(order)
+        return shards, order
+
+    monkeypatch.setattr(ActorGroup, "_update_shards", recorded)
+    data = str(tmp_path / "data")
+    extra = ["trainer.n_gpus_per_node=2", "algorithm.ppo_micro_batch_size_per_gpu=4"]
+    balanced = _run(data, [*extra, f"trainer.default_local_dir={tmp_path / 'b'}"], use_ray=True)
+    assert len(orders) == 2 and all(o is not None and o != sorted(o) for o in orders), orders
+    for order in orders:  # whole groups of rollout.n=4 consecutive rows moved together
+        assert order is not None
+        assert all(order[i : i + 4] == list(range(order[i], order[i] + 4)) for i in range(0, len(order), 4))
+    orders.clear()
+    plain = _run(
+        data,
+        [*extra, "trainer.balance_batch=false", f"trainer.default_local_dir={tmp_path / 'p'}"],
+        use_ray=True,
+    )
+    assert orders == [None, None]
+    _assert_shortcut_taken(balanced[0], reference=False)
+    _assert_same_run(balanced, plain)

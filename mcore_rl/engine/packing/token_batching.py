@@ -4,7 +4,8 @@ Rows of a rollout have very different lengths. Three things follow:
 
 - **balance**: each mini-batch's rows are dealt to the data-parallel ranks so that every rank gets the
   same number of rows and about the same number of tokens (:func:`balanced_partitions`, greedy longest-first
-  with equal counts); mini-batch membership is kept, so the optimizer steps see the same rows;
+  with equal counts); mini-batch membership is kept, so the optimizer steps see the same rows. Without a
+  token budget (``trainer.balance_batch``) each prompt's group of samples moves as one;
 - **budget**: a rank's mini-batch is cut into micro-batches holding at most ``budget`` tokens each, counted
   as rows x longest row (what the forward computes), instead of a fixed number of rows
   (:func:`budget_micro_batches`);
@@ -59,23 +60,32 @@ def balanced_partitions(lengths: Sequence[int], num_parts: int) -> list[list[int
     return [sorted(p) for p in parts]
 
 
-def balanced_order(lengths: Sequence[int], num_mini_batches: int, num_ranks: int) -> list[int]:
+def balanced_order(
+    lengths: Sequence[int], num_mini_batches: int, num_ranks: int, group_size: int = 1
+) -> list[int]:
     """A row order of the step's batch that keeps every mini-batch's rows and balances them over the ranks.
 
     The batch is split into ``num_ranks`` contiguous shards and mini-batch k is the k-th of
     ``num_mini_batches`` contiguous slices of every shard (``ActorGroup.update``). In the returned order
-    the same split gives mini-batch k the same rows as before, dealt by :func:`balanced_partitions`.
+    the same split gives mini-batch k the same rows as before, dealt by :func:`balanced_partitions`: row by
+    row, or with ``group_size`` > 1 in whole groups of that many consecutive rows (one prompt's samples, which
+    shared-prompt packing computes together), each weighing its rows' lengths together.
     """
     num = len(lengths)
-    if num % (num_mini_batches * num_ranks):
-        raise ValueError(f"{num} rows do not split into {num_mini_batches} mini-batches x {num_ranks} ranks")
+    if group_size < 1 or num % (num_mini_batches * num_ranks * group_size):
+        raise ValueError(
+            f"{num} rows do not split into {num_mini_batches} mini-batches x {num_ranks} ranks"
+            + (f" of whole groups of {group_size}" if group_size != 1 else "")
+        )
     shard = num // num_ranks
     size = shard // num_mini_batches
     per_rank: list[list[int]] = [[] for _ in range(num_ranks)]
     for k in range(num_mini_batches):
         rows = [r * shard + k * size + j for r in range(num_ranks) for j in range(size)]
-        for rank, part in enumerate(balanced_partitions([lengths[i] for i in rows], num_ranks)):
-            per_rank[rank].extend(rows[i] for i in part)
+        groups = [rows[g : g + group_size] for g in range(0, len(rows), group_size)]
+        weights = [sum(lengths[i] for i in group) for group in groups]
+        for rank, part in enumerate(balanced_partitions(weights, num_ranks)):
+            per_rank[rank].extend(row for g in part for row in groups[g])
     return [row for rows in per_rank for row in rows]
 
 

@@ -55,6 +55,20 @@ class UpdatePlan:
     token_budget: int | None = None
     """Tokens per micro-batch (``algorithm.ppo_max_token_len_per_gpu``): rows balanced over data-parallel
     ranks by tokens, micro-batches by the budget, trimmed; None: ``micro_batch_size`` rows."""
+    balance_group_size: int | None = None
+    """Without a token budget: groups of this many consecutive rows (one prompt's samples) dealt to the
+    data-parallel ranks by tokens (``trainer.balance_batch``) where each rank's share of a mini-batch is whole
+    groups; None: the batch's order."""
+
+
+def balances_groups(rows: int, num_mini_batches: int, num_dp_ranks: int, group_size: int | None) -> bool:
+    """Whether ``trainer.balance_batch`` deals an update's prompt groups to the data-parallel ranks: more than
+    one rank, and every rank's share of a mini-batch whole groups of ``group_size`` rows (None: off)."""
+    return (
+        group_size is not None
+        and num_dp_ranks > 1
+        and rows % (num_mini_batches * num_dp_ranks * group_size) == 0
+    )
 
 
 def submit_rollout(
@@ -182,14 +196,19 @@ class ActorGroup:
     def _update_shards(
         self, batch: TrainBatch, plan: UpdatePlan
     ) -> tuple[list[TrainBatch], list[int] | None]:
-        """The data-parallel shards of an update, and with a token budget the row order they were cut from
-        (the same mini-batches, rows dealt to the ranks by tokens)."""
-        order = None
+        """The data-parallel shards of an update, and where they were balanced the row order they were cut from
+        (the same mini-batches, rows or prompt groups dealt to the ranks by tokens)."""
         if plan.token_budget is not None:
-            lengths = row_lengths(batch.response_mask).tolist()
-            order = balanced_order(lengths, plan.num_mini_batches, self.num_dp_shards)
-            batch = select_rows(batch, order)
-        return list(split_record(batch, self.num_dp_shards)), order
+            group = 1
+        elif balances_groups(
+            batch.tokens.shape[0], plan.num_mini_batches, self.num_dp_shards, plan.balance_group_size
+        ):
+            group = plan.balance_group_size or 1
+        else:
+            return list(split_record(batch, self.num_dp_shards)), None
+        lengths = row_lengths(batch.response_mask).tolist()
+        order = balanced_order(lengths, plan.num_mini_batches, self.num_dp_shards, group)
+        return list(split_record(select_rows(batch, order), self.num_dp_shards)), order
 
     def set_optim(self, optim: OptimConfig, total_optimizer_steps: int) -> None:
         """New optimizer hyper-parameters and LR schedule, same optimizer state (SFT -> RL)."""

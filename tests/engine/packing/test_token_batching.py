@@ -185,3 +185,32 @@ def test_the_driver_step_with_a_token_budget_equals_the_padded_step(tmp_path) ->
         for key in ("pg_loss", "kl_loss", "entropy", "clip_frac", "grad_norm", "reward", "response_len"):
             assert have[key] == pytest.approx(want[key], abs=1e-5), key
     assert padded[1]["reward"] != padded[0]["reward"] or padded[1]["pg_loss"] != padded[0]["pg_loss"]
+
+
+def test_balanced_order_moves_whole_groups_and_balances_them() -> None:
+    # 2 mini-batches x 2 ranks, groups of 3 rows (one prompt's samples): 4 groups per mini-batch
+    lengths = [int(x) for x in torch.randint(1, 60, (24,), generator=torch.Generator().manual_seed(5))]
+    order = balanced_order(lengths, num_mini_batches=2, num_ranks=2, group_size=3)
+    assert sorted(order) == list(range(24))
+    groups = [order[i : i + 3] for i in range(0, 24, 3)]
+    assert all(g == list(range(g[0], g[0] + 3)) and g[0] % 3 == 0 for g in groups)  # whole, in place
+
+    def minis(rows: list[int]) -> list[set[int]]:  # mini-batch k: slice k of each of 2 contiguous shards
+        return [set(rows[k * 6 : k * 6 + 6]) | set(rows[12 + k * 6 : 12 + k * 6 + 6]) for k in range(2)]
+
+    assert minis(order) == minis(list(range(24)))
+    weight = [sum(lengths[g : g + 3]) for g in range(0, 24, 3)]
+    for k in range(2):
+        sums = [sum(lengths[r] for r in order[s + k * 6 : s + k * 6 + 6]) for s in (0, 12)]
+        assert abs(sums[0] - sums[1]) <= max(weight)
+    with pytest.raises(ValueError, match="of whole groups of 4"):
+        balanced_order(lengths, 2, 2, group_size=4)  # 6 rows per rank and mini-batch
+
+
+def test_balance_applies_to_whole_groups_on_more_than_one_rank() -> None:
+    from mcore_rl.trainer.groups.actor import balances_groups
+
+    assert balances_groups(32, 1, 2, 4)
+    assert not balances_groups(32, 1, 2, None)  # trainer.balance_batch=false
+    assert not balances_groups(32, 1, 1, 4)  # one rank
+    assert not balances_groups(24, 1, 2, 8)  # 12 rows per rank: one group and a half
