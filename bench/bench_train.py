@@ -26,7 +26,9 @@ Sides:
 
 Reported per side: the median step of each run (after ``--warmup`` steps), the median over runs, the
 run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
-the ratios. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
+the ratios; and the step's compute limit measured in the same run (its matmul FLOPs, LM head included, over
+``torch.mm``'s best rate at the step's decode and training shapes, probed after each round: ``step_limit``)
+with each of our sides' share of it. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
 training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
 mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it
 there. Two seconds do not stand for a run of minutes, so the bench reports the rate beside the steps and does
@@ -49,11 +51,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from bench._measure import mm_seconds, parallel_region_us
 from bench._rollout_models import MODELS
-from bench.grpo_step_limits import gemm_flops, linear_shapes
+from bench.grpo_step_limits import GemmRate, gemm_flops, gemm_shapes, linear_shapes, step_flops
 from mcore_rl.engine.arch import ModelArch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -267,6 +270,27 @@ def gemm_probe_gflops() -> float:
     return gemm_flops(gemms) / seconds / 1e9
 
 
+def step_limit(workload: dict[str, Any], rate: GemmRate) -> tuple[float, dict[str, float]]:
+    """The step's compute limit: its matmul FLOPs (generation at decode shapes, the update's forward and
+    backward at training shapes, LM head included, each prompt once per group as the defaults compute it; no
+    separate log-prob pass: the on-policy shortcut) over ``torch.mm``'s best rate at those shapes in this run
+    (``bench/grpo_step_limits.py``). -> (seconds, the phases' GFLOP)."""
+    arch = ModelArch.from_hf_config(workload["hf_config"])
+    n, samples = workload["prompts"] * workload["samples"], workload["samples"]
+    flops = step_flops(arch, n, PROMPT_LEN, workload["new_tokens"], samples)
+    seconds = flops["generate"] / (rate.best["decode"] * 1e9) + flops["update_shared"] / (
+        rate.best["train"] * 1e9
+    )
+    return seconds, {"generate": flops["generate"] / 1e9, "update": flops["update_shared"] / 1e9}
+
+
+def step_gemm_rate(workload: dict[str, Any]) -> GemmRate:
+    """``torch.mm`` at the workload's decode and training shapes (:func:`step_limit`), probed after each round."""
+    arch = ModelArch.from_hf_config(workload["hf_config"])
+    n = workload["prompts"] * workload["samples"]
+    return GemmRate(gemm_shapes(arch, n, PROMPT_LEN, workload["new_tokens"]))
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -320,7 +344,9 @@ def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: 
     return median
 
 
-def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+def report(
+    workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, rate: GemmRate
+) -> None:
     workload = WORKLOADS[workload_name]
     tokens = workload["prompts"] * workload["samples"] * workload["new_tokens"]
     print(
@@ -330,6 +356,16 @@ def report(workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argp
         f"{'; overrides ' + ' '.join(args.override) if args.override else ''}"
     )
     medians = {side: _print_side(side, per_run, tokens, args.threads) for side, per_run in runs.items()}
+    limit, gflop = step_limit(workload, rate)
+    print(
+        f"  compute limit {limit:.3f} s per step: generate {gflop['generate']:.0f} GFLOP at "
+        f"{rate.best['decode']:.0f} GFLOP/s (decode shapes), update {gflop['update']:.0f} GFLOP at "
+        f"{rate.best['train']:.0f} GFLOP/s (training shapes); torch.mm's best after each round, {args.threads} "
+        "threads"
+    )
+    for side in ("train", "onerank", "rlstep"):
+        if side in medians:
+            print(f"  {side} at {limit / medians[side]:.0%} of the compute limit (limit / median step)")
     if "train" in medians and "onerank" in medians:
         print(
             f"  onerank / train: step {medians['onerank'] / medians['train']:.3f} (medians); per round "
@@ -375,6 +411,7 @@ def main() -> int:
         parser.error(f"--threads={args.threads} does not divide the workload's {batch} sequences")
     train_overrides = {"train": args.override, "onerank": args.override + one_rank_overrides(workload)}
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in args.sides}
+    rate = step_gemm_rate(workload)
     for r in range(args.rounds):
         order = args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]
         for side in order:
@@ -402,7 +439,8 @@ def main() -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    report(args.workload, runs, args)
+        rate.step(torch.empty(0), r)
+    report(args.workload, runs, args, rate)
     return 0
 
 
