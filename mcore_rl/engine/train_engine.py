@@ -225,9 +225,7 @@ class TrainEngine:
         ]
         megatron_cpu.fuse_weight_grad_accumulation(chunks)  # on CPU: weight grads GEMM'd into DDP's buffer
         if megatron_cpu.is_applied():  # CPU ranks of one host sum gradients through shared memory, not TCP
-            reduce_grads_on_host(
-                chunks, partial(open_for_buckets, timeout_s=60.0 * ctx.config.timeout_minutes)
-            )
+            reduce_grads_on_host(chunks, partial(open_for_buckets, timeout_s=ctx.collective_timeout_s))
         config.finalize_model_grads_func = _finalize_without_token_scaling
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         optimizer = get_megatron_optimizer(

@@ -320,6 +320,11 @@ class ParallelContext:
             self._subgroups[key] = next(h for g, h in zip(key, handles, strict=True) if self.rank in g)
         return self._subgroups[key]
 
+    @property
+    def collective_timeout_s(self) -> float:
+        """How long a collective waits for a peer (``parallel.timeout_minutes``), gloo's and the host reducers'."""
+        return 60.0 * self.config.timeout_minutes
+
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum"
     ) -> None:
@@ -344,9 +349,8 @@ class ParallelContext:
         key = None if group is None else id(group)
         if key not in self._host_reducers:
             shared = self.device.type == "cpu" and dist.get_backend(group) == "gloo"
-            timeout_s = 60.0 * self.config.timeout_minutes
             self._host_reducers[key] = (
-                HostReduce.open(group, SMALL_REDUCE_SLOT_BYTES, timeout_s) if shared else None
+                HostReduce.open(group, SMALL_REDUCE_SLOT_BYTES, self.collective_timeout_s) if shared else None
             )
         return self._host_reducers[key]
 

@@ -407,10 +407,7 @@ def balance_line(cfg: RunConfig) -> str:
     """``trainer.balance_batch`` for the note: what it does in this layout, or what keeps it off."""
     if not cfg.trainer.balance_batch:
         return "trainer.balance_batch=false (the update's rows dealt to the ranks in batch order)"
-    par = cfg.parallel
-    dp = cfg.world_size // (
-        par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
-    )
+    dp = cfg.parallel.layout(cfg.world_size).dp
     plan = update_plan(cfg)
     rows = cfg.data.train_batch_size * cfg.rollout.n
     if dp < 2:

@@ -149,31 +149,19 @@ def test_a_dead_peer_is_named_not_waited_for():
     assert waited_s < 5.0
 
 
-def _late_peer() -> str:
-    reducer = HostReduce.open(None, 1024, timeout_s=0.5)
+def _rank_1_stays_away(aborts: bool, timeout_s: float) -> str:
+    """Rank 0 reduces; rank 1 lives on but never joins, and with ``aborts`` stops the group's reductions (as
+    its failure guard does) -> rank 0's error."""
+    reducer = HostReduce.open(None, 1024, timeout_s=timeout_s)
     assert reducer is not None
     outcome = "returned"
-    if dist.get_rank() == 0:  # rank 1 lives on but never joins this reduction
+    if dist.get_rank() == 0:
         try:
             reducer.all_reduce_(torch.ones(100))
         except RuntimeError as exc:
             outcome = str(exc)
-    dist.barrier()
-    reducer.close()
-    return outcome
-
-
-def _aborted_by_peer() -> str:
-    reducer = HostReduce.open(None, 1024, timeout_s=60.0)
-    assert reducer is not None
-    outcome = "returned"
-    if dist.get_rank() == 1:  # fails and stops the group's reductions instead of joining this one
+    elif aborts:
         reducer.abort()
-    else:
-        try:
-            reducer.all_reduce_(torch.ones(100))
-        except RuntimeError as exc:
-            outcome = str(exc)
     dist.barrier()
     reducer.close()
     return outcome
@@ -181,11 +169,11 @@ def _aborted_by_peer() -> str:
 
 def test_a_peer_that_aborts_stops_the_waiting_rank_with_its_name(run_distributed):
     start = time.monotonic()
-    message = run_distributed(_aborted_by_peer)[0]
+    message = run_distributed(_rank_1_stays_away, True, 60.0)[0]
     assert "rank 1 of the group stopped its reductions" in message, message
     assert time.monotonic() - start < 30.0  # not the reducer's 60 s timeout
 
 
 def test_a_peer_that_never_arrives_times_out(run_distributed):
-    message = run_distributed(_late_peer)[0]
+    message = run_distributed(_rank_1_stays_away, False, 0.5)[0]
     assert "rank 1 of the data-parallel group" in message and "did not arrive within 0.5 s" in message
