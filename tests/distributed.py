@@ -31,8 +31,9 @@ _GLOO_THREADS_BEFORE_GC = 64
 def _reset_after_task() -> None:
     """Undo per-test global state a failing body may have left (megatron's parallel_state), and free the
     process groups of finished bodies. A destroyed group's communicator lives until its Python objects do, and
-    engines sit in reference cycles (~16 gloo threads per built context at world 1, measured): without a
-    collection the pool's workers carried ~1000 gloo threads late in the run."""
+    engines sit in reference cycles (~16 gloo threads per built context at world 1, measured before a context's
+    groups shared one transport loop, compat/gloo_device.py): without a collection the pool's workers carried
+    ~1000 gloo threads late in the run."""
     import gc
     import glob
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from mcore_rl.compat import gloo_device
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.failure import FailureGuard
 from mcore_rl.parallel.host_reduce import HostReduce
@@ -31,6 +32,7 @@ def _default_backend() -> str:
 
 def _init_world(backend: str, timeout_minutes: int) -> None:
     """Join the launcher's world (env:// rendezvous) unless this process already has one."""
+    gloo_device.apply()  # megatron's two dozen groups on one transport loop, not one each
     if dist.is_initialized():
         if dist.get_backend() != backend:
             raise LayoutError(

@@ -154,6 +154,31 @@ def test_destroy_releases_megatron_groups(run_distributed):
         assert after <= baseline + 2, f"threads grew from {baseline} to {after} over 5 rebuilds"
 
 
+def _gloo_loops_around_a_context() -> dict:
+    from mcore_rl.compat.gloo_device import gloo_loop_threads
+
+    before = gloo_loop_threads()
+    with ParallelContext.initialize(ParallelConfig()) as ctx:  # both ranks data parallel
+        during = gloo_loop_threads()
+        groups = len(ctx._megatron_groups)
+        sums = []
+        for group in (ctx.dp_group, ctx._ps.get_data_parallel_group_gloo(), ctx.tp_group):
+            value = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(value, group=group)
+            sums.append(value.item())
+    return {"before": before, "during": during, "groups": groups, "sums": sums}
+
+
+def test_megatron_groups_share_one_gloo_transport_loop(run_distributed):
+    """torch gives each gloo group a device whose loop thread wakes every 10 ms; a context's two dozen groups
+    share one device (``compat/gloo_device.py``), and each group still reduces over its own ranks."""
+    for per_rank in run_distributed(_gloo_loops_around_a_context):
+        assert per_rank["groups"] >= 10, per_rank  # megatron built its groups (and their gloo copies)
+        assert per_rank["during"] <= per_rank["before"] + 1, per_rank
+        assert per_rank["sums"] == [3.0, 3.0, per_rank["sums"][2]], per_rank
+        assert per_rank["sums"][2] in (1.0, 2.0), per_rank  # a group of one: the rank's own value
+
+
 def _small_reductions(tp: int) -> dict:
     """ctx.all_reduce over the world and the data-parallel group against gloo's own, with the shared-memory
     reducer it opened per group; non-contiguous, integer and multi-piece tensors included. Sums of more than two
