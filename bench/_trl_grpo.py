@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -102,7 +103,8 @@ def even_share_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
 class _Timer(TrainerCallback):
     """Blocks the training loop on stdin between steps and reports each step's wall time and split."""
 
-    def __init__(self) -> None:
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir  # ours to remove: the quit below skips the TemporaryDirectory's exit
         self.marks: dict[str, float] = {}
         self.generate_s = 0.0
         self.peak_rss: dict[str, int] = {}  # phase -> bytes, this step's
@@ -113,6 +115,7 @@ class _Timer(TrainerCallback):
         line = sys.stdin.readline().strip()
         if line in ("", "quit"):
             _PROTOCOL.flush()
+            shutil.rmtree(self.output_dir, ignore_errors=True)
             os._exit(0)  # skip the trainer's end-of-training work: nothing of it is measured
         if line != "step":
             raise SystemExit(f"_trl_grpo: unknown command {line!r} (expected 'step' or 'quit')")
@@ -195,7 +198,7 @@ def build_trainer(spec: dict[str, Any], output_dir: str) -> tuple[trl.GRPOTraine
     if any(0 in ids for ids in spec["prompts"]):
         raise SystemExit("_trl_grpo: spec.prompts must not hold token id 0 (the EOS/pad id)")
     dataset = Dataset.from_dict({"prompt": texts * MAX_STEPS})
-    timer = _Timer()
+    timer = _Timer(output_dir)
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=even_share_reward,

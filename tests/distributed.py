@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,10 +32,13 @@ _GLOO_THREADS_BEFORE_GC = 64
 
 def _reset_after_task() -> None:
     """Undo per-test global state a failing body may have left (megatron's parallel_state), and free the
-    process groups of finished bodies. A destroyed group's communicator lives until its Python objects do, and
-    engines sit in reference cycles (~16 gloo threads per built context at world 1, measured before a context's
-    groups shared one transport loop, compat/gloo_device.py): without a collection the pool's workers carried
-    ~1000 gloo threads late in the run."""
+    process groups of finished bodies when their transport loops pile up. A destroyed group's communicator
+    lives until its Python objects do, and engines sit in reference cycles: before a rank's groups shared one
+    transport loop (compat/gloo_device.py) each built context left ~16 loop threads, each waking 100 times a
+    second, ~1000 late in the run. Now one loop serves them all and this rarely fires; what the uncollected
+    groups keep is their idle worker threads (``pt_gloo_runloop``, ~300 per worker at most, measured), which
+    wake for nothing: collecting them after every few tests cost the suite 10% (measured), so they wait for
+    Python's own collections."""
     import gc
     import glob
 
@@ -53,8 +58,12 @@ def _is_gloo_thread(comm_path: str) -> bool:
         return False
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker_main(rank: int, world_size: int, port: int, scratch: str, tasks: Any, results: Any) -> None:
+    # What the libraries put in the temp folder and remove only at a normal exit (wandb's directories through
+    # megatron's imports, multiprocessing's) goes to the pool's folder: this process ends in os._exit below.
+    tempfile.tempdir = scratch
     os.environ.update(
+        TMPDIR=scratch,
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -103,12 +112,15 @@ class WorkerPool:
     def __init__(self, world_size: int, start_timeout_s: float = 180.0) -> None:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
+        self._scratch = tempfile.mkdtemp(prefix=f"mcore_rl_test_pool{world_size}_")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_local_port()
         self._procs = [
             ctx.Process(
-                target=_worker_main, args=(r, world_size, port, self._tasks[r], self._results), daemon=True
+                target=_worker_main,
+                args=(r, world_size, port, self._scratch, self._tasks[r], self._results),
+                daemon=True,
             )
             for r in range(world_size)
         ]
@@ -154,6 +166,7 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
 
 class PoolRegistry:
@@ -165,6 +178,8 @@ class PoolRegistry:
     def __call__(self, fn: Callable[..., Any], *args: Any, world_size: int = 2, **kwargs: Any) -> list[Any]:
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
+            if pool is not None:
+                pool.close(force=True)  # reaps what is left of it and removes its temp folder
             pool = self._pools[world_size] = WorkerPool(world_size)
         return pool.run(fn, *args, **kwargs)
 

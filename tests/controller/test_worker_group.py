@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -58,6 +59,23 @@ def test_four_ranks_tp2_dp2_run_collectives_and_dp_dispatch() -> None:
         results = group.get(group.call_sharded("shard_sum", shards, "dp", 10.0))
         assert [results[i] for i in data_owners(group.infos)] == [30.0, 60.0]
         assert results[1] is None and results[3] is None
+
+
+_KEPT_UNTIL_EXIT: list[tempfile.TemporaryDirectory] = []
+
+
+def _folder_kept_until_exit(ctx: ParallelContext) -> str:
+    """What a library does at import (wandb's media folder): a temporary folder removed when Python exits."""
+    _KEPT_UNTIL_EXIT.append(tempfile.TemporaryDirectory(prefix="mcore_rl_test_exit_"))
+    return _KEPT_UNTIL_EXIT[-1].name
+
+
+def test_a_group_ends_its_processes_as_python_exits_so_their_exit_handlers_run() -> None:
+    with WorkerGroup.spawn(Worker, 2) as group:
+        folders = group.run("run", _folder_kept_until_exit)
+        assert all(os.path.isdir(f) for f in folders)
+    # ray.kill alone leaves them behind: one per rank per run
+    assert not any(os.path.exists(f) for f in folders)
 
 
 def test_exception_on_one_rank_ends_the_call_fast_with_its_rank_and_traceback() -> None:

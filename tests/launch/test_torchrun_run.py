@@ -17,7 +17,12 @@ from tests.models import tiny_hf_config
 def test_torchrun_sh_runs_the_planner_self_check_on_two_ranks(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(tiny_hf_config("llama")))
-    env = {"PYTHON": sys.executable, "MASTER_PORT": str(free_local_port()), "GPUS_PER_NODE": "2"}
+    env = {
+        "PYTHON": sys.executable,
+        "MASTER_PORT": str(free_local_port()),
+        "GPUS_PER_NODE": "2",
+        "TMPDIR": str(tmp_path),  # torchrun's log folder (torchelastic_*) stays with the test
+    }
     argv = ["launch/torchrun.sh", "plan", "--self-check", "--model-config", str(config), "--tp", "2"]
     result = run_script(*argv, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
