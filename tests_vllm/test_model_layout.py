@@ -156,6 +156,8 @@ def _worker(rank: int, port: int, directory: str, results: Any) -> None:
         # vLLM's CPU TP groups name their shared memory after it; vLLM's CPU worker would set it (here there
         # is none). The port makes it unique on the host, as vLLM's own launcher does.
         VLLM_DIST_IDENT=f"mcore_rl-test-{port}",
+        # its TP groups' message queues bind socket files there and never remove them: the test's folder does
+        VLLM_RPC_BASE_PATH=directory,
     )
     try:
         from vllm.distributed.parallel_state import init_distributed_environment

@@ -263,6 +263,25 @@ def unlink_shared_memory(ident: str | None) -> list[str]:
     return removed
 
 
+def zmq_socket_files() -> list[str]:
+    """The ``ipc://`` socket files this process bound for vLLM's message queues (the writer side of its groups'
+    broadcasters). vLLM closes a queue's sockets only when the queue is collected and never at exit, so
+    every engine left them in ``VLLM_RPC_BASE_PATH`` (the temp folder); each name holds a fresh UUID, so
+    every such file is this engine's. Read before the engine shuts down (its groups are gone after)."""
+    from vllm.distributed import parallel_state
+
+    paths = []
+    for ref in list(getattr(parallel_state, "_groups", {}).values()):
+        queue = getattr(ref(), "mq_broadcaster", None)
+        handle = getattr(queue, "handle", None)
+        if handle is None or not getattr(queue, "_is_writer", False):
+            continue  # a reader connects to the writer's file: it bound none
+        for address in (handle.local_subscribe_addr, getattr(handle, "local_notify_addr", None)):
+            if address and address.startswith("ipc://"):
+                paths.append(address.removeprefix("ipc://"))
+    return paths
+
+
 def local_device_index(rank: int) -> int:
     """``LOCAL_RANK`` for vLLM's external launcher: the CUDA device in use, or the rank on CPU (one node)."""
     return torch.cuda.current_device() if platform_name() == "cuda" else rank

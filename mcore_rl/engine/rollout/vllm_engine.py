@@ -285,8 +285,12 @@ class VLLMRolloutEngine:
         if self._closed:
             return
         self._closed = True
+        sockets = vllm_compat.zmq_socket_files()
         with vllm_compat.default_group_kept():
             self.llm.llm_engine.engine_core.shutdown()
+        for path in sockets:  # its message queues' socket files, left by its shutdown and by its exit
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         vllm_compat.unlink_shared_memory(self._dist_ident)  # vLLM's CPU TP segments, left by its shutdown
         shutil.rmtree(self._config_dir, ignore_errors=True)
 

@@ -439,6 +439,7 @@ def _rollouts(hybrid: Any, engine: Any, ctx: Any, calls: int) -> list[dict[str, 
 
 def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str, Any]:
     from mcore_rl.engine.optim import OptimConfig
+    from mcore_rl.engine.rollout import vllm_compat
     from mcore_rl.engine.rollout.vllm_engine import build_vllm_hybrid
     from mcore_rl.engine.train_engine import TrainEngine
     from mcore_rl.parallel.config import HybridConfig, ParallelConfig
@@ -465,6 +466,7 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str
         in_place = rollout.llm is llm and rollout.llm.apply_model(_embedding_param)[0] == embedding
         files = os.listdir(rollout._config_dir)
         segments = _shared_memory_of(rollout._dist_ident)
+        sockets = vllm_compat.zmq_socket_files()
         rollout.close()
         rollout.close()  # idempotent
         segments_left = _shared_memory_of(rollout._dist_ident)
@@ -479,6 +481,7 @@ def _hybrid_body(train_tp: int, tp_g: int, family: str, ep: int = 1) -> dict[str
             "process_kept": process_kept,
             "files": files,
             "shm": (len(segments), segments_left),
+            "sockets": (len(sockets), [p for p in sockets if os.path.exists(p)]),
             "world_sum": float(world),
             "vllm_groups_left": _vllm_groups_left(),
         }
@@ -522,6 +525,8 @@ def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
         assert result["in_place"] and result["files"] == ["config.json"] and result["process_kept"]
         made, left = result["shm"]
         assert left == [] and (made > 0 or tp_g == 1)  # vLLM's TP segments named, then unlinked at close
+        bound, left = result["sockets"]  # its TP broadcaster's socket files, bound by the group's first rank
+        assert left == [] and (bound > 0) == (tp_g > 1 and rank % tp_g == 0), (rank, bound)
         assert result["world_sum"] == sum(range(world)) and not result["vllm_groups_left"]
         expected = RolloutMemory(
             _expected_weight_bytes(ARCHS[family], tp_g), ROLLOUT.kv_cache_memory_bytes, False
