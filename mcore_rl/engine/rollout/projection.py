@@ -2,13 +2,15 @@
 
 A decode step multiplies a few rows (one token per sequence) by every weight. ATen's GEMM re-packs the weight
 inside each call, which at those sizes costs about a third of the call. So a decode step runs on a packed
-copy made once: our AVX2 column-panel kernel where that beats MKL (:func:`panels_pay`), else MKL's own packed
-GEMM (``ops.decode.mkl_pack``), packed for the batch size (:class:`DecodePacking`). Multi-token
-forwards (prefill, recompute) run ATen's GEMM, bitwise what megatron computes.
+copy made once: our AVX2 column-panel kernel where that beats MKL (:func:`panels_pay`: all but Intel CPUs with
+AVX-512), else MKL's own packed GEMM (``ops.decode.mkl_pack``), packed for the batch size
+(:class:`DecodePacking`). Multi-token forwards (prefill, recompute) run ATen's GEMM, bitwise what megatron
+computes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -44,14 +46,31 @@ def panels_pay(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode-step projections run on packed panels rather than MKL's GEMM.
 
     The panel kernel is built for AVX2; MKL repacks the weight on every call but runs AVX-512 where the CPU
-    has it. Measured at the rollout's shapes (hidden 256, one thread): with AVX-512, MKL does 1.0-1.1x the
-    kernel's FLOP/s at 1-4 rows and 1.5-2x at 16-128; capped at AVX2 (``MKL_ENABLE_INSTRUCTIONS=AVX2``) the
-    kernel is 1.1-1.2x faster at 4-8 rows and level beyond. So panels (and the second copy of the weights
-    they cost) only where ATen itself runs without AVX-512.
+    has it and is Intel's. Measured at the rollout's shapes on an Intel CPU with AVX-512 (hidden 256, one
+    thread): MKL does 1.0-1.1x the kernel's FLOP/s at 1-4 rows and 1.5-2x at 16-128; capped at AVX2
+    (``MKL_ENABLE_INSTRUCTIONS=AVX2``) the kernel is 1.1-1.2x faster at 4-8 rows and level beyond. On an AMD
+    EPYC with AVX-512 (2026-12-06, ``bench/bench_decode_projections.py``) MKL's packed and plain GEMMs run
+    far below their Intel form and the panels win at every shape: a layer's projections and the LM head at
+    16-32 rows 1.2-1.5x faster on one thread, 1.4-2.3x on two (hidden 256 to Qwen2.5-0.5B's 896). So panels
+    (and the second copy of the weights they cost) everywhere but where ATen runs AVX-512 on an Intel CPU.
     """
     if not fused.packing_enabled(device, dtype):
         return False
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return not (avx512 and cpu_vendor() == "GenuineIntel")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``); empty where /proc/cpuinfo is missing."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def linear(x: Tensor, proj: Projection, add: Tensor | None, decoding: bool) -> Tensor:

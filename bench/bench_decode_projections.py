@@ -1,0 +1,103 @@
+"""A decode step's projections on this CPU: our AVX2 column panels and MKL's packed GEMM against ATen's plain GEMM.
+
+The embedded engine's decode steps multiply a few rows (one token per sequence) by every weight of a layer and
+by the LM head. Which packed form runs them is decided per machine by ``projection.panels_pay``: our panels
+everywhere but on Intel CPUs with AVX-512, where MKL's packed GEMM measured faster. This script times the
+three forms at the workloads' shapes (one layer's QKV, output, gate-up and down projections plus the LM head,
+each weight packed once as the decoder packs it) and prints each form's time and its ratio to the baseline,
+ATen's plain GEMM on the same weight (``torch.mm`` on column-major storage, what a decode step runs without
+packing), measured in the same run, alternating per shape.
+
+    python -m bench.bench_decode_projections [--threads 1 2] [--rows 16 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from mcore_rl.engine.rollout.projection import cpu_vendor, panels_pay
+from mcore_rl.ops import decode as fused
+
+# (in, out) of one layer's projections and the LM head: hidden 256 (tiny), 512 (realistic), Qwen2.5-0.5B
+SHAPES: dict[str, dict[str, tuple[int, int]]] = {
+    "tiny": {
+        "qkv": (256, 768),
+        "o": (256, 256),
+        "gate_up": (256, 1376),
+        "down": (688, 256),
+        "head": (256, 1000),
+    },
+    "realistic": {
+        "qkv": (512, 768),
+        "o": (512, 512),
+        "gate_up": (512, 2752),
+        "down": (1376, 512),
+        "head": (512, 32000),
+    },
+    "qwen05b": {
+        "qkv": (896, 1152),
+        "o": (896, 896),
+        "gate_up": (896, 9728),
+        "down": (4864, 896),
+        "head": (896, 151936),
+    },
+}
+
+
+def _seconds(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def layer_seconds(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, float]:
+    """Seconds of one layer's projections plus the head, per form, the forms alternating per shape."""
+    total = {"plain": 0.0, "mkl_packed": 0.0, "panels": 0.0}
+    for k, n in shapes.values():
+        weight_t = torch.randn(k, n) * 0.02  # [in, out] contiguous: the column-major view of [out, in]
+        x = torch.randn(rows, k)
+        reps = max(3, int(2e6 / (k * n)))
+        mkl = fused.mkl_pack(weight_t, rows) if fused.mkl_packing_available(x.device, x.dtype) else None
+        panels = fused.pack_panels(weight_t) if fused.packing_enabled(x.device, x.dtype) else None
+        total["plain"] += _seconds(partial(torch.mm, x, weight_t), reps)
+        if mkl is not None:
+            total["mkl_packed"] += _seconds(
+                partial(fused.mkl_linear, x, mkl, weight_t, None, rows=rows), reps
+            )
+        if panels is not None:
+            total["panels"] += _seconds(partial(fused.decode_linear, x, panels, n, None), reps)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    args = parser.parse_args()
+    chosen = "panels" if panels_pay(torch.device("cpu"), torch.float32) else "MKL's packed GEMM (2+ threads)"
+    print(
+        f"CPU {cpu_vendor() or 'unknown'}, ATen {torch.backends.cpu.get_cpu_capability()}; the decoder picks "
+        f"{chosen}. One layer's projections + LM head, ms; ratio = plain GEMM / form (higher is faster)"
+    )
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for model in args.models:
+            for rows in args.rows:
+                t = layer_seconds(SHAPES[model], rows)
+                cells = "  ".join(
+                    f"{form} {s * 1e3:8.3f} ms ({t['plain'] / s:.2f}x)" for form, s in t.items() if s > 0
+                )
+                print(f"  {threads} thr {model:10s} {rows:4d} rows: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
