@@ -20,33 +20,24 @@ from functools import partial
 
 import torch
 
+from bench._rollout_models import model_config
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rollout import rollout_param_shapes
 from mcore_rl.engine.rollout.projection import cpu_vendor, panels_pay
 from mcore_rl.ops import decode as fused
 
-# (in, out) of one layer's projections and the LM head: hidden 256 (tiny), 512 (realistic), Qwen2.5-0.5B
-SHAPES: dict[str, dict[str, tuple[int, int]]] = {
-    "tiny": {
-        "qkv": (256, 768),
-        "o": (256, 256),
-        "gate_up": (256, 1376),
-        "down": (688, 256),
-        "head": (256, 1000),
-    },
-    "realistic": {
-        "qkv": (512, 768),
-        "o": (512, 512),
-        "gate_up": (512, 2752),
-        "down": (1376, 512),
-        "head": (512, 32000),
-    },
-    "qwen05b": {
-        "qkv": (896, 1152),
-        "o": (896, 896),
-        "gate_up": (896, 9728),
-        "down": (4864, 896),
-        "head": (896, 151936),
-    },
-}
+# the workloads' models: bench_train's tiny (multi-head, issue 17's), the realistic one, Qwen2.5-0.5B's shape
+MODELS = {"tiny": {"kv_heads": 8}, "realistic": {}, "qwen05b": {}}
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def decode_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """(in, out) of layer 0's projections and the LM head, as the rollout layout holds them (vocab padded)."""
+    arch = ModelArch.from_hf_config(model_config(model, **MODELS[model]))
+    shapes = rollout_param_shapes(arch, 1)
+    head = "embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    names = {p.split(".")[-1]: f"layers.0.{p}.weight" for p in _PROJECTIONS} | {"head": head}
+    return {short: (shapes[name][1], shapes[name][0]) for short, name in names.items()}
 
 
 def _seconds(fn: Callable[[], object], reps: int) -> float:
@@ -81,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     args = parser.parse_args()
     chosen = "panels" if panels_pay(torch.device("cpu"), torch.float32) else "MKL's packed GEMM (2+ threads)"
     print(
@@ -92,7 +83,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for model in args.models:
             for rows in args.rows:
-                t = layer_seconds(SHAPES[model], rows)
+                t = layer_seconds(decode_shapes(model), rows)
                 cells = "  ".join(
                     f"{form} {s * 1e3:8.3f} ms ({t['plain'] / s:.2f}x)" for form, s in t.items() if s > 0
                 )

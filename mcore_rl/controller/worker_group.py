@@ -27,6 +27,7 @@ from mcore_rl.controller import watchdog
 from mcore_rl.controller.dispatch import shard_of_rank
 from mcore_rl.controller.resources import ResourcePool
 from mcore_rl.controller.tensor_transport import register_tensor_transport
+from mcore_rl.io.host import process_exists
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.types import RankInfo
 
@@ -378,23 +379,8 @@ def _exit_processes(actors: list[Any], timeout_s: float = 30.0) -> None:
     exits = [a.exit_process.remote() for a in actors]
     ray.wait(exits, num_returns=len(exits), timeout=timeout_s)
     local = [pid for node, pid in where if node == here]
-    while any(_process_running(pid) for pid in local) and time.monotonic() < deadline:
+    while any(process_exists(pid) for pid in local) and time.monotonic() < deadline:
         time.sleep(0.02)
-
-
-def _process_running(pid: int) -> bool:
-    """Whether ``pid`` still runs on this node (a zombie has ended: it only waits for its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc here
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def _died(err: Exception) -> str:

@@ -1,5 +1,6 @@
 """What this host grants the job: its CPUs and its memory (Slurm and cgroup limits first). Read by the run
-config's machine defaults (``config/machine.py``), the controller's local Ray and the ranks' host cache."""
+config's machine defaults (``config/machine.py``), the controller's local Ray and the ranks' host cache. And
+whether a process of this host still exists (a staging folder's writer, a rank the controller ends)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ def host_memory_limit() -> int:
         if value.isdigit():
             limit = min(limit, int(value))
     return limit
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (owned by anyone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True

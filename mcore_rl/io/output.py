@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.io.errors import OutputError, note
+from mcore_rl.io.host import process_exists
 from mcore_rl.io.signals import signals_deferred
 
 MARKER_FILE = ".mcore_rl-output.json"
@@ -107,16 +108,6 @@ def _read_marker(folder: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) and marker.get("tool") == "mcore_rl" else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def fsync_tree(folder: str) -> None:
@@ -303,7 +294,7 @@ class OutputFolder:
             and marker.get("target") == self.path
             and marker.get("host") == socket.gethostname()
             and isinstance(marker.get("pid"), int)
-            and not _pid_alive(marker["pid"])
+            and not process_exists(marker["pid"])
         )
 
     def _clean_stale_staging(self, folder: str) -> None:
@@ -325,7 +316,7 @@ class OutputFolder:
         marker = _read_marker(self.path) if os.path.isdir(self.path) else None
         if marker is None or marker.get("replaced") != entry or os.path.islink(folder):
             return
-        if _pid_alive(int(marker.get("pid", 0))) and marker.get("host") == socket.gethostname():
+        if process_exists(int(marker.get("pid", 0))) and marker.get("host") == socket.gethostname():
             return  # its writer is still removing it
         shutil.rmtree(folder)
         note(f"removed {folder}, the previous output replaced by process {marker.get('pid')}")
