@@ -1,19 +1,21 @@
-"""A decode step's projections on this CPU: our AVX2 column panels and MKL's packed GEMM against ATen's plain GEMM.
+"""A decode step's projections on this CPU: our column panels and MKL's packed GEMM against ATen's plain GEMM.
 
 The embedded engine's decode steps multiply a few rows (one token per sequence) by every weight of a layer and
 by the LM head. Which packed form runs them is decided per machine by ``projection.panels_pay``: our panels
 everywhere but on Intel CPUs with AVX-512, where MKL's packed GEMM measured faster. This script times the
-three forms at the workloads' shapes (one layer's QKV, output, gate-up and down projections plus the LM head,
+forms at the workloads' shapes (one layer's QKV, output, gate-up and down projections plus the LM head,
 each weight packed once as the decoder packs it) and prints each form's time and its ratio to the baseline,
 ATen's plain GEMM on the same weight (``torch.mm`` on column-major storage, what a decode step runs without
-packing), measured in the same run, alternating per shape.
+packing), measured in the same run, alternating per shape. On a CPU with AVX-512 the panels run their
+AVX-512 kernel; ``panels_avx2`` times the same panels on the AVX2 kernel (``MCORE_RL_DECODE_ISA=avx2``).
 
-    python -m bench.bench_decode_projections [--threads 1 2] [--rows 16 32]
+    python -m bench.bench_decode_projections [--threads 1 2] [--rows 8 32 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -51,7 +53,8 @@ def _seconds(fn: Callable[[], object], reps: int) -> float:
 
 def layer_seconds(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, float]:
     """Seconds of one layer's projections plus the head, per form, the forms alternating per shape."""
-    total = {"plain": 0.0, "mkl_packed": 0.0, "panels": 0.0}
+    total = {"plain": 0.0, "mkl_packed": 0.0, "panels": 0.0, "panels_avx2": 0.0}
+    wide = torch.backends.cpu.get_cpu_capability() == "AVX512"
     for k, n in shapes.values():
         weight_t = torch.randn(k, n) * 0.02  # [in, out] contiguous: the column-major view of [out, in]
         x = torch.randn(rows, k)
@@ -65,13 +68,17 @@ def layer_seconds(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, fl
             )
         if panels is not None:
             total["panels"] += _seconds(partial(fused.decode_linear, x, panels, n, None), reps)
+        if panels is not None and wide:
+            os.environ["MCORE_RL_DECODE_ISA"] = "avx2"
+            total["panels_avx2"] += _seconds(partial(fused.decode_linear, x, panels, n, None), reps)
+            del os.environ["MCORE_RL_DECODE_ISA"]
     return total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     args = parser.parse_args()
     chosen = "panels" if panels_pay(torch.device("cpu"), torch.float32) else "MKL's packed GEMM (2+ threads)"

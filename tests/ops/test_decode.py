@@ -81,6 +81,27 @@ def test_decode_linear_matches_fp64(impl, rows, k_dim, n_dim, add) -> None:
     assert float((out.double() - expected).abs().max()) < 1e-4 * k_dim**0.5
 
 
+@pytest.mark.skipif(
+    not _native.extension_loaded() or torch.backends.cpu.get_cpu_capability() != "AVX512",
+    reason="needs the compiled kernels on a CPU with AVX-512",
+)
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 25, 64])
+@pytest.mark.parametrize("add", ["none", "bias", "residual"])
+def test_decode_linear_avx512_kernel_equals_avx2_bit_for_bit(rows, add, monkeypatch) -> None:
+    """The AVX-512 kernel runs each output's FMA chain over k in the AVX2 kernel's order: same bits, for every
+    row-block size (1-12, split blocks), a lone last full panel (N = 48: a pair and one) and a partial one."""
+    gen = torch.Generator().manual_seed(rows)
+    for k_dim, n_dim in [(96, 48), (200, 1000), (17, 40)]:
+        x, weight_t = torch.randn(rows, k_dim, generator=gen), torch.randn(k_dim, n_dim, generator=gen)
+        extra = {"none": None, "bias": torch.randn(n_dim), "residual": torch.randn(rows, n_dim)}[add]
+        panels = decode.pack_panels(weight_t)
+        wide = torch.ops.mcore_rl.decode_linear(x, panels, n_dim, extra)
+        monkeypatch.setenv("MCORE_RL_DECODE_ISA", "avx2")
+        narrow = torch.ops.mcore_rl.decode_linear(x, panels, n_dim, extra)
+        monkeypatch.delenv("MCORE_RL_DECODE_ISA")
+        assert torch.equal(wide, narrow), (k_dim, n_dim)
+
+
 def test_pack_panels_layout() -> None:
     weight_t = torch.arange(3 * 20, dtype=torch.float32).view(3, 20)
     panels = decode.pack_panels(weight_t)

@@ -53,6 +53,9 @@ def panels_pay(device: torch.device, dtype: torch.dtype) -> bool:
     far below their Intel form and the panels win at every shape: a layer's projections and the LM head at
     16-32 rows 1.2-1.5x faster on one thread, 1.4-2.3x on two (hidden 256 to Qwen2.5-0.5B's 896). So panels
     (and the second copy of the weights they cost) everywhere but where ATen runs AVX-512 on an Intel CPU.
+    Since then the panels have an AVX-512 kernel of their own, run wherever the CPU has AVX-512F: on the AMD
+    EPYC 1.6-2.1x the AVX2 kernel's speed on two threads at 8-128 rows. The Intel measurement above predates
+    it and is the one to repeat there before Intel's AVX-512 CPUs move onto the panels too.
     """
     if not fused.packing_enabled(device, dtype):
         return False
