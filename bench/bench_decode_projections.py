@@ -25,7 +25,8 @@ import torch
 from bench._rollout_models import model_config
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout import rollout_param_shapes
-from mcore_rl.engine.rollout.projection import cpu_vendor, panels_pay
+from mcore_rl.engine.rollout.projection import panels_pay
+from mcore_rl.io.host import cpu_vendor
 from mcore_rl.ops import decode as fused
 
 # the workloads' models: bench_train's tiny (multi-head, issue 17's), the realistic one, Qwen2.5-0.5B's shape

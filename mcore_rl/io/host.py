@@ -1,9 +1,11 @@
 """What this host grants the job: its CPUs and its memory (Slurm and cgroup limits first). Read by the run
 config's machine defaults (``config/machine.py``), the controller's local Ray and the ranks' host cache. And
-whether a process of this host still exists (a staging folder's writer, a rank the controller ends)."""
+whether a process of this host still exists (a staging folder's writer, a rank the controller ends), and who
+made its CPU (which GEMM and decode kernels run fastest depends on it)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -46,3 +48,16 @@ def process_exists(pid: int) -> bool:
     except PermissionError:
         return True  # exists, owned by someone else
     return True
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``); empty where /proc/cpuinfo is missing."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""

@@ -2,22 +2,25 @@
 
 A decode step multiplies a few rows (one token per sequence) by every weight. ATen's GEMM re-packs the weight
 inside each call, which at those sizes costs about a third of the call. So a decode step runs on a packed
-copy made once: our AVX2 column-panel kernel where that beats MKL (:func:`panels_pay`: all but Intel CPUs with
-AVX-512), else MKL's own packed GEMM (``ops.decode.mkl_pack``), packed for the batch size
-(:class:`DecodePacking`). Multi-token forwards (prefill, recompute) run ATen's GEMM, bitwise what megatron
-computes.
+copy made once: our column-panel kernels (AVX2, and AVX-512 where the CPU has it) where those beat MKL
+(:func:`panels_pay`: all but Intel CPUs with AVX-512), else MKL's own packed GEMM (``ops.decode.mkl_pack``),
+packed for the batch size (:class:`DecodePacking`). A prompt's prefill runs the CPU's faster plain GEMM
+(``ops.gemm``), the no-cache recompute ATen's, bitwise what megatron computes.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
+from mcore_rl.io.host import cpu_vendor
 from mcore_rl.ops import decode as fused
+from mcore_rl.ops.gemm import gemm
+
+Form = Literal["decode", "prefill", "exact"]  # which product a call runs (see linear)
 
 
 class Projection(NamedTuple):
@@ -63,28 +66,18 @@ def panels_pay(device: torch.device, dtype: torch.dtype) -> bool:
     return not (avx512 and cpu_vendor() == "GenuineIntel")
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``); empty where /proc/cpuinfo is missing."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def linear(x: Tensor, proj: Projection, add: Tensor | None, decoding: bool) -> Tensor:
-    """``add + x @ weight_t``: a decode step's few rows run on a packed weight where there is one (our
-    small-batch panel kernel or MKL's packed GEMM); everything else ATen's GEMM, bitwise what megatron
-    computes."""
-    packed = proj.decode_packed(x.shape[0]) if decoding else None
+def linear(x: Tensor, proj: Projection, add: Tensor | None, form: Form) -> Tensor:
+    """``add + x @ weight_t`` in one of three forms: ``"decode"``, a decode step's few rows, on the packed
+    weight where there is one (our panel kernels or MKL's packed GEMM); ``"prefill"``, a prompt's tokens, on
+    this CPU's faster fp32 GEMM (``ops.gemm``: oneDNN where MKL lacks AVX-512, within fp32 rounding of
+    ATen's); ``"exact"``, ATen's GEMM, bitwise what megatron computes (the no-cache recompute)."""
+    packed = proj.decode_packed(x.shape[0]) if form == "decode" else None
     if packed is not None and proj.panels is not None:
         return fused.decode_linear(x, proj.panels, proj.weight_t.shape[1], add)
     if packed is not None and proj.mkl:
         return fused.mkl_linear(x, packed, proj.weight_t, add, rows=proj.mkl[0])
+    if form == "prefill":
+        return gemm(x, proj.weight_t, add)
     return torch.mm(x, proj.weight_t) if add is None else torch.addmm(add, x, proj.weight_t)
 
 

@@ -1,0 +1,79 @@
+"""``ops.gemm``: the oneDNN fp32 GEMM op against fp64, for every operand layout the rollout and the trainer
+pass, and the rule that picks it over ATen's GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.ops import _native, gemm
+
+needs_op = pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")
+
+
+def _operands(m: int, k: int, n: int, layout: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [m, k] and b [k, n]: contiguous, or transposed views of contiguous storage (the trainer's weight
+    [n, k] read as b, a backward's grad_output^T read as a)."""
+    a = torch.randn(k, m, generator=gen).t() if layout[0] == "t" else torch.randn(m, k, generator=gen)
+    b = torch.randn(n, k, generator=gen).t() if layout[1] == "t" else torch.randn(k, n, generator=gen)
+    return a, b
+
+
+@needs_op
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("m, k, n", [(1, 7, 5), (37, 64, 100), (256, 96, 48)])
+@pytest.mark.parametrize("add", ["none", "bias", "residual"])
+def test_gemm_op_matches_fp64(layout, m, k, n, add) -> None:
+    gen = torch.Generator().manual_seed(m + k + n)
+    a, b = _operands(m, k, n, layout, gen)
+    extra = {
+        "none": None,
+        "bias": torch.randn(n, generator=gen),
+        "residual": torch.randn(m, n, generator=gen),
+    }[add]
+    kept = None if extra is None else extra.clone()
+    out = torch.ops.mcore_rl.gemm(a, b, extra)
+    expected = a.double() @ b.double() + (0 if extra is None else extra.double())
+    assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
+    assert float((out.double() - expected).abs().max()) < 1e-5 * k**0.5
+    if extra is not None:
+        assert torch.equal(extra, kept)  # the addend is read, never written
+
+
+@needs_op
+def test_gemm_op_checks_and_opcheck() -> None:
+    with pytest.raises(RuntimeError, match="a \\[M, K\\] and b \\[K, N\\]"):
+        torch.ops.mcore_rl.gemm(torch.randn(2, 3), torch.randn(4, 2), None)
+    with pytest.raises(RuntimeError, match="add must be"):
+        torch.ops.mcore_rl.gemm(torch.randn(2, 3), torch.randn(3, 2), torch.randn(3))
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.mcore_rl.gemm(torch.randn(2, 3).double(), torch.randn(3, 2).double(), None)
+    torch.library.opcheck(torch.ops.mcore_rl.gemm.default, (torch.randn(5, 12), torch.randn(12, 20), None))
+    torch.library.opcheck(
+        torch.ops.mcore_rl.gemm.default, (torch.randn(5, 12), torch.randn(20, 12).t(), torch.randn(20))
+    )
+
+
+def test_onednn_runs_only_where_it_pays(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    assert not gemm.onednn_pays(torch.device("meta"), torch.float32)
+    assert not gemm.onednn_pays(cpu, torch.bfloat16)
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: "GenuineIntel")  # MKL runs AVX-512 there
+    assert not gemm.onednn_pays(cpu, torch.float32)
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert gemm.onednn_pays(cpu, torch.float32) == (avx512 and _native.native_available())
+    monkeypatch.setenv("MCORE_RL_GEMM", "aten")
+    assert not gemm.onednn_pays(cpu, torch.float32)
+
+
+@pytest.mark.parametrize("choice", ["auto", "aten"])
+def test_gemm_is_add_plus_product_on_either_library(choice, monkeypatch) -> None:
+    if choice == "aten":
+        monkeypatch.setenv("MCORE_RL_GEMM", "aten")
+    gen = torch.Generator().manual_seed(3)
+    a, b = _operands(33, 40, 24, "nt", gen)
+    bias = torch.randn(24, generator=gen)
+    expected = a.double() @ b.double() + bias.double()
+    assert float((gemm.gemm(a, b, bias).double() - expected).abs().max()) < 1e-4
+    assert float((gemm.gemm(a, b).double() - (a.double() @ b.double())).abs().max()) < 1e-4
