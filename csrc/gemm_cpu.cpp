@@ -44,13 +44,31 @@ at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optiona
   return out;
 }
 
+// out = beta * out + a @ b in place (beta 0: overwritten, 1: accumulated), out a contiguous fp32 [M, N]: a
+// weight gradient added into its gradient buffer, logits written into a reused block.
+void gemm_into_cpu(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta) {
+  TORCH_CHECK(&at::native::mkldnn_matmul != nullptr, "gemm: this torch build exports no oneDNN matmul");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "gemm: a [M, K] and b [K, N] expected");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, "gemm: fp32 operands expected");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == a.size(0) &&
+                  out.size(1) == b.size(1),
+              "gemm: out must be a contiguous fp32 [M, N]");
+  TORCH_CHECK(beta == 0.0 || beta == 1.0, "gemm: beta must be 0 or 1");
+  at::native::mkldnn_matmul(a, b, out, static_cast<float>(beta), 1.0f);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mcore_rl, m) {
   // add + a @ b for fp32 a [M, K], b [K, N] (any strides), add None, [N] or [M, N], on oneDNN (CPU only).
   m.def("gemm(Tensor a, Tensor b, Tensor? add) -> Tensor");
+  // out = beta * out + a @ b in place, beta 0 or 1, out contiguous [M, N] (CPU only).
+  m.def("gemm_into(Tensor(a!) out, Tensor a, Tensor b, float beta) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(mcore_rl, CPU, m) { m.impl("gemm", &gemm_cpu); }
+TORCH_LIBRARY_IMPL(mcore_rl, CPU, m) {
+  m.impl("gemm", &gemm_cpu);
+  m.impl("gemm_into", &gemm_into_cpu);
+}
 
 }  // namespace mcore_rl

@@ -21,6 +21,11 @@ Scope, narrowest first:
    ``.to("cuda")`` and ``Tensor.type() == "torch.cuda.FloatTensor"`` checks inside megatron (schedules,
    DDP buffers, optimizer, grad clipping, checkpointing). It rewrites a call only when the calling frame
    is megatron's code; the same call from anywhere else (ours, a user's, torch's) is left alone.
+4. The GEMMs of megatron's linear layers (:func:`_patch_linear_gemm`): on CPUs where oneDNN's fp32 GEMM beats
+   ATen's (``ops.gemm``: AVX-512 CPUs not made by Intel, 2.0-2.4x there), the ``torch.matmul`` products of
+   their autograd Functions (forward and input gradient) run on ``ops.gemm`` and the fused weight-gradient
+   accumulation on ``ops.gemm_into``; elsewhere they stay ATen's. The rollout's multi-token forwards use the
+   same GEMM, so its recompute stays bitwise megatron's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from mcore_rl.ops import gemm
 
 TARGET_MEGATRON_VERSION = "0.16.1"
 
@@ -262,7 +269,7 @@ class _CpuWeightGradAccumulation:
     def wgrad_gemm_accum_fp32(
         total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
     ) -> None:
-        main_grad.addmm_(grad_output.t(), total_input)
+        gemm.gemm_into(main_grad, grad_output.t(), total_input, accumulate=True)
 
     wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32  # the same GEMM: addmm_ keeps main_grad's dtype
 
@@ -274,6 +281,56 @@ def _patch_wgrad_accumulation() -> None:
 
     if not isinstance(getattr(layers, "fused_weight_gradient_mlp_cuda", None), type):
         layers.fused_weight_gradient_mlp_cuda = _CpuWeightGradAccumulation
+
+
+class _GemmMode(TorchFunctionMode):
+    """Inside a megatron linear's forward or backward: its 2-D-weight fp32 ``matmul`` products on ``ops.gemm``
+    (a mode, not a copy of megatron's Functions: their communication and gradient bookkeeping stay theirs)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (func is torch.matmul or func is _TENSOR_MATMUL) and not kwargs and _plain_product(*args):
+            a, b = args
+            return gemm.gemm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_product(*args: Any) -> bool:
+    """An fp32 ``a`` [..., K] x ``b`` [K, N] that autograd does not record (the op has no derivative)."""
+    if len(args) != 2 or not all(isinstance(t, torch.Tensor) for t in args):
+        return False
+    a, b = args
+    tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    return b.dim() == 2 and a.dim() >= 2 and a.dtype == b.dtype == torch.float32 and not tracked
+
+
+_TENSOR_MATMUL = torch.Tensor.matmul
+
+
+def _on_gemm(step: Any) -> Any:
+    """``step`` (a Function's forward or backward) with its products on ``ops.gemm`` where oneDNN pays."""
+
+    def run(ctx: Any, *args: Any) -> Any:
+        if not gemm.onednn_pays(torch.device("cpu"), torch.float32):
+            return step(ctx, *args)
+        with _GemmMode():
+            return step(ctx, *args)
+
+    run._mcore_rl_patched = True  # type: ignore[attr-defined]
+    return run
+
+
+def _patch_linear_gemm() -> None:
+    """Put the products of megatron's linear Functions (trainable and frozen weights) on ``ops.gemm``; the
+    fused weight-gradient GEMM is :class:`_CpuWeightGradAccumulation`'s. Their backward runs where the
+    autograd engine calls it, outside any mode entered around the step, hence a mode per call."""
+    from megatron.core.tensor_parallel import layers
+
+    for name in ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight"):
+        function = getattr(layers, name, None)
+        if function is None or getattr(function.backward, "_mcore_rl_patched", False):
+            continue
+        function.forward = staticmethod(_on_gemm(function.forward))
+        function.backward = staticmethod(_on_gemm(function.backward))
 
 
 def fuse_weight_grad_accumulation(chunks: list[Any]) -> int:
@@ -340,6 +397,7 @@ def apply() -> bool:
     _patch_distopt_step_entry()
     _patch_single_rank_param_gather()
     _patch_wgrad_accumulation()
+    _patch_linear_gemm()
     from mcore_rl.compat import grad_reduce, moe
 
     grad_reduce.patch_bucket_group()  # DDP's all-reduce through a host reducer where a run gives one

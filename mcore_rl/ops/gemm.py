@@ -28,10 +28,13 @@ def onednn_pays(device: torch.device, dtype: torch.dtype) -> bool:
     and working, ATen at AVX-512 on a CPU that is not Intel's (where MKL would stay on AVX2)."""
     if device.type != "cpu" or dtype != torch.float32 or os.environ.get("MCORE_RL_GEMM") == "aten":
         return False
+    return _native.native_available() and _host_prefers_onednn()
+
+
+@functools.cache
+def _host_prefers_onednn() -> bool:
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    return (
-        avx512 and cpu_vendor() not in ("GenuineIntel", "") and _native.native_available() and _onednn_works()
-    )
+    return avx512 and cpu_vendor() not in ("GenuineIntel", "") and _onednn_works()
 
 
 @functools.cache
@@ -54,8 +57,23 @@ def gemm(a: Tensor, b: Tensor, add: Tensor | None = None) -> Tensor:
     return torch.mm(a, b) if add is None else torch.addmm(add, a, b)
 
 
+def gemm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) in place, ``out`` a contiguous [M, N]; on oneDNN where
+    :func:`onednn_pays`, else ATen's ``mm(out=)`` / ``addmm_``."""
+    if onednn_pays(a.device, a.dtype) and b.dtype == a.dtype == out.dtype and out.is_contiguous():
+        torch.ops.mcore_rl.gemm_into(out, a, b, 1.0 if accumulate else 0.0)
+    elif accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
 if _native.extension_loaded():
 
     @torch.library.register_fake("mcore_rl::gemm")
     def _(a: Tensor, b: Tensor, add: Tensor | None) -> Tensor:
         return a.new_empty(a.shape[0], b.shape[1])
+
+    @torch.library.register_fake("mcore_rl::gemm_into")
+    def _(out: Tensor, a: Tensor, b: Tensor, beta: float) -> None:
+        return None

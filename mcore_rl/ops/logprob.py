@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mcore_rl.ops import _native, reference
+from mcore_rl.ops.gemm import gemm_into
 
 DEFAULT_CHUNK_TOKENS = 1024
 """Rows per kernel call. It bounds the reference path's fp32 temporaries to chunk x V/tp; the native kernels
@@ -257,7 +258,8 @@ def _linear_logprob_entropy_op(
     chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
     buffer = _ChunkBuffer(hidden, chunks)
     for start, stop in chunks:
-        logits = torch.mm(hidden, weight[start:stop].T, out=buffer.block(stop - start))
+        logits = buffer.block(stop - start)
+        gemm_into(logits, hidden, weight[start:stop].T, accumulate=False)
         chunk_stats = _stats_fn(logits)(logits, targets, vocab_start + start, vocab_size, inv_temperature)
         stats = _merge(stats, chunk_stats)
     return _finalize(_reduce_over_tp(stats, tp_group_name))
@@ -287,7 +289,8 @@ def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, _: Te
     for start, stop in chunks:
         w = weight[start:stop]
         # recomputed: the forward kept only the per-row (lse, entropy)
-        logits = torch.mm(hidden, w.T, out=logits_buffer.block(stop - start))
+        logits = logits_buffer.block(stop - start)
+        gemm_into(logits, hidden, w.T, accumulate=False)
         chunk_start, all_rows = vocab_start + start, hidden.shape[0] or 1
         grad_logits = _logits_grad(
             grad_logprob,
@@ -302,8 +305,8 @@ def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, _: Te
             out=grad_buffer.block(stop - start),
         )
         if accumulate:
-            grad_hidden.addmm_(grad_logits, w)
-            torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
+            gemm_into(grad_hidden, grad_logits, w, accumulate=True)
+            gemm_into(grad_weight[start:stop], grad_logits.T, hidden, accumulate=False)
         else:
             grad_hidden += grad_logits @ w
             grad_weight[start:stop] = grad_logits.T @ hidden

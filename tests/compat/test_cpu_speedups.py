@@ -50,6 +50,61 @@ def test_weight_grads_go_straight_into_ddp_buffers_with_the_same_values(run_dist
     assert max(g.abs().max().item() for g in plain.values()) > 1e-3  # not two zero gradients
 
 
+def _grads_on_each_gemm() -> dict:
+    """One forward-backward per GEMM choice, counting the products that reach ``ops.gemm``."""
+    import os
+
+    from mcore_rl.ops import gemm
+
+    arch = tiny_arch("qwen2")
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    batches = [MicroBatch(tokens[i : i + 1], torch.arange(12).expand(1, 12)) for i in range(2)]
+    calls = {"gemm": 0, "gemm_into": 0}
+    originals = {name: getattr(gemm, name) for name in calls}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    out: dict = {"pays": gemm.onednn_pays(torch.device("cpu"), torch.float32)}
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-3))
+        for choice in ("auto", "aten"):
+            os.environ.pop("MCORE_RL_GEMM", None) if choice == "auto" else os.environ.update(
+                MCORE_RL_GEMM="aten"
+            )
+            for name in calls:
+                calls[name] = 0
+                setattr(gemm, name, counting(name))
+            try:
+                engine.zero_grad()
+                engine.forward_backward(batches, lambda o, mb: (o.float().square().mean(), {}))
+            finally:
+                for name, fn in originals.items():
+                    setattr(gemm, name, fn)
+            grads = {n: p.main_grad.clone() for n, p in engine.chunks[0].named_parameters()}
+            out[choice] = {"calls": dict(calls), "grads": grads}
+        os.environ.pop("MCORE_RL_GEMM", None)
+    return out
+
+
+def test_megatron_linears_run_on_ops_gemm_with_the_same_gradients(run_distributed) -> None:
+    """Forward, input gradient and fused weight gradient of every linear go through ``ops.gemm`` (oneDNN where
+    it pays, ATen's GEMM otherwise: then the op is still called and falls back); either GEMM, the same
+    gradients within fp32 rounding."""
+    (out,) = run_distributed(_grads_on_each_gemm, world_size=1)
+    layers = tiny_arch("qwen2").num_layers
+    auto = out["auto"]["calls"]
+    if out["pays"]:  # 4 linears a layer: forward + input gradient each; every weight gradient fused
+        assert auto["gemm"] >= 2 * 2 * 4 * layers and auto["gemm_into"] >= 2 * 4 * layers, auto
+    for name, grad in out["aten"]["grads"].items():
+        torch.testing.assert_close(out["auto"]["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert out["aten"]["calls"]["gemm"] == 0  # ATen's GEMM chosen: megatron's products are not routed
+
+
 def _modes_seen_by_the_rollout() -> dict:
     from mcore_rl.engine.rollout import local
 

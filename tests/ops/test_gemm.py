@@ -3,6 +3,8 @@ pass, and the rule that picks it over ATen's GEMM."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -52,15 +54,25 @@ def test_gemm_op_checks_and_opcheck() -> None:
     torch.library.opcheck(
         torch.ops.mcore_rl.gemm.default, (torch.randn(5, 12), torch.randn(20, 12).t(), torch.randn(20))
     )
+    torch.library.opcheck(
+        torch.ops.mcore_rl.gemm_into.default,
+        (torch.randn(5, 20), torch.randn(5, 12), torch.randn(12, 20), 1.0),
+    )
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.mcore_rl.gemm_into(torch.randn(20, 5).t(), torch.randn(5, 12), torch.randn(12, 20), 0.0)
 
 
 def test_onednn_runs_only_where_it_pays(monkeypatch) -> None:
     cpu = torch.device("cpu")
+    gemm._host_prefers_onednn.cache_clear()  # the host check is cached: redo it under the patched vendor
+    monkeypatch.setattr(gemm, "_host_prefers_onednn", functools.cache(gemm._host_prefers_onednn.__wrapped__))
     assert not gemm.onednn_pays(torch.device("meta"), torch.float32)
     assert not gemm.onednn_pays(cpu, torch.bfloat16)
     monkeypatch.setattr(gemm, "cpu_vendor", lambda: "GenuineIntel")  # MKL runs AVX-512 there
+    gemm._host_prefers_onednn.cache_clear()
     assert not gemm.onednn_pays(cpu, torch.float32)
     monkeypatch.setattr(gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    gemm._host_prefers_onednn.cache_clear()
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert gemm.onednn_pays(cpu, torch.float32) == (avx512 and _native.native_available())
     monkeypatch.setenv("MCORE_RL_GEMM", "aten")
@@ -77,3 +89,17 @@ def test_gemm_is_add_plus_product_on_either_library(choice, monkeypatch) -> None
     expected = a.double() @ b.double() + bias.double()
     assert float((gemm.gemm(a, b, bias).double() - expected).abs().max()) < 1e-4
     assert float((gemm.gemm(a, b).double() - (a.double() @ b.double())).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("choice", ["auto", "aten"])
+def test_gemm_into_writes_or_accumulates_in_place(accumulate, choice, monkeypatch) -> None:
+    if choice == "aten":
+        monkeypatch.setenv("MCORE_RL_GEMM", "aten")
+    gen = torch.Generator().manual_seed(4)
+    a, b = _operands(17, 30, 21, "tn", gen)  # a weight gradient's grad_output^T @ input
+    out = torch.randn(17, 21, generator=gen)
+    before, storage = out.clone(), out.data_ptr()
+    gemm.gemm_into(out, a, b, accumulate)
+    expected = a.double() @ b.double() + (before.double() if accumulate else 0)
+    assert out.data_ptr() == storage and float((out.double() - expected).abs().max()) < 1e-4

@@ -37,7 +37,7 @@ from mcore_rl.engine.arch import ModelArch, rope_inv_freq
 from mcore_rl.engine.rollout import attention, moe
 from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
-from mcore_rl.engine.rollout.projection import DecodePacking, Form, Projection, linear, panels_pay
+from mcore_rl.engine.rollout.projection import DecodePacking, Projection, linear, panels_pay
 from mcore_rl.ops import decode as fused
 from mcore_rl.ops.reference import rms_norm as rms_norm_spelled_out
 from mcore_rl.ops.reference import rotate_signed_halves
@@ -77,7 +77,6 @@ class _Step(NamedTuple):
     plain_causal: bool  # masked is exactly the causal mask of s tokens from column 0 (the trainer's case)
     rows: slice  # cache rows of the batch
     column: int  # cache column of the first token
-    form: Form  # the projections' product: "prefill" (fastest GEMM) or "exact" (megatron's, the recompute)
 
 
 class _DecodeOps(NamedTuple):
@@ -251,11 +250,11 @@ class RolloutDecoder:
         projections = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
         return [p for group in projections for p in group if p is not None] + [self._head_projection()]
 
-    def _project_add(self, residual: Tensor, x: Tensor, proj: Projection, form: Form) -> Tensor:
+    def _project_add(self, residual: Tensor, x: Tensor, proj: Projection, decoding: bool) -> Tensor:
         """``residual + all_reduce(x @ weight_t)`` for a row-parallel projection; one fused call at TP1."""
         if self.tp_size == 1:
-            return linear(x, proj, residual, form)
-        return residual + self._all_reduce(linear(x, proj, None, form))
+            return linear(x, proj, residual, decoding)
+        return residual + self._all_reduce(linear(x, proj, None, decoding))
 
     def _embed(self, tokens: Tensor) -> Tensor:
         table = self.weights["embed_tokens.weight"]
@@ -266,12 +265,12 @@ class RolloutDecoder:
         out = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
         return self._all_reduce(out)
 
-    def logits(self, hidden: Tensor, form: Form = "exact") -> Tensor:
+    def logits(self, hidden: Tensor, decoding: bool = False) -> Tensor:
         """Final norm + vocab projection: hidden [n, hidden] -> fp32 logits [n, vocab] (real vocab only)."""
-        hidden = self._norm(hidden, self.weights["norm.weight"], form == "decode")
+        hidden = self._norm(hidden, self.weights["norm.weight"], decoding)
         if self.tp_size == 1:
-            return linear(hidden, self._head_projection(), None, form).float()
-        local = linear(hidden, self._head_projection(), None, form).float()
+            return linear(hidden, self._head_projection(), None, decoding).float()
+        local = linear(hidden, self._head_projection(), None, decoding).float()
         shard = self.shapes["embed_tokens.weight"][0]
         if local.shape[1] < shard:  # this rank's padding rows were never multiplied: zero columns for them
             local = F.pad(local, (0, shard - local.shape[1]))
@@ -296,8 +295,8 @@ class RolloutDecoder:
         """Left-padded prompts [b, s] (``pad`` [b] leading pad tokens) into cache ``rows``, columns [0, s)
         -> fp32 logits [b, vocab] of each prompt's last token."""
         b, s = tokens.shape
-        hidden = self._forward(tokens, 0, pad, cache, rows, "prefill")
-        return self.logits(hidden.view(b, s, -1)[:, -1], "prefill")
+        hidden = self._forward(tokens, 0, pad, cache, rows)
+        return self.logits(hidden.view(b, s, -1)[:, -1])
 
     def decode(self, tokens: Tensor, column: int, pad: Tensor | None, cache: KVCache) -> Tensor:
         """One new token per cache row [b], all in cache ``column`` -> fp32 logits [b, vocab].
@@ -329,22 +328,22 @@ class RolloutDecoder:
                 eps,
                 self.packing.rows_for(b),
             )
-            return self.logits(x, "decode")
+            return self.logits(x, decoding=True)
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             if keys.shape[0] != b:  # rows [0, b) of the cache hold the batch
                 keys, values = keys.narrow(0, 0, b), values.narrow(0, 0, b)
-            qkv = linear(ops.rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias, "decode")
+            qkv = linear(ops.rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias, True)
             if layer.q_norm is not None:
                 qkv = self._norm_qk(qkv, layer)
             context = ops.attention(qkv, cos, sin, keys, values, column, first, heads, scale)
-            x = self._project_add(x, context, layer.o_proj, "decode")
+            x = self._project_add(x, context, layer.o_proj, decoding=True)
             if layer.experts is not None:
                 x = x + self._experts(ops.rms_norm(x, layer.post_norm, eps), layer.experts)
                 continue
             assert layer.gate_up is not None and layer.down is not None
-            gate_up = linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, "decode")
-            x = self._project_add(x, ops.silu_mul(gate_up), layer.down, "decode")
-        return self.logits(x, "decode")
+            gate_up = linear(ops.rms_norm(x, layer.post_norm, eps), layer.gate_up, None, True)
+            x = self._project_add(x, ops.silu_mul(gate_up), layer.down, decoding=True)
+        return self.logits(x, decoding=True)
 
     def _native_step(self, ops: _DecodeOps) -> bool:
         """Whether a decode step runs its layers in one ``decode_layers`` call: the compiled kernels apply
@@ -388,7 +387,7 @@ class RolloutDecoder:
         cache = KVCache.allocate(
             self.arch.num_layers, b, self.num_kv_heads, s, self.arch.head_dim, self.dtype, self.device
         )
-        return self.logits(self._forward(tokens, 0, None, cache, slice(0, b), "exact")).view(b, s, -1)
+        return self.logits(self._forward(tokens, 0, None, cache, slice(0, b))).view(b, s, -1)
 
     def _layers(self) -> list[_LayerWeights]:
         """Per-layer weight handles, resolved once (not by name on every step)."""
@@ -412,12 +411,11 @@ class RolloutDecoder:
         return self._layer_cache
 
     def _forward(
-        self, tokens: Tensor, column: int, pad: Tensor | None, cache: KVCache, rows: slice, form: Form
+        self, tokens: Tensor, column: int, pad: Tensor | None, cache: KVCache, rows: slice
     ) -> Tensor:
         """tokens [b, s] for cache columns [column, column + s) -> hidden [b * s, hidden] before the final
         norm; their keys and values are written into cache ``rows``. Activations stay 2-D (token-major) so
-        every projection is a single plain gemm of ``form``. Prefill and recompute; a decode step runs
-        :meth:`decode`."""
+        every projection is a single plain gemm. Prefill and recompute; a decode step runs :meth:`decode`."""
         b, s = tokens.shape
         cos_table, sin_table = self._rope_tables(column + s)
         if pad is None:  # every row at position == column: a slice of the tables, shared by the batch
@@ -438,12 +436,11 @@ class RolloutDecoder:
             plain_causal,
             rows,
             column,
-            form,
         )
         x = self._embed(tokens.reshape(-1))
         for layer, keys, values in zip(self._layers(), cache.keys, cache.values, strict=True):
             x = self._attention_block(layer, x, step, keys, values)
-            x = self._mlp_block(layer, x, step.form)
+            x = self._mlp_block(layer, x)
         return x
 
     def _attention_block(
@@ -452,7 +449,7 @@ class RolloutDecoder:
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.arch.head_dim
         b, s, column, first_row = step.batch, step.seq, step.column, step.rows.start
         h = _rms_norm(x, layer.input_norm, self.arch.norm_eps)
-        qkv = linear(h, layer.qkv, layer.qkv_bias, step.form)
+        qkv = linear(h, layer.qkv, layer.qkv_bias, decoding=False)
         if layer.q_norm is not None:
             qkv = self._norm_qk(qkv, layer)
         qk = rotate_signed_halves(
@@ -468,7 +465,7 @@ class RolloutDecoder:
             context = attention.attend_causal(qk.narrow(2, 0, nh), keys, values, self.scale)
         else:
             context = attention.attend(qk.narrow(2, 0, nh), keys, values, step.masked, self.scale)
-        return self._project_add(x, context, layer.o_proj, step.form)
+        return self._project_add(x, context, layer.o_proj, decoding=False)
 
     def _norm_qk(self, qkv: Tensor, layer: _LayerWeights) -> Tensor:
         """Qwen3's RMSNorm of each query and key head over ``head_dim`` (megatron's ``q_layernorm`` /
@@ -496,13 +493,13 @@ class RolloutDecoder:
             self.routing.append(chosen)
         return self._all_reduce(moe.experts_mlp(x, probs, chosen, experts.w13, experts.w2))
 
-    def _mlp_block(self, layer: _LayerWeights, x: Tensor, form: Form) -> Tensor:
+    def _mlp_block(self, layer: _LayerWeights, x: Tensor) -> Tensor:
         if layer.experts is not None:
             return x + self._experts(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.experts)
         assert layer.gate_up is not None and layer.down is not None
-        gate_up = linear(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.gate_up, None, form)
+        gate_up = linear(_rms_norm(x, layer.post_norm, self.arch.norm_eps), layer.gate_up, None, False)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._project_add(x, F.silu(gate) * up, layer.down, form)
+        return self._project_add(x, F.silu(gate) * up, layer.down, decoding=False)
 
     def _norm(self, x: Tensor, weight: Tensor, decoding: bool) -> Tensor:
         """RMSNorm: a decode step (a few rows) runs the fused kernel; longer forwards keep the ATen spelling

@@ -4,14 +4,15 @@ A decode step multiplies a few rows (one token per sequence) by every weight. AT
 inside each call, which at those sizes costs about a third of the call. So a decode step runs on a packed
 copy made once: our column-panel kernels (AVX2, and AVX-512 where the CPU has it) where those beat MKL
 (:func:`panels_pay`: all but Intel CPUs with AVX-512), else MKL's own packed GEMM (``ops.decode.mkl_pack``),
-packed for the batch size (:class:`DecodePacking`). A prompt's prefill runs the CPU's faster plain GEMM
-(``ops.gemm``), the no-cache recompute ATen's, bitwise what megatron computes.
+packed for the batch size (:class:`DecodePacking`). Multi-token forwards (prefill, recompute) run
+``ops.gemm``: oneDNN on CPUs where MKL lacks its AVX-512 code, else ATen's GEMM, as the trainer's linears do
+(``compat/megatron_cpu.py`` routes megatron's products there), so the recompute stays bitwise megatron's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -19,8 +20,6 @@ from torch import Tensor
 from mcore_rl.io.host import cpu_vendor
 from mcore_rl.ops import decode as fused
 from mcore_rl.ops.gemm import gemm
-
-Form = Literal["decode", "prefill", "exact"]  # which product a call runs (see linear)
 
 
 class Projection(NamedTuple):
@@ -66,19 +65,16 @@ def panels_pay(device: torch.device, dtype: torch.dtype) -> bool:
     return not (avx512 and cpu_vendor() == "GenuineIntel")
 
 
-def linear(x: Tensor, proj: Projection, add: Tensor | None, form: Form) -> Tensor:
-    """``add + x @ weight_t`` in one of three forms: ``"decode"``, a decode step's few rows, on the packed
-    weight where there is one (our panel kernels or MKL's packed GEMM); ``"prefill"``, a prompt's tokens, on
-    this CPU's faster fp32 GEMM (``ops.gemm``: oneDNN where MKL lacks AVX-512, within fp32 rounding of
-    ATen's); ``"exact"``, ATen's GEMM, bitwise what megatron computes (the no-cache recompute)."""
-    packed = proj.decode_packed(x.shape[0]) if form == "decode" else None
+def linear(x: Tensor, proj: Projection, add: Tensor | None, decoding: bool) -> Tensor:
+    """``add + x @ weight_t``: a decode step's few rows run on a packed weight where there is one (our panel
+    kernels or MKL's packed GEMM); everything else (prefill, recompute) on ``ops.gemm``, the GEMM the trainer's
+    linears run on this CPU (see the module docstring), bitwise what megatron computes."""
+    packed = proj.decode_packed(x.shape[0]) if decoding else None
     if packed is not None and proj.panels is not None:
         return fused.decode_linear(x, proj.panels, proj.weight_t.shape[1], add)
     if packed is not None and proj.mkl:
         return fused.mkl_linear(x, packed, proj.weight_t, add, rows=proj.mkl[0])
-    if form == "prefill":
-        return gemm(x, proj.weight_t, add)
-    return torch.mm(x, proj.weight_t) if add is None else torch.addmm(add, x, proj.weight_t)
+    return gemm(x, proj.weight_t, add)
 
 
 class DecodePacking:

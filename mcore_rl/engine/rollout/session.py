@@ -176,12 +176,10 @@ class ConversationCache:
         pads = [c0 - cached[j] for j in computed]
         pad = torch.tensor(pads, device=self.device) if any(pads) else None
         # The decoder's multi-token forward at a cache column (``prefill`` is its column-0 case).
-        hidden = self.decoder._forward(
-            tokens.to(self.device), c0, pad, cache, slice(0, len(computed)), "prefill"
-        )
+        hidden = self.decoder._forward(tokens.to(self.device), c0, pad, cache, slice(0, len(computed)))
         last = torch.tensor([len(suffixes[j]) - 1 for j in computed], device=self.device)
         rows = torch.arange(len(computed), device=self.device)
-        logits = self.decoder.logits(hidden.view(len(computed), width, -1)[rows, last], "prefill")
+        logits = self.decoder.logits(hidden.view(len(computed), width, -1)[rows, last])
         if len(computed) < len(suffixes):
             index = torch.tensor(source, device=self.device)
             for buf in _buffers(cache, c0 + width):
