@@ -27,7 +27,7 @@ Sides:
 Reported per side: the median step of each run (after ``--warmup`` steps), the median over runs, the
 run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
 the ratios; and the step's compute limit measured in the same run (its matmul FLOPs, LM head included, over
-``torch.mm``'s best rate at the step's decode and training shapes, probed after each round: ``step_limit``)
+the faster fp32 GEMM's (``torch.mm`` or oneDNN's) best rate at the step's decode and training shapes, probed after each round: ``step_limit``)
 with each of our sides' share of it. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
 training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
 mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it

@@ -151,7 +151,7 @@ def _print_limits(record: dict[str, Any]) -> None:
         )
     rates = limits["gemm_gflop_per_s"]
     print(
-        f"torch.mm, best round: {rates['decode']:.1f} GFLOP/s at decode shapes, {rates['train']:.1f} GFLOP/s "
+        f"fastest fp32 GEMM (torch.mm or oneDNN), best round: {rates['decode']:.1f} GFLOP/s at decode shapes, {rates['train']:.1f} GFLOP/s "
         "at training shapes (forward, input and weight gradients, LM head included); "
         f"Tensor.copy_ {limits['copy_gb_per_s']:.2f} GB/s"
     )

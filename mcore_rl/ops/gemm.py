@@ -37,6 +37,12 @@ def _host_prefers_onednn() -> bool:
     return avx512 and cpu_vendor() not in ("GenuineIntel", "") and _onednn_works()
 
 
+def onednn_available() -> bool:
+    """Whether the oneDNN op runs here at all (compiled in, the symbol exported, fp32 accepted), whether or
+    not it pays; benchmarks time it beside ATen's GEMM."""
+    return _native.native_available() and _onednn_works()
+
+
 @functools.cache
 def _onednn_works() -> bool:
     """The op is compiled in and this torch exports the oneDNN matmul it calls, in fp32 (tried once)."""
