@@ -262,7 +262,7 @@ def run_trl(workload: dict[str, Any], steps: int, warmup: int, threads: int) -> 
 
 
 def gemm_probe_gflops() -> float:
-    """The machine's ``torch.mm`` rate of the moment (about a second): the realistic model's linear layers over
+    """The machine's fp32 GEMM rate of the moment (the faster of ``torch.mm`` and oneDNN's; about a second): the realistic model's linear layers over
     4096 tokens and its LM head over 2048, one product each."""
     arch = ModelArch.from_hf_config(WORKLOADS["realistic"]["hf_config"])
     gemms = [(4096, k, c, 1) for k, c in linear_shapes(arch)] + [(2048, arch.hidden_size, arch.vocab_size, 1)]
@@ -324,7 +324,7 @@ def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: 
         f"{_spread(run_means):.1%}; {sum(len(r['step']) for r in per_run) // len(per_run)} timed steps per run)"
     )
     rates = " ".join(f"{r['probe_gflops']:.0f}" for r in per_run)
-    print(f"          machine    {rates} GFLOP/s (torch.mm around each run)")
+    print(f"          machine    {rates} GFLOP/s (fastest fp32 GEMM around each run)")
     # the threads' meeting cost moves with where the host runs the vCPUs (bench/bench_machine_modes.py)
     regions = " ".join(f"{r['probe_region_us'][0]:.1f}->{r['probe_region_us'][1]:.1f}" for r in per_run)
     print(f"          vCPUs      {regions} us per {threads}-thread region (before -> after each run)")
@@ -360,7 +360,7 @@ def report(
     print(
         f"  compute limit {limit:.3f} s per step: generate {gflop['generate']:.0f} GFLOP at "
         f"{rate.best['decode']:.0f} GFLOP/s (decode shapes), update {gflop['update']:.0f} GFLOP at "
-        f"{rate.best['train']:.0f} GFLOP/s (training shapes); torch.mm's best after each round, {args.threads} "
+        f"{rate.best['train']:.0f} GFLOP/s (training shapes); fastest fp32 GEMM's best after each round, {args.threads} "
         "threads"
     )
     for side in ("train", "onerank", "rlstep"):

@@ -84,8 +84,8 @@ def test_gemm_is_add_plus_product_on_either_library(choice, monkeypatch) -> None
     if choice == "aten":
         monkeypatch.setenv("MCORE_RL_GEMM", "aten")
     gen = torch.Generator().manual_seed(3)
-    a, b = _operands(33, 40, 24, "nt", gen)
-    bias = torch.randn(24, generator=gen)
+    a, b = _operands(160, 128, 120, "nt", gen)  # above MIN_ONEDNN_MACS: oneDNN where it pays
+    bias = torch.randn(120, generator=gen)
     expected = a.double() @ b.double() + bias.double()
     assert float((gemm.gemm(a, b, bias).double() - expected).abs().max()) < 1e-4
     assert float((gemm.gemm(a, b).double() - (a.double() @ b.double())).abs().max()) < 1e-4
@@ -97,9 +97,25 @@ def test_gemm_into_writes_or_accumulates_in_place(accumulate, choice, monkeypatc
     if choice == "aten":
         monkeypatch.setenv("MCORE_RL_GEMM", "aten")
     gen = torch.Generator().manual_seed(4)
-    a, b = _operands(17, 30, 21, "tn", gen)  # a weight gradient's grad_output^T @ input
-    out = torch.randn(17, 21, generator=gen)
+    a, b = _operands(150, 130, 121, "tn", gen)  # a weight gradient's grad_output^T @ input
+    out = torch.randn(150, 121, generator=gen)
     before, storage = out.clone(), out.data_ptr()
     gemm.gemm_into(out, a, b, accumulate)
     expected = a.double() @ b.double() + (before.double() if accumulate else 0)
     assert out.data_ptr() == storage and float((out.double() - expected).abs().max()) < 1e-4
+
+
+def test_a_row_of_the_product_depends_on_that_row_only() -> None:
+    """What keeps the rollout's recompute bitwise the trainer's when both run ``ops.gemm``: a row's result is
+    the same whatever the other rows, their order and count, and the weight's layout (the trainer reads
+    megatron's [N, K] weight transposed, the rollout a contiguous [K, N] copy); and products below
+    ``MIN_ONEDNN_MACS`` stay ATen's."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(96, 256, generator=gen), torch.randn(200, 256, generator=gen)
+    full = gemm.gemm(x, weight.t())
+    order = torch.randperm(96, generator=gen)
+    assert torch.equal(gemm.gemm(x, weight.t().contiguous()), full)
+    assert torch.equal(gemm.gemm(x[order].contiguous(), weight.t())[torch.argsort(order)], full)
+    assert torch.equal(gemm.gemm(x[:48].contiguous(), weight.t()), full[:48])  # 2.4M MACs: still oneDNN
+    small_x, small_w = torch.randn(4, 32, generator=gen), torch.randn(16, 32, generator=gen)
+    assert torch.equal(gemm.gemm(small_x, small_w.t()), torch.mm(small_x, small_w.t()))

@@ -338,8 +338,8 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_weights_are_laid_out_for_how_decode_steps_will_multiply(threads) -> None:
     """With 2+ threads (MKL-packed decode steps) the projection weights stay row-major as megatron holds them;
-    on one thread (plain NN gemms), and on CPUs without AVX-512 (where our AVX2 panels run the decode
-    projections instead: ``projection.panels_pay``), they are column-major."""
+    on one thread (plain NN gemms), and wherever our panels run the decode projections instead (all but Intel
+    CPUs with AVX-512: ``projection.panels_pay``), they are column-major."""
     arch = tiny_arch("llama")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
