@@ -24,8 +24,8 @@ same model from the same HF config, uses our thread count and blocks on its stdi
 the two never compute at the same time; ``bench/_trl_grpo.py`` says how its step is timed.
 
 Limits, each phase against its own. Compute-bound phases: matmul FLOPs (linear layers with K/V over the KV
-heads, causal attention, the LM head wherever it runs) divided by the machine's faster fp32 GEMM rate (``torch.mm`` or oneDNN's, ``bench._measure.mm_seconds``) at the phase's own
-GEMM shapes: decode shapes (one head GEMM per decode step) for ``generate``; forward, input-gradient and
+heads, causal attention, the LM head wherever it runs) divided by the machine's faster fp32 GEMM rate
+(``torch.mm`` or oneDNN's, ``bench._measure.mm_seconds``) at the phase's own GEMM shapes: decode shapes (one head GEMM per decode step) for ``generate``; forward, input-gradient and
 weight-gradient shapes over the training tokens (the head over the response tokens) for ``update``
 (forward + backward) and ``log_probs`` (forward only; only ``ours_always`` runs it), timed in this process
 once per round beside the steps; the best round counts. Memory-bound phases, against ``Tensor.copy_``'s

@@ -27,8 +27,8 @@ Sides:
 Reported per side: the median step of each run (after ``--warmup`` steps), the median over runs, the
 run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
 the ratios; and the step's compute limit measured in the same run (its matmul FLOPs, LM head included, over
-the faster fp32 GEMM's (``torch.mm`` or oneDNN's) best rate at the step's decode and training shapes, probed after each round: ``step_limit``)
-with each of our sides' share of it. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
+the faster fp32 GEMM's (``torch.mm`` or oneDNN's) best rate at the step's decode and training shapes,
+probed after each round: ``step_limit``) with each of our sides' share of it. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
 training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
 mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it
 there. Two seconds do not stand for a run of minutes, so the bench reports the rate beside the steps and does
@@ -262,8 +262,8 @@ def run_trl(workload: dict[str, Any], steps: int, warmup: int, threads: int) -> 
 
 
 def gemm_probe_gflops() -> float:
-    """The machine's fp32 GEMM rate of the moment (the faster of ``torch.mm`` and oneDNN's; about a second): the realistic model's linear layers over
-    4096 tokens and its LM head over 2048, one product each."""
+    """The machine's fp32 GEMM rate of the moment (the faster of ``torch.mm`` and oneDNN's; about a second):
+    the realistic model's linear layers over 4096 tokens and its LM head over 2048, one product each."""
     arch = ModelArch.from_hf_config(WORKLOADS["realistic"]["hf_config"])
     gemms = [(4096, k, c, 1) for k, c in linear_shapes(arch)] + [(2048, arch.hidden_size, arch.vocab_size, 1)]
     seconds = sum(mm_seconds(m, k, c, reps=5) for m, k, c, _ in gemms)
@@ -360,8 +360,8 @@ def report(
     print(
         f"  compute limit {limit:.3f} s per step: generate {gflop['generate']:.0f} GFLOP at "
         f"{rate.best['decode']:.0f} GFLOP/s (decode shapes), update {gflop['update']:.0f} GFLOP at "
-        f"{rate.best['train']:.0f} GFLOP/s (training shapes); fastest fp32 GEMM's best after each round, {args.threads} "
-        "threads"
+        f"{rate.best['train']:.0f} GFLOP/s (training shapes); fastest fp32 GEMM's best after each round, "
+        f"{args.threads} threads"
     )
     for side in ("train", "onerank", "rlstep"):
         if side in medians:

@@ -151,8 +151,8 @@ def _print_limits(record: dict[str, Any]) -> None:
         )
     rates = limits["gemm_gflop_per_s"]
     print(
-        f"fastest fp32 GEMM (torch.mm or oneDNN), best round: {rates['decode']:.1f} GFLOP/s at decode shapes, {rates['train']:.1f} GFLOP/s "
-        "at training shapes (forward, input and weight gradients, LM head included); "
+        f"fastest fp32 GEMM (torch.mm or oneDNN), best round: {rates['decode']:.1f} GFLOP/s at decode shapes, "
+        f"{rates['train']:.1f} GFLOP/s at training shapes (forward, input and weight gradients, LM head included); "
         f"Tensor.copy_ {limits['copy_gb_per_s']:.2f} GB/s"
     )
     print(f"compute limit of the step (generate + update): {limits['compute_s']:.3f}s")

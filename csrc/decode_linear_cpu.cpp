@@ -117,24 +117,21 @@ at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int6
   const float* init = add.has_value() ? add->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t full_panels = n_dim / kPanelCols;
-  if (use_avx512()) {
-    // Two panels per task: the AVX-512 kernel multiplies a pair at once (see its file).
-    at::parallel_for(0, (full_panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t p = 2 * pair, c = p * kPanelCols;
-        linear_panels_avx512(xp, rows, k_dim, wp + p * k_dim * kPanelCols, std::min<int64_t>(2, full_panels - p),
-                             init ? init + c : nullptr, init_ld, op + c, n_dim);
+  const bool wide = use_avx512();
+  const int64_t group = wide ? 2 : 1;  // panels per task: the AVX-512 kernel multiplies a pair at once
+  at::parallel_for(0, (full_panels + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task * group, c = p * kPanelCols;
+      const float* panel = wp + p * k_dim * kPanelCols;
+      const float* first_init = init ? init + c : nullptr;
+      if (wide) {
+        linear_panels_avx512(xp, rows, k_dim, panel, std::min(group, full_panels - p), first_init, init_ld,
+                             op + c, n_dim);
+      } else {
+        linear_panel(xp, rows, k_dim, panel, first_init, init_ld, op + c, n_dim);
       }
-    });
-  } else {
-    at::parallel_for(0, full_panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t c = p * kPanelCols;
-        linear_panel(xp, rows, k_dim, wp + p * k_dim * kPanelCols, init ? init + c : nullptr, init_ld, op + c,
-                     n_dim);
-      }
-    });
-  }
+    }
+  });
   if (full_panels < num_panels) {
     linear_tail_panel(xp, rows, k_dim, wp + full_panels * k_dim * kPanelCols, init, init_ld, op, n_dim,
                       full_panels * kPanelCols);

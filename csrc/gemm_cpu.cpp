@@ -23,10 +23,15 @@ TORCH_API void mkldnn_matmul(const Tensor& mat1, const Tensor& mat2, const Tenso
 namespace mcore_rl {
 namespace {
 
-at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& add) {
+// Both ops' preconditions: oneDNN's matmul present, fp32 a [M, K] and b [K, N].
+void check_operands(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(&at::native::mkldnn_matmul != nullptr, "gemm: this torch build exports no oneDNN matmul");
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "gemm: a [M, K] and b [K, N] expected");
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, "gemm: fp32 operands expected");
+}
+
+at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& add) {
+  check_operands(a, b);
   const int64_t rows = a.size(0), cols = b.size(1);
   if (!add.has_value()) {
     at::Tensor out = at::empty({rows, cols}, a.options());
@@ -47,9 +52,7 @@ at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optiona
 // out = beta * out + a @ b in place (beta 0: overwritten, 1: accumulated), out a contiguous fp32 [M, N]: a
 // weight gradient added into its gradient buffer, logits written into a reused block.
 void gemm_into_cpu(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta) {
-  TORCH_CHECK(&at::native::mkldnn_matmul != nullptr, "gemm: this torch build exports no oneDNN matmul");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "gemm: a [M, K] and b [K, N] expected");
-  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, "gemm: fp32 operands expected");
+  check_operands(a, b);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == a.size(0) &&
                   out.size(1) == b.size(1),
               "gemm: out must be a contiguous fp32 [M, N]");

@@ -66,6 +66,7 @@ def _called_from_megatron() -> bool:
 
 
 _TENSOR_CUDA, _TENSOR_TYPE, _TENSOR_TO = torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to
+_TENSOR_MATMUL = torch.Tensor.matmul
 
 
 class MegatronCudaToCpuMode(TorchFunctionMode):
@@ -301,9 +302,6 @@ def _plain_product(*args: Any) -> bool:
     a, b = args
     tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     return b.dim() == 2 and a.dim() >= 2 and a.dtype == b.dtype == torch.float32 and not tracked
-
-
-_TENSOR_MATMUL = torch.Tensor.matmul
 
 
 def _on_gemm(step: Any) -> Any:

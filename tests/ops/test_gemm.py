@@ -64,7 +64,7 @@ def test_gemm_op_checks_and_opcheck() -> None:
 
 def test_onednn_runs_only_where_it_pays(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    gemm._host_prefers_onednn.cache_clear()  # the host check is cached: redo it under the patched vendor
+    # the host check is cached: a fresh cache of its own, cleared under each patched vendor below
     monkeypatch.setattr(gemm, "_host_prefers_onednn", functools.cache(gemm._host_prefers_onednn.__wrapped__))
     assert not gemm.onednn_pays(torch.device("meta"), torch.float32)
     assert not gemm.onednn_pays(cpu, torch.bfloat16)

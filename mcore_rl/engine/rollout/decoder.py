@@ -15,8 +15,9 @@ in the cache so each decode step writes one cache column for the whole batch. A 
 sequence, :meth:`RolloutDecoder.decode`) runs the fused kernels of :mod:`mcore_rl.ops.decode` in fp32 on CPU:
 RMSNorm and SiLU-gate in one pass each, rotary + cache write + GQA attention in one kernel, and the projections
 on weights packed once per generation: our column panels (AVX2 or AVX-512 kernels), or on Intel CPUs with
-AVX-512 MKL's packed GEMM operand (``rollout/projection.py``). Weights stay row-major as megatron holds them where MKL packs them (a straight copy
-on load, a fast pack), column-major elsewhere (an NN gemm for a few rows). bench/bench_rollout.py measures the
+AVX-512 MKL's packed GEMM operand (``rollout/projection.py``). Weights stay row-major as megatron holds them
+where MKL packs them (a straight copy on load, a fast pack), column-major elsewhere (an NN gemm for a few
+rows). bench/bench_rollout.py measures the
 result against ``transformers`` ``generate``.
 
 The rollout layout (tensor names and shapes of one TP rank) is defined in ``rollout/layout.py``.
