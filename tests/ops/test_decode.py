@@ -109,6 +109,16 @@ def test_pack_panels_layout() -> None:
     assert torch.equal(panels[1, :, :4], weight_t[:, 16:]) and not panels[1, :, 4:].any()
 
 
+@pytest.mark.parametrize("n_dim", [1, 16, 20, 48, 77])
+def test_pack_panels_equals_the_reference_from_either_layout(n_dim) -> None:
+    """The strided pack reads a row-major weight's transposed view (how the decoder stores projections where
+    panels run) and a column-major [K, N] buffer alike, into the reference's panels."""
+    weight = torch.randn(n_dim, 24, generator=torch.Generator().manual_seed(n_dim))
+    expected = reference.pack_panels(weight.t().contiguous())
+    for weight_t in (weight.t(), weight.t().contiguous()):
+        assert torch.equal(decode.pack_panels(weight_t), expected)
+
+
 def test_rms_norm_and_silu_mul_match_fp64(impl) -> None:
     gen = torch.Generator().manual_seed(1)
     x, weight = torch.randn(7, 300, generator=gen) * 3, torch.randn(300, generator=gen)

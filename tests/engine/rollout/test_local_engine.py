@@ -337,9 +337,10 @@ def test_decode_steps_on_mkl_packed_weights_match_plain_gemms() -> None:
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_weights_are_laid_out_for_how_decode_steps_will_multiply(threads) -> None:
-    """With 2+ threads (MKL-packed decode steps) the projection weights stay row-major as megatron holds them;
-    on one thread (plain NN gemms), and wherever our panels run the decode projections instead (all but Intel
-    CPUs with AVX-512: ``projection.panels_pay``), they are column-major."""
+    """Where decode steps run on a packed copy (MKL's packed GEMM with 2+ threads, or our panels on all but
+    Intel CPUs with AVX-512: ``projection.panels_pay``) the projection weights stay row-major as megatron
+    holds them (the sync's straight copy); where they multiply the weights themselves (one thread without
+    panels: plain NN gemms) they are column-major."""
     arch = tiny_arch("llama")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -348,6 +349,8 @@ def test_weights_are_laid_out_for_how_decode_steps_will_multiply(threads) -> Non
     finally:
         torch.set_num_threads(previous)
     weight = engine.decoder.weights["layers.0.mlp.gate_up_proj.weight"]
-    mkl_packed = threads > 1 and not panels_pay(torch.device("cpu"), torch.float32)
+    panels = panels_pay(torch.device("cpu"), torch.float32)
+    mkl_packed = threads > 1 and not panels
     assert engine.decoder._packs_for_decode == mkl_packed
-    assert weight.is_contiguous() == mkl_packed and weight.t().is_contiguous() == (not mkl_packed)
+    row_major = mkl_packed or panels
+    assert weight.is_contiguous() == row_major and weight.t().is_contiguous() == (not row_major)
