@@ -16,8 +16,8 @@ sequence, :meth:`RolloutDecoder.decode`) runs the fused kernels of :mod:`mcore_r
 RMSNorm and SiLU-gate in one pass each, rotary + cache write + GQA attention in one kernel, and the projections
 on weights packed once per generation: our column panels (AVX2 or AVX-512 kernels), or on Intel CPUs with
 AVX-512 MKL's packed GEMM operand (``rollout/projection.py``). Weights stay row-major as megatron holds them
-where MKL packs them (a straight copy on load, a fast pack), column-major elsewhere (an NN gemm for a few
-rows). bench/bench_rollout.py measures the
+where decode steps run on a packed copy (a straight copy on load), column-major elsewhere (an NN gemm for a
+few rows). bench/bench_rollout.py measures the
 result against ``transformers`` ``generate``.
 
 The rollout layout (tensor names and shapes of one TP rank) is defined in ``rollout/layout.py``.
@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout import attention, moe
 from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
 from mcore_rl.engine.rollout.projection import DecodePacking, Projection, linear, panels_pay
+from mcore_rl.engine.rollout.rotary import RotaryTables
 from mcore_rl.ops import decode as fused
 from mcore_rl.ops.reference import rms_norm as rms_norm_spelled_out
 from mcore_rl.ops.reference import rotate_signed_halves
@@ -73,7 +74,7 @@ class _Step(NamedTuple):
     batch: int
     seq: int
     cos: Tensor  # [b or 1, s, 1, rotary_dim] in the model dtype
-    sin: Tensor  # [b or 1, s, 1, rotary_dim], signed (see _rope_tables)
+    sin: Tensor  # [b or 1, s, 1, rotary_dim], signed (see rollout/rotary.py)
     masked: Tensor | None  # [b or 1, 1, 1, s, key_len] bool, True = hidden
     plain_causal: bool  # masked is exactly the causal mask of s tokens from column 0 (the trainer's case)
     rows: slice  # cache rows of the batch
@@ -142,8 +143,7 @@ class RolloutDecoder:
         self._layer_cache: list[_LayerWeights] | None = None
         self._head: Projection | None = None
         self.allocate()
-        self._inv_freq = rope_inv_freq(arch).to(self.device)
-        self._cos = self._sin = torch.empty(0, arch.rotary_dim, device=self.device)
+        self.rotary = RotaryTables(arch, self.device)
 
     # --- weights -------------------------------------------------------------------------------------------
     def allocate(self) -> None:
@@ -211,24 +211,6 @@ class RolloutDecoder:
     def to(self, device: torch.device | str) -> None:
         self.weights = {name: t.to(device) for name, t in self.weights.items()}
         self._invalidate()
-
-    # --- rotary --------------------------------------------------------------------------------------------
-    def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos and signed sin, [length, rotary_dim], fp32 as megatron computes them, grown on demand.
-
-        megatron's ``rotate_half(x) * sin`` is ``[-x2, x1] * sin``; we compute ``[x2, x1] * [-sin1, sin2]``
-        (no negation of activations), bitwise the same product.
-        """
-        if self._cos.shape[0] < length:
-            length = max(length, 2 * self._cos.shape[0])
-            positions = torch.arange(length, device=self.device, dtype=torch.float32)
-            freqs = torch.outer(positions, self._inv_freq)
-            freqs = torch.cat([freqs, freqs], dim=-1)
-            half = freqs.shape[-1] // 2
-            sign = torch.ones(freqs.shape[-1], device=self.device)
-            sign[:half] = -1.0
-            self._cos, self._sin = torch.cos(freqs), torch.sin(freqs) * sign
-        return self._cos, self._sin
 
     # --- tensor-parallel pieces ----------------------------------------------------------------------------
     def _all_reduce(self, x: Tensor) -> Tensor:
@@ -310,7 +292,7 @@ class RolloutDecoder:
         """
         b = tokens.shape[0]
         ops = _decode_ops(self.device, self.dtype)
-        cos, sin = self._decode_rope(b, column, pad)
+        cos, sin = self.rotary.at_decode(b, column, pad)
         first = attention.first_visible(b, column, pad, self.arch.sliding_window, self.device)
         eps, heads, scale = self.arch.norm_eps, self.num_heads, self.scale
         x = self._embed(tokens)
@@ -377,14 +359,6 @@ class RolloutDecoder:
                     self._flat += projection(proj)
         return self._flat
 
-    def _decode_rope(self, b: int, column: int, pad: Tensor | None) -> tuple[Tensor, Tensor]:
-        """fp32 cos and signed sin [b or 1, rotary_dim] at each row's position ``column - pad``."""
-        cos_table, sin_table = self._rope_tables(column + 1)
-        if pad is None:  # every row at position == column: one row of the tables, shared by the batch
-            return cos_table.narrow(0, column, 1), sin_table.narrow(0, column, 1)
-        positions = (column - pad).clamp_min_(0)
-        return cos_table[positions], sin_table[positions]
-
     def full_logits(self, tokens: Tensor) -> Tensor:
         """No-cache recompute of whole (unpadded) sequences: tokens [b, s] -> fp32 logits [b, s, vocab]."""
         b, s = tokens.shape
@@ -421,14 +395,7 @@ class RolloutDecoder:
         norm; their keys and values are written into cache ``rows``. Activations stay 2-D (token-major) so
         every projection is a single plain gemm. Prefill and recompute; a decode step runs :meth:`decode`."""
         b, s = tokens.shape
-        cos_table, sin_table = self._rope_tables(column + s)
-        if pad is None:  # every row at position == column: a slice of the tables, shared by the batch
-            cos, sin = cos_table[column : column + s, None], sin_table[column : column + s, None]
-        else:
-            positions = (torch.arange(column, column + s, device=tokens.device) - pad[:, None]).clamp_min_(0)
-            cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
-        if self.dtype != torch.float32:
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = self.rotary.at_forward(s, column, pad, self.dtype)
         window = self.arch.sliding_window
         plain_causal = pad is None and column == 0 and window is None
         step = _Step(
