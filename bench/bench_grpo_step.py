@@ -63,6 +63,7 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
+from mcore_rl.engine.packing.token_batching import select_rows
 from mcore_rl.engine.rollout import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
@@ -141,6 +142,14 @@ class Ours:
             micro.packed = shared_prefix_packing(micro.tokens, mask).model_input()
         return micro
 
+    def _micro_rows(self, rows: int, width: int) -> list[slice]:
+        """The update's micro-batches as row ranges: whole prompt groups (so each prompt is still computed
+        once per group), as many as fit ``--micro-batch-tokens`` (at least one group; all rows when unset), as
+        ``algorithm.ppo_max_token_len_per_gpu`` splits a rank's update in ``mcore-rl train``."""
+        budget, group = self.args.micro_batch_tokens, self.args.n
+        step = rows if budget is None else group * max(1, budget // (group * width))
+        return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
     def step(self, prompts: torch.Tensor, seed: int, recompute: bool = False) -> dict[str, float]:
         """One step; ``recompute`` runs the separate old-log-prob forward (else the on-policy shortcut)."""
         args, clock, vocab = self.args, _PhaseClock(), self.arch.vocab_size
@@ -157,16 +166,22 @@ class Ours:
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         clock.end("to_train")
         settings, old_log_probs = dataclasses.replace(self.settings, on_policy=True), None
+        parts = self._micro_rows(*tokens.shape)
         if recompute:
-            micro_old: list[MicroBatch] = [self._packed(LogProbMicroBatch(tokens, positions, mask=mask))]
+            micro_old: list[MicroBatch] = [
+                self._packed(LogProbMicroBatch(tokens[r], positions[r], mask=mask[r])) for r in parts
+            ]
             old = self.engine.forward_backward(micro_old, log_prob_loss(vocab, 1.0), forward_only=True)
-            settings, old_log_probs = self.settings, old[0].log_probs
+            settings, old_log_probs = self.settings, torch.cat([o.log_probs for o in old])
             clock.end("log_probs")
         adv = _advantages(out.token_ids, args.n)[:, None] * mask
         unread = torch.full(mask.shape, math.nan)  # the shortcut's loss never reads the old log-probs
         old_or_unread = unread if old_log_probs is None else old_log_probs
         batch = TrainBatch(tokens, mask, old_or_unread, adv, torch.zeros_like(mask))
-        micro: list[MicroBatch] = [self._packed(PolicyMicroBatch(tokens, positions, train=batch))]
+        micro: list[MicroBatch] = [
+            self._packed(PolicyMicroBatch(tokens[r], positions[r], train=_rows(batch, r, len(parts))))
+            for r in parts
+        ]
         self.engine.zero_grad()
         count = mask.sum()
         self.engine.forward_backward(micro, policy_loss(settings, count, torch.tensor(float(len(tokens)))))
@@ -343,6 +358,12 @@ def _parse() -> argparse.Namespace:
         help="return the blocks our host cache kept after each of our steps (its cap back before the next): "
         "a 24 GiB machine cannot hold them and TRL's process at 512 new tokens (the scaling sweep)",
     )
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="split our update into micro-batches of whole prompt groups of at most this many tokens (at least "
+        "one group; default: the whole batch in one), as algorithm.ppo_max_token_len_per_gpu does",
+    )
     parser.add_argument("--json", type=Path, help="also write everything the report prints to this file")
     args = parser.parse_args()
     if args.return_host_cache and args.release_host_memory:
@@ -377,6 +398,11 @@ def _run_rounds(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             rows[name].append(sides[name](prompts, r + 1))
     return rows
+
+
+def _rows(batch: TrainBatch, rows: slice, parts: int) -> TrainBatch:
+    """``batch``'s ``rows`` (the batch itself when it is the one micro-batch)."""
+    return batch if parts == 1 else select_rows(batch, range(rows.start, rows.stop))
 
 
 def _returning_host_cache(

@@ -4,7 +4,10 @@ agree with each other and with hand-computed figures for the realistic model (h5
 
 from __future__ import annotations
 
+import types
+
 import pytest
+import torch
 
 from bench.grpo_step_limits import (
     WORKLOADS,
@@ -73,3 +76,62 @@ def test_phase_limits() -> None:
         # Adam: 7 fp32 arrays of 1000 parameters read or written, at 2 bytes of traffic per byte copied
         {"sync": 4e-6, "generate": 0.2, "log_probs": 0.01, "update": 0.03, "optimizer": 28000 / 2e9}
     )
+
+
+def _update_grads(micro_batch_tokens: int | None) -> dict[str, torch.Tensor]:
+    """One bench step of ours on the tiny workload (4 prompts x 4 samples x 8 new tokens) up to the optimizer,
+    the gradients it left."""
+    import argparse
+
+    from bench.bench_grpo_step import Ours
+    from bench.grpo_step_limits import WORKLOADS
+    from mcore_rl.parallel.config import ParallelConfig
+    from mcore_rl.parallel.context import ParallelContext
+
+    torch.manual_seed(0)
+    workload = WORKLOADS["tiny"]
+    args = argparse.Namespace(
+        hf_config=dict(workload["hf_config"]),
+        n=4,
+        new_tokens=8,
+        share_prompt_prefix=True,
+        micro_batch_tokens=micro_batch_tokens,
+    )
+    prompts = torch.randint(1, args.hf_config["vocab_size"], (4, 6))
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        ours = Ours(ctx, args)
+        ours.engine.step = lambda: None  # stop before the optimizer: the gradients are the update's result
+        ours.step(prompts, seed=3)
+        grads = {}
+        for name, param in ours.engine.models[0].named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grads[name] = (param.grad if grad is None else grad).detach().clone()
+        return grads
+
+
+def _split_rows(micro_batch_tokens: int | None, rows: int, width: int) -> list[tuple[int, int]]:
+    from bench.bench_grpo_step import Ours
+
+    me = types.SimpleNamespace(args=types.SimpleNamespace(micro_batch_tokens=micro_batch_tokens, n=4))
+    return [(r.start, r.stop) for r in Ours._micro_rows(me, rows, width)]
+
+
+def test_micro_batch_tokens_splits_whole_groups() -> None:
+    assert _split_rows(None, 16, 14) == [(0, 16)]
+    assert _split_rows(8 * 14, 16, 14) == [(0, 8), (8, 16)]  # two groups of 4 rows x 14 tokens fit
+    assert _split_rows(10, 16, 14) == [(0, 4), (4, 8), (8, 12), (12, 16)]  # at least one group
+    assert _split_rows(12 * 14, 16, 14) == [(0, 12), (12, 16)]
+
+
+def test_micro_batched_update_leaves_the_gradients_of_one_micro_batch(run_distributed) -> None:
+    """``--micro-batch-tokens`` splits the update, not its result: the loss is normalised over the whole
+    batch's tokens, so the accumulated gradients equal the single micro-batch's (fp32 summation order)."""
+    whole, split = run_distributed(_both_grads, world_size=1)[0]
+    assert whole.keys() == split.keys()
+    assert all(float(g.abs().sum()) > 0 for g in whole.values())  # every parameter took part
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _both_grads() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return _update_grads(None), _update_grads(2 * 4 * 14)
