@@ -17,6 +17,10 @@ scaling-STAMP.md (the table) and scaling-STAMP.png (two log-log panels, the rati
 ``--replot FILE.json`` rebuilds the table and the plot from an earlier run's JSON without measuring.
 
     python -m bench.bench_scaling [--model realistic] [--rounds 1] [--threads 2]
+
+The README's run: ``--bench-args="--return-host-cache --micro-batch-tokens 9216"`` (our cache emptied after
+each of our steps so that TRL's process fits beside ours at 512 new tokens; our update in micro-batches of at
+most the 128 x 8 batch's tokens, as ``algorithm.ppo_max_token_len_per_gpu`` would split it).
 """
 
 from __future__ import annotations
