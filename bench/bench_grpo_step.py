@@ -63,7 +63,6 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
-from mcore_rl.engine.packing.token_batching import select_rows
 from mcore_rl.engine.rollout import SamplingParams
 from mcore_rl.engine.train_engine import MicroBatch, TrainEngine
 from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
@@ -177,9 +176,15 @@ class Ours:
         adv = _advantages(out.token_ids, args.n)[:, None] * mask
         unread = torch.full(mask.shape, math.nan)  # the shortcut's loss never reads the old log-probs
         old_or_unread = unread if old_log_probs is None else old_log_probs
-        batch = TrainBatch(tokens, mask, old_or_unread, adv, torch.zeros_like(mask))
+        zeros = torch.zeros_like(mask)
         micro: list[MicroBatch] = [
-            self._packed(PolicyMicroBatch(tokens[r], positions[r], train=_rows(batch, r, len(parts))))
+            self._packed(
+                PolicyMicroBatch(
+                    tokens[r],
+                    positions[r],
+                    train=TrainBatch(tokens[r], mask[r], old_or_unread[r], adv[r], zeros[r]),
+                )
+            )
             for r in parts
         ]
         self.engine.zero_grad()
@@ -398,11 +403,6 @@ def _run_rounds(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             rows[name].append(sides[name](prompts, r + 1))
     return rows
-
-
-def _rows(batch: TrainBatch, rows: slice, parts: int) -> TrainBatch:
-    """``batch``'s ``rows`` (the batch itself when it is the one micro-batch)."""
-    return batch if parts == 1 else select_rows(batch, range(rows.start, rows.stop))
 
 
 def _returning_host_cache(

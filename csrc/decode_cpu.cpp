@@ -57,9 +57,10 @@ void score_block(const float* q, int64_t head_dim, const float* keys, int64_t ld
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < C; ++c) acc[h][c] = Vec(0.0f);
   for (int64_t d = 0; d < head_dim; ++d) {
-    // The next block's line of this key row: a block reads one line from each of head_dim rows, ld apart,
-    // more concurrent streams than the hardware prefetcher follows; fetched now, it arrives while this
-    // block computes. (Past the row's end it lands in the next row or the cache's tail: harmless.)
+    // A line of this key row 16 floats past the next block's start (two blocks ahead for a four-head group's
+    // 16-column blocks): a block reads one line from each of head_dim rows, ld apart, more concurrent streams
+    // than the hardware prefetcher follows; fetched now, it arrives before its block. (Past the row's end it
+    // lands in the next row or the cache's tail: a prefetch never faults.)
     __builtin_prefetch(keys + d * ld + l + C * kVec + 16);
     Vec k[C];
     for (int c = 0; c < C; ++c) k[c] = Vec::loadu(keys + d * ld + l + c * kVec);

@@ -66,8 +66,8 @@ def pack_panels(weight_t: Tensor) -> Tensor:
     One strided copy from either layout, so a row-major [N, K] weight (``weight_t`` its transposed view, as
     megatron and the sync hand it over) packs as fast as a column-major one: the realistic model's [32000,
     512] head in 7 ms, where padding a [K, N] copy first and transposing that took 17 ms from column-major
-    storage, and storing the head column-major to begin with cost the weight sync 59 ms more than a
-    straight copy (2026-12-06, two threads). Equal to ``reference.pack_panels``."""
+    storage, and storing the head column-major to begin with cost each weight sync about 60 ms more than
+    a straight copy (2026-12-06, two threads). Equal to ``reference.pack_panels``."""
     k, n = weight_t.shape
     width = reference.PANEL_COLUMNS
     full = n // width

@@ -154,8 +154,8 @@ class RolloutDecoder:
         transpose of a contiguous [in, out] buffer): ``x @ w.t()`` is then an NN gemm, which for a few rows is
         20-30% faster on CPU than the NT gemm of row-major weights. Where decode steps run on a packed copy
         (our panels, MKL's packed GEMM: :meth:`_mkl_decode`) they stay row-major as megatron holds them: the
-        weight sync is then a straight copy (the realistic model's 209.5 MiB in 10 ms, against 94 ms into
-        column-major storage, 2026-12-06), and only prefill's few GEMMs run NT (0-15% slower per GEMM).
+        weight sync is then a straight copy (the realistic model's 209.5 MiB load 66 -> 12 ms against
+        column-major storage, one process, 2026-12-06), and only prefill's few GEMMs run NT (0-15% slower per GEMM).
         """
         self.weights = {}
         self._packs_for_decode = self._mkl_decode()
