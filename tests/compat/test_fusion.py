@@ -94,10 +94,16 @@ def _bf16_train_step(arch_seq: int) -> float:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_megatron_step_on_gpu_with_the_fusion_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first bf16 forward on a GPU: the switch's choice runs; forcing the fusion on without the compiled
-    kernels is the ModuleNotFoundError the switch avoids (megatron-core 0.16.1 ships none of them)."""
-    import mcore_rl.engine.model as model
+    kernels is the ModuleNotFoundError the switch avoids (megatron-core 0.16.1 ships none of them).
 
-    assert torch.isfinite(torch.tensor(_bf16_train_step(32)))
+    Plain causal attention runs torch's fused kernel (``compat/cpu_layers.py``) and never reaches megatron's
+    softmax; explicit masks, windows and softmax variants still do, so the second half takes that path."""
+    import mcore_rl.engine.model as model
+    from mcore_rl.compat.cpu_layers import SdpaDotProductAttention
+
+    assert torch.isfinite(torch.tensor(_bf16_train_step(32)))  # torch's fused attention
+    monkeypatch.setattr(SdpaDotProductAttention, "_plain_causal", lambda self, *args: False)
+    assert torch.isfinite(torch.tensor(_bf16_train_step(32)))  # megatron's softmax, the switch's choice
     monkeypatch.setattr(model, "masked_softmax_fusion_available", lambda use_te: True)
     if model.transformer_engine_available() or masked_softmax_fusion_available(False):
         assert torch.isfinite(torch.tensor(_bf16_train_step(32)))

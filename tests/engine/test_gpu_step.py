@@ -5,6 +5,8 @@ The bar of the CPU suite, on the GPU: the rollout engine's log-probs equal the t
 and after an update, the update is finite and moves the weights. Runs only where CUDA is (``gpu`` marker).
 For the mixture-of-experts model (Qwen3-MoE) it is megatron's own CUDA all-to-all dispatcher and router on
 the trainer's side (the CPU shims are off), with router weights scaled up so no fp32 rounding flips a choice.
+With LoRA adapters, the rollout gets the merged weights (merged on the device) and the update moves only
+the adapters.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from mcore_rl.algo.agreement import prob_agreement
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.lora_spec import LoRASpec, resolve_targets
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.packing.token_batching import packing_of
@@ -54,16 +57,23 @@ def _trainer_log_probs(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llama+lora"])
 def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal(family: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the 1e-5 bar
+    family, _, adapters = family.partition("+")
     arch = tiny_arch(family)
+    lora = LoRASpec(
+        rank=4, alpha=8.0, targets=resolve_targets(["q_proj", "o_proj", "gate_proj", "down_proj"])
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, arch.vocab_size, (4, 6), generator=gen).tolist()
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         assert ctx.device.type == "cuda"
         engine = TrainEngine.build(
-            arch, ctx, ModelOptions(dtype=torch.float32), OptimConfig(weight_decay=0.0, lr=1e-2)
+            arch,
+            ctx,
+            ModelOptions(dtype=torch.float32, lora=lora if adapters else None),
+            OptimConfig(weight_decay=0.0, lr=1e-2),
         )
         with torch.no_grad():  # decisive MoE routing (no near-ties for rounding to flip)
             for name, param in engine.models[0].named_parameters():
@@ -91,3 +101,5 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal(family: str) 
             assert torch.isfinite(metrics[0].pg_loss.float().cpu())
         moved = [n for n, p in engine.models[0].named_parameters() if not torch.equal(p.detach(), before[n])]
         assert moved, "the updates changed no weight"
+        if adapters:  # the base stays frozen
+            assert all("lora" in n for n in moved), moved
