@@ -88,10 +88,10 @@ void score_heads(const float* q, int64_t head_dim, const float* keys, int64_t ld
     for (; l + 2 * kVec <= n; l += 2 * kVec) score_block<H, 2>(q, head_dim, keys, ld, l, n, scores);
   }
   for (; l + kVec <= n; l += kVec) score_block<H, 1>(q, head_dim, keys, ld, l, n, scores);
-  for (; l < n; ++l) {  // fewer than one vector of columns left
+  for (; l < n; ++l) {  // fewer than one vector of columns left (explicit FMAs: the AVX-512 kernel's bits)
     for (int h = 0; h < H; ++h) {
       float sum = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) sum += q[h * head_dim + d] * keys[d * ld + l];
+      for (int64_t d = 0; d < head_dim; ++d) sum = std::fma(q[h * head_dim + d], keys[d * ld + l], sum);
       scores[h * n + l] = sum;
     }
   }
@@ -149,7 +149,7 @@ void value_heads(const float* probs, const float* inv_sum, int64_t n, const floa
   for (; d < head_dim; ++d) {  // head_dim not a multiple of the vector width
     for (int h = 0; h < H; ++h) {
       float sum = 0.0f;
-      for (int64_t l = 0; l < n; ++l) sum += probs[h * n + l] * values[l * head_dim + d];
+      for (int64_t l = 0; l < n; ++l) sum = std::fma(probs[h * n + l], values[l * head_dim + d], sum);
       context[h * head_dim + d] = sum * inv_sum[h];
     }
   }
@@ -204,6 +204,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, co
   float *key_ptr = keys.data_ptr<float>(), *value_ptr = values.data_ptr<float>();
   float* out_ptr = context.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const bool wide = use_avx512();  // the products on AVX-512 (csrc/decode_attention_avx512.cpp): same bits
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), scores(group * (column + 1)), inv_sum(group);
     for (int64_t task = begin; task < end; ++task) {
@@ -222,10 +223,18 @@ at::Tensor decode_attention_cpu(const at::Tensor& qkv, const at::Tensor& cos, co
         rotate(row + (g * group + h) * head_dim, c, s, rot, head_dim, q.data() + h * head_dim);
       }
       const int64_t first = first_visible != nullptr ? first_visible[r] : 0, n = column + 1 - first;
-      query_key_scores(q.data(), group, head_dim, k_cache + first, max_len, n, scores.data());
+      float* context = out_ptr + r * num_heads * head_dim + g * group * head_dim;
+      if (wide) {
+        query_key_scores_avx512(q.data(), group, head_dim, k_cache + first, max_len, n, scores.data());
+      } else {
+        query_key_scores(q.data(), group, head_dim, k_cache + first, max_len, n, scores.data());
+      }
       for (int64_t h = 0; h < group; ++h) inv_sum[h] = scaled_softmax_numerator(scores.data() + h * n, n, fscale);
-      weighted_values(scores.data(), inv_sum.data(), group, n, v_cache + first * head_dim, head_dim,
-                      out_ptr + r * num_heads * head_dim + g * group * head_dim);
+      if (wide) {
+        weighted_values_avx512(scores.data(), inv_sum.data(), group, n, v_cache + first * head_dim, head_dim, context);
+      } else {
+        weighted_values(scores.data(), inv_sum.data(), group, n, v_cache + first * head_dim, head_dim, context);
+      }
     }
   });
   return context;

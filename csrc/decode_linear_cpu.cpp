@@ -87,14 +87,12 @@ void linear_tail_panel(const float* x, int64_t rows, int64_t k_dim, const float*
   }
 }
 
-// Whether this call runs the AVX-512 kernel: on CPUs that have it, unless MCORE_RL_DECODE_ISA=avx2 (read per
-// call, a few ns against a product of at least microseconds, so a benchmark or test can switch within a run).
+}  // namespace
+
 bool use_avx512() {
   const char* isa = std::getenv("MCORE_RL_DECODE_ISA");
   return avx512_supported() && (isa == nullptr || std::strcmp(isa, "avx2") != 0);
 }
-
-}  // namespace
 
 at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& panels, int64_t n_dim,
                              const std::optional<at::Tensor>& add) {

@@ -102,6 +102,32 @@ def test_decode_linear_avx512_kernel_equals_avx2_bit_for_bit(rows, add, monkeypa
         assert torch.equal(wide, narrow), (k_dim, n_dim)
 
 
+@pytest.mark.skipif(
+    not _native.extension_loaded() or torch.backends.cpu.get_cpu_capability() != "AVX512",
+    reason="needs the compiled kernels on a CPU with AVX-512",
+)
+@pytest.mark.parametrize(
+    "heads, kv, head_dim", [(8, 2, 64), (4, 4, 128), (6, 2, 80), (7, 1, 12), (16, 2, 32), (2, 1, 40)]
+)
+def test_decode_attention_avx512_kernel_equals_avx2_bit_for_bit(heads, kv, head_dim, monkeypatch) -> None:
+    """The AVX-512 products (csrc/decode_attention_avx512.cpp) run every score's FMA chain over head_dim and
+    every context element's over the cache columns in the AVX2 kernels' order: the same bits for query groups
+    of 4 + 2 + 1 heads, head_dim tails (80, 12, 40), column counts on and off the block widths (1, 16, 64,
+    100, 301), with and without hidden leading columns."""
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    b, max_len = 3, 320
+    qkv = torch.randn(b, (heads + 2 * kv) * head_dim, generator=gen)
+    cos, sin = torch.randn(1, head_dim, generator=gen), torch.randn(1, head_dim, generator=gen)
+    for column in (0, 15, 63, 99, 300):
+        for start in (None, torch.tensor([0, column // 3, column])):
+            keys, values = _cache(b, kv, head_dim, max_len, gen)
+            wide = decode.decode_attention(qkv, cos, sin, keys.clone(), values.clone(), column, start, heads, 0.2)
+            monkeypatch.setenv("MCORE_RL_DECODE_ISA", "avx2")
+            narrow = decode.decode_attention(qkv, cos, sin, keys, values, column, start, heads, 0.2)
+            monkeypatch.delenv("MCORE_RL_DECODE_ISA")
+            assert torch.equal(wide, narrow), (column, start)
+
+
 def test_pack_panels_layout() -> None:
     weight_t = torch.arange(3 * 20, dtype=torch.float32).view(3, 20)
     panels = decode.pack_panels(weight_t)
