@@ -9,7 +9,7 @@ recipes (``recipes/``) and overrides load into them, nothing else describes a ru
 the meaning is the same::
 
     model:      path, hf_config, tokenizer_path, load_weights, dtype, scaled_output_init, use_remove_padding,
-                share_prompt_prefix, moe_aux_loss_coeff, moe_z_loss_coeff, lora_rank, lora_alpha,
+                share_prompt_prefix, keep_logits_gib, moe_aux_loss_coeff, moe_z_loss_coeff, lora_rank, lora_alpha,
                 target_modules, lora_dropout, lora_adapter_path    (LoRA: engine/lora.py)
     actor:      router_replay                                     (mixture-of-experts models)
     parallel:   tensor_model_parallel_size, pipeline_model_parallel_size,

@@ -100,6 +100,12 @@ class ModelConfig:
     ``parallel.pipeline_model_parallel_size=1``. None (the default): on where ``use_remove_padding`` turns on,
     ``rollout.n > 1`` and ``parallel.context_parallel_size=1`` (``config/fast_paths.py``), else off with the
     reason logged once."""
+    keep_logits_gib: float | None = None
+    """GiB of a micro-batch's logits (on each rank, its vocab shard) the LM head's forward keeps for its
+    backward, which then skips their GEMM: the fused log-prob op otherwise recomputes every logit in the
+    backward (one [tokens, h] x [h, V] GEMM more than forward and backward need; about 10% of an update at
+    a 32k vocab on CPU). Gradients are the same bit for bit. None (the default): on a CPU rank 1/16 of the
+    host's memory over its ranks, on a GPU 0 (``engine/lm_head.py``); 0 keeps none."""
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: weight of megatron's load-balancing loss (per layer and micro-batch, the
     switch-transformer loss), logged as ``moe/load_balancing_loss``; None takes the checkpoint's
@@ -130,6 +136,7 @@ class ModelConfig:
             self,
             {
                 "dtype": one_of(*DTYPES),
+                "keep_logits_gib": Rule(">= 0 or null", lambda v: v is None or v >= 0),
                 "moe_aux_loss_coeff": Rule(">= 0 or null", lambda v: v is None or v >= 0),
                 "moe_z_loss_coeff": NON_NEGATIVE,
                 "lora_rank": Rule(">= 0 (0: no LoRA)", lambda v: v >= 0),
@@ -144,6 +151,10 @@ class ModelConfig:
         if self.tokenizer_path == self.path and self.is_megatron_checkpoint():
             assets = os.path.join(str(self.path), MEGATRON_HF_ASSETS)
             self.tokenizer_path = assets if os.path.isdir(assets) else self.tokenizer_path
+
+    def keep_logits_bytes(self) -> int | None:
+        """``keep_logits_gib`` in bytes (None: the device's default)."""
+        return None if self.keep_logits_gib is None else int(self.keep_logits_gib * (1 << 30))
 
     def lora_spec(self) -> LoRASpec | None:
         """The adapters these keys describe; None without LoRA (``lora_rank`` 0)."""

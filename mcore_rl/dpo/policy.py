@@ -47,6 +47,8 @@ class PolicySpec:
     dtype: str = "float32"
     scaled_output_init: bool = True
     """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
+    keep_logits_bytes: int | None = None
+    """Logits the LM head keeps for its backward (``model.keep_logits_gib``; None: the device's default)."""
     lora: LoRASpec | None = None
     """LoRA adapters on the frozen policy (``model.lora_*``); the reference is then the base, adapters off."""
     pad_token_id: int = 0
@@ -71,7 +73,10 @@ class DPOPolicy:
         """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation) and
         the reference, a frozen copy of it."""
         options = ModelOptions(
-            dtype=getattr(torch, spec.dtype), scaled_output_init=spec.scaled_output_init, lora=spec.lora
+            dtype=getattr(torch, spec.dtype),
+            scaled_output_init=spec.scaled_output_init,
+            lora=spec.lora,
+            keep_logits_bytes=spec.keep_logits_bytes,
         )
         engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if full_state is not None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from mcore_rl.engine.context_parallel import ContextShard, gather_rows
+from mcore_rl.io.host import host_memory_limit, ranks_on_this_host
 from mcore_rl.ops import linear_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 
@@ -20,6 +21,37 @@ if TYPE_CHECKING:
     from mcore_rl.engine.train_engine import MicroBatch
 
 M = TypeVar("M")
+
+
+KEEP_LOGITS_SHARE = 16
+"""On a CPU rank the LM head keeps logits up to the host's memory over this, over the ranks on the host."""
+
+
+def keep_logits_bytes(setting: int | None, device: torch.device, world_size: int) -> int:
+    """How many bytes of a micro-batch's logits the LM head's forward keeps for the backward, which then
+    skips their GEMM (``model.keep_logits_gib``; the fused op recomputes the rest). ``None``: on a CPU rank
+    1/16 of the host's memory (or cgroup limit) over its ranks, since there the recompute is about 10% of
+    an update at a 32k vocab (one [tokens, h] x [h, V] GEMM more than the three of forward and backward) and
+    memory is plentiful; on a GPU none, where memory is the scarce resource and the GEMM is cheap."""
+    if setting is not None:
+        return setting
+    if device.type != "cpu":
+        return 0
+    return host_memory_limit() // KEEP_LOGITS_SHARE // max(1, ranks_on_this_host(world_size))
+
+
+def describe_keep_logits(setting: int | None, device: torch.device, world_size: int) -> str:
+    """One line for the run's fast-path note: what :func:`keep_logits_bytes` chose and why."""
+    kept = keep_logits_bytes(setting, device, world_size)
+    if setting is not None:
+        chosen = "model.keep_logits_gib"
+    elif device.type == "cpu":
+        chosen = f"1/{KEEP_LOGITS_SHARE} of memory / {max(1, ranks_on_this_host(world_size))} ranks"
+    else:
+        chosen = "none on a GPU"
+    if kept == 0:
+        return f"LM head: every logit recomputed in the backward ({chosen})"
+    return f"LM head: up to {kept / (1 << 30):.1f} GiB of a micro-batch's logits kept for the backward ({chosen})"
 
 
 @dataclass(frozen=True)
@@ -36,6 +68,8 @@ class LMHeadInput:
     """The parallel layout (TP group and rank of the vocab shard)."""
     context: ContextShard | None = None
     """Context parallelism: where this CP rank's hidden states sit in the [b, s] rows."""
+    keep_logits_bytes: int = 0
+    """Logits the fused op's forward may keep for its backward (:func:`keep_logits_bytes`); 0 recomputes."""
 
     def token_log_probs(
         self, tokens: torch.Tensor, keep: torch.Tensor, vocab_size: int, temperature: float
@@ -63,6 +97,7 @@ class LMHeadInput:
             vocab_size=vocab_size,
             temperature=temperature,
             tp_group=self.ctx.tp_group if self.ctx.tp_size > 1 else None,
+            keep_logits_bytes=self.keep_logits_bytes,
         )
 
     def _context_token_log_probs(

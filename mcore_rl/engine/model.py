@@ -56,10 +56,15 @@ class ModelOptions:
     lora: LoRASpec | None = None
     """LoRA adapters on the frozen base (``engine/lora.py``; ``TrainEngine.build`` adds them); they need
     megatron's local layer spec, which is then used on every device (TE's linears are not wrapped)."""
+    keep_logits_bytes: int | None = None
+    """Bytes of a micro-batch's logits the LM head's forward keeps for its backward, which then skips their
+    GEMM (``model.keep_logits_gib``); None: ``engine/lm_head.py``'s default for the device."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {self.dtype}")
+        if self.keep_logits_bytes is not None and self.keep_logits_bytes < 0:
+            raise ValueError(f"model.keep_logits_gib must be at least 0, got {self.keep_logits_bytes} bytes")
 
 
 def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> Any:

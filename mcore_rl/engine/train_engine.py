@@ -32,7 +32,14 @@ from mcore_rl.compat.grad_reduce import reduce_grads_on_host
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo, load_model, save_model
 from mcore_rl.engine.context_parallel import ContextShard, context_shards, gather_rows
-from mcore_rl.engine.lm_head import HeadLoss, LMHeadInput, full_hidden, output_weight, skip_output_layer
+from mcore_rl.engine.lm_head import (
+    HeadLoss,
+    LMHeadInput,
+    full_hidden,
+    keep_logits_bytes,
+    output_weight,
+    skip_output_layer,
+)
 from mcore_rl.engine.lora import adapters_disabled, add_adapters, merged, without_adapters
 from mcore_rl.engine.model import ModelOptions, build_model_chunks
 from mcore_rl.engine.moe import (
@@ -163,6 +170,8 @@ class TrainEngine:
         ``expert_choices``; :meth:`watch_routing` installs them."""
         self.adapters_off = False
         """LoRA: this engine is the reference view of another one's chunks, run with the adapters off."""
+        self.keep_logits_bytes = keep_logits_bytes(self.options.keep_logits_bytes, ctx.device, ctx.world_size)
+        """Logits of a micro-batch the LM head keeps from its forward for its backward (engine/lm_head.py)."""
 
     @classmethod
     def forward_only(cls, arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> TrainEngine:
@@ -335,7 +344,9 @@ class TrainEngine:
         base = adapters_disabled(self.chunks) if self.adapters_off else nullcontext()
         with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad, router, base:
             records = get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, self.ctx, loss_fn, self.routing),
+                forward_step_func=partial(
+                    _forward_step, self.ctx, loss_fn, self.routing, self.keep_logits_bytes
+                ),
                 data_iterator=iterators if len(iterators) > 1 else iterators[0],
                 model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
                 num_microbatches=len(micro_batches),
@@ -396,6 +407,7 @@ def _forward_step(
     ctx: ParallelContext,
     loss_fn: LossFn[Any] | HeadLoss[Any],
     routing: RoutingTaps | None,
+    keep_logits_bytes: int,
     data_iterator: Any,
     model: Any,
 ) -> tuple[torch.Tensor, Callable[..., Any]]:
@@ -416,7 +428,7 @@ def _forward_step(
     full = full_hidden(hidden, ctx)  # [b, s, h] or [1, T, h], this CP rank's tokens with CP
     shard = micro_batch.context
     local = full.reshape(-1, full.shape[-1]) if shard is not None else _unpacked(full, micro_batch)
-    head = LMHeadInput(local, output_weight(gpt), ctx, shard)
+    head = LMHeadInput(local, output_weight(gpt), ctx, shard, keep_logits_bytes)
     return hidden, partial(_head_loss_for_schedule, loss_fn, micro_batch, head)
 
 

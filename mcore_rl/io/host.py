@@ -39,6 +39,11 @@ def host_memory_limit() -> int:
     return limit
 
 
+def ranks_on_this_host(world_size: int) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` where set, else the whole world (CPU runs share one host)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def process_exists(pid: int) -> bool:
     """Whether process ``pid`` exists on this host (owned by anyone)."""
     try:

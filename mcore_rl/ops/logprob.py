@@ -242,6 +242,18 @@ class _ChunkBuffer:
         return self.flat[: self.rows * columns].view(self.rows, columns)
 
 
+def _kept_columns(chunks: list[tuple[int, int]], keep_chunks: int) -> int:
+    return sum(stop - start for start, stop in chunks[:keep_chunks])
+
+
+def _chunk_logits(kept: Tensor, rows: int, buffer: _ChunkBuffer, start: int, stop: int) -> Tensor:
+    """Where chunk ``index``'s [rows, stop - start] logits live: its own block of ``kept`` (the first chunks,
+    back to back, ``start`` counting kept columns) or the buffer every other chunk reuses."""
+    if start * rows < kept.numel():
+        return kept[start * rows : stop * rows].view(rows, stop - start)
+    return buffer.block(stop - start)
+
+
 @torch.library.custom_op("mcore_rl::linear_logprob_entropy", mutates_args=())
 def _linear_logprob_entropy_op(
     hidden: Tensor,
@@ -252,45 +264,60 @@ def _linear_logprob_entropy_op(
     inv_temperature: float,
     vocab_chunk_size: int,
     tp_group_name: str | None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    keep_chunks: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     stats = torch.zeros(hidden.shape[0], 4, dtype=reference.compute_dtype(hidden.dtype), device=hidden.device)
     stats[:, 0] = float("-inf")
     chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
-    buffer = _ChunkBuffer(hidden, chunks)
+    buffer = _ChunkBuffer(hidden, chunks[keep_chunks:])
+    kept = hidden.new_empty(hidden.shape[0] * _kept_columns(chunks, keep_chunks))
     for start, stop in chunks:
-        logits = buffer.block(stop - start)
+        logits = _chunk_logits(kept, hidden.shape[0], buffer, start, stop)
         gemm_into(logits, hidden, weight[start:stop].T, accumulate=False)
         chunk_stats = _stats_fn(logits)(logits, targets, vocab_start + start, vocab_size, inv_temperature)
         stats = _merge(stats, chunk_stats)
-    return _finalize(_reduce_over_tp(stats, tp_group_name))
+    return (*_finalize(_reduce_over_tp(stats, tp_group_name)), kept)
 
 
 @_linear_logprob_entropy_op.register_fake
-def _(hidden: Tensor, weight: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-    return _fake_outputs(hidden, hidden.dtype)
+def _(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    inv_temperature: float,
+    vocab_chunk_size: int,
+    tp_group_name: str | None,
+    keep_chunks: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
+    kept = hidden.new_empty(hidden.shape[0] * _kept_columns(chunks, keep_chunks))
+    return (*_fake_outputs(hidden, hidden.dtype), kept)
 
 
-def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    hidden, weight, targets, vocab_start, vocab_size, inv_t, vocab_chunk_size, _ = inputs
-    ctx.save_for_backward(hidden, weight, targets, output[2])
+def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    hidden, weight, targets, vocab_start, vocab_size, inv_t, vocab_chunk_size, _, _ = inputs
+    ctx.save_for_backward(hidden, weight, targets, output[2], output[3])
     ctx.args = (vocab_start, vocab_size, inv_t, vocab_chunk_size)
 
 
-def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, _: Tensor) -> tuple[Any, ...]:
-    hidden, weight, targets, softmax_stats = ctx.saved_tensors
+def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, *_: Tensor) -> tuple[Any, ...]:
+    hidden, weight, targets, softmax_stats, kept = ctx.saved_tensors
     vocab_start, vocab_size, inv_t, chunk = ctx.args
     # Accumulate dL/dhidden over vocab chunks in fp32; padding rows of the weight get zero gradient.
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.zeros_like(weight)
     chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk)
-    logits_buffer, grad_buffer = _ChunkBuffer(hidden, chunks), _ChunkBuffer(hidden, chunks)
+    recomputed = [(start, stop) for start, stop in chunks if start * hidden.shape[0] >= kept.numel()]
+    logits_buffer, grad_buffer = _ChunkBuffer(hidden, recomputed), _ChunkBuffer(hidden, chunks)
     # In place where the dtypes allow (fp32): no [N, hidden] or [chunk, hidden] temporary per chunk.
     accumulate = hidden.dtype == torch.float32 and weight.dtype == hidden.dtype
     for start, stop in chunks:
         w = weight[start:stop]
-        # recomputed: the forward kept only the per-row (lse, entropy)
-        logits = logits_buffer.block(stop - start)
-        gemm_into(logits, hidden, w.T, accumulate=False)
+        logits = _chunk_logits(kept, hidden.shape[0], logits_buffer, start, stop)
+        if (start, stop) in recomputed:  # the forward kept only the per-row (lse, entropy)
+            gemm_into(logits, hidden, w.T, accumulate=False)
         chunk_start, all_rows = vocab_start + start, hidden.shape[0] or 1
         grad_logits = _logits_grad(
             grad_logprob,
@@ -310,7 +337,7 @@ def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, _: Te
         else:
             grad_hidden += grad_logits @ w
             grad_weight[start:stop] = grad_logits.T @ hidden
-    return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
+    return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None
 
 
 _linear_logprob_entropy_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -387,14 +414,18 @@ def linear_logprob_entropy(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK,
+    keep_logits_bytes: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Same as :func:`vocab_parallel_logprob_entropy` on ``logits = hidden @ weight_shard.T``, without ever
-    holding more than ``N x vocab_chunk_size`` logits (the forward streams vocab chunks through the stats
-    kernel; the backward recomputes each chunk's logits).
+    holding more than ``N x vocab_chunk_size`` logits beyond ``keep_logits_bytes`` (the forward streams vocab
+    chunks through the stats kernel; the backward recomputes each chunk's logits, except the leading chunks
+    the forward kept within that budget: the same values, bit for bit, without their GEMM).
 
     Args:
         hidden: [..., H] final hidden states (after the final norm).
         weight_shard: [V/tp, H] this rank's rows of the output layer (lm head).
+        keep_logits_bytes: how many bytes of logits the forward may keep for the backward when a gradient
+            will be taken (0: recompute every chunk; at least ``N x V/tp x`` the element size: none).
         Others: as for :func:`vocab_parallel_logprob_entropy`.
 
     Returns:
@@ -407,8 +438,17 @@ def linear_logprob_entropy(
         raise ValueError(
             f"weight_shard {tuple(weight_shard.shape)} does not match hidden {tuple(hidden.shape)}"
         )
-    logprob, entropy, _ = _linear_logprob_entropy_op(
-        hidden.reshape(-1, hidden.shape[-1]),
+    if keep_logits_bytes < 0:
+        raise ValueError(f"keep_logits_bytes must be >= 0, got {keep_logits_bytes}")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad)
+    keep = 0
+    if differentiable and keep_logits_bytes > 0 and rows.shape[0] > 0:
+        chunks = _vocab_chunks(weight_shard.shape[0], vocab_start, vocab_size, vocab_chunk_size)
+        columns = keep_logits_bytes // (rows.shape[0] * rows.element_size())
+        keep = sum(1 for _, stop in chunks if stop <= columns)  # chunks start at 0, back to back
+    logprob, entropy, _, _ = _linear_logprob_entropy_op(
+        rows,
         weight_shard,
         tokens,
         vocab_start,
@@ -416,6 +456,7 @@ def linear_logprob_entropy(
         1.0 / temperature,
         vocab_chunk_size,
         _group_name(tp_group),
+        keep,
     )
     return logprob.view(targets.shape), entropy.view(targets.shape)
 

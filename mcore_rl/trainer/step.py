@@ -29,6 +29,7 @@ from mcore_rl.config.machine import describe_cpu_layout
 from mcore_rl.config.model import RecomputeOldLogProbs
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.engine.lm_head import describe_keep_logits
 from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import NonFiniteLossError
 from mcore_rl.engine.workers.host_heap import keep_freed_host_memory_of_run
@@ -432,6 +433,8 @@ def fast_path_note(cfg: RunConfig) -> str:
     if compute_device(cfg) == "cpu":
         lines.append(describe_cpu_layout(cfg))
         lines.append(keep_freed_host_memory_of_run(cfg.trainer.host_cache_gib, cfg.world_size, apply=False))
+    device = torch.device(compute_device(cfg))
+    lines.append(describe_keep_logits(cfg.model.keep_logits_bytes(), device, cfg.world_size))
     return "fast paths: " + "; ".join(lines)
 
 

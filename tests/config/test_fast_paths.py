@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from mcore_rl.config import RunConfig, check_config
@@ -125,3 +126,27 @@ def test_the_note_says_where_prompt_groups_are_balanced(overrides: list[str], ex
     assert expected in fast_path_note(_cfg("llama", "rollout.n=4", "data.train_batch_size=8", *overrides))
     budget = _cfg("llama", "rollout.n=4", "algorithm.ppo_max_token_len_per_gpu=64", *overrides)
     assert "balance_batch" not in fast_path_note(budget)  # the token budget balances rows one by one
+
+
+def test_the_lm_head_keeps_logits_for_its_backward_on_a_cpu_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.keep_logits_gib``: null keeps 1/16 of the host's memory over its ranks on a CPU (the backward
+    then skips those logits' GEMM), none on a GPU; a value is taken as given and reaches the actor's spec;
+    a negative one is refused naming the key."""
+    import mcore_rl.engine.lm_head as lm_head
+    from mcore_rl.config import ConfigError
+    from mcore_rl.trainer.build import worker_spec
+
+    monkeypatch.setattr(lm_head, "host_memory_limit", lambda: 32 << 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert lm_head.keep_logits_bytes(None, torch.device("cpu"), 2) == 1 << 30
+    assert lm_head.keep_logits_bytes(None, torch.device("cuda"), 2) == 0
+    assert lm_head.keep_logits_bytes(123, torch.device("cuda"), 2) == 123
+    assert worker_spec(_cfg(), total_optimizer_steps=1).keep_logits_bytes is None
+    assert "of a micro-batch's logits kept for the backward (1/16 of memory" in fast_path_note(_cfg())
+    cfg = _cfg("llama", "model.keep_logits_gib=0.5")
+    assert worker_spec(cfg, total_optimizer_steps=1).keep_logits_bytes == 1 << 29
+    assert "every logit recomputed" in fast_path_note(_cfg("llama", "model.keep_logits_gib=0"))
+    with pytest.raises(ConfigError, match=r"model\.keep_logits_gib"):
+        _cfg("llama", "model.keep_logits_gib=-1")

@@ -121,7 +121,9 @@ def test_decode_attention_avx512_kernel_equals_avx2_bit_for_bit(heads, kv, head_
     for column in (0, 15, 63, 99, 300):
         for start in (None, torch.tensor([0, column // 3, column])):
             keys, values = _cache(b, kv, head_dim, max_len, gen)
-            wide = decode.decode_attention(qkv, cos, sin, keys.clone(), values.clone(), column, start, heads, 0.2)
+            wide = decode.decode_attention(
+                qkv, cos, sin, keys.clone(), values.clone(), column, start, heads, 0.2
+            )
             monkeypatch.setenv("MCORE_RL_DECODE_ISA", "avx2")
             narrow = decode.decode_attention(qkv, cos, sin, keys, values, column, start, heads, 0.2)
             monkeypatch.delenv("MCORE_RL_DECODE_ISA")

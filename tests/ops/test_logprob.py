@@ -167,9 +167,60 @@ def test_opcheck_composite_ops(impl: str) -> None:
         torch.ops.mcore_rl.vocab_parallel_logprob_entropy.default, (x, targets, 0, 64, 1.25, 4, None)
     )
     h, w = torch.randn(9, 8, requires_grad=True), torch.randn(70, 8, requires_grad=True)
-    torch.library.opcheck(
-        torch.ops.mcore_rl.linear_logprob_entropy.default, (h, w, targets % 64, 0, 64, 1.0, 32, None)
-    )
+    for keep_chunks in (0, 1, 2):  # every chunk recomputed in the backward; one kept; both kept
+        torch.library.opcheck(
+            torch.ops.mcore_rl.linear_logprob_entropy.default,
+            (h, w, targets % 64, 0, 64, 1.0, 32, None, keep_chunks),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(impl: str, dtype: torch.dtype) -> None:
+    """``keep_logits_bytes``: the forward keeps its leading vocab chunks' logits for the backward, which skips
+    their GEMM and recomputes only the rest; log-probs, entropy and both gradients are the same bits for no
+    chunk kept, some (a budget between chunk boundaries) and all. Without a gradient nothing is kept."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(21, 32, generator=gen).to(dtype)
+    weight = (torch.randn(1030, 32, generator=gen) / 3).to(dtype)  # 6 padding rows: chunks 300, 300, 300, 124
+    targets = torch.randint(0, 1024, (21,), generator=gen)
+    g1, g2 = torch.randn(21, generator=gen), torch.randn(21, generator=gen)
+    row_bytes = 21 * hidden.element_size()
+    results = []
+    for budget in (0, 450 * row_bytes, 1024 * row_bytes, 10**9):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = linear_logprob_entropy(
+            h, w, targets, vocab_start=0, vocab_size=1024, vocab_chunk_size=300, keep_logits_bytes=budget
+        )
+        (lp * g1 + ent * g2).sum().backward()
+        results.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    for other in results[1:]:
+        for mine, theirs in zip(results[0], other, strict=True):
+            assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="keep_logits_bytes"):
+        linear_logprob_entropy(hidden, weight, targets, vocab_start=0, vocab_size=1024, keep_logits_bytes=-1)
+
+
+def test_logits_are_kept_only_for_a_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op is asked to keep chunks only where a backward will read them, and as many whole chunks as the
+    budget holds."""
+    import mcore_rl.ops.logprob as logprob
+
+    asked: list[int] = []
+    op = logprob._linear_logprob_entropy_op
+
+    def spy(*args: object) -> object:
+        asked.append(int(args[-1]))  # type: ignore[call-overload]
+        return op(*args)
+
+    monkeypatch.setattr(logprob, "_linear_logprob_entropy_op", spy)
+    hidden, weight, targets = torch.randn(4, 8), torch.randn(100, 8), torch.randint(0, 100, (4,))
+    budget = 70 * 4 * 4  # 70 columns of 4 fp32 rows: chunks of 32 -> two whole ones
+    kwargs = {"vocab_start": 0, "vocab_size": 100, "vocab_chunk_size": 32, "keep_logits_bytes": budget}
+    linear_logprob_entropy(hidden, weight, targets, **kwargs)  # no tensor needs a gradient
+    linear_logprob_entropy(hidden, weight.requires_grad_(), targets, **kwargs)
+    with torch.no_grad():
+        linear_logprob_entropy(hidden, weight, targets, **kwargs)
+    assert asked == [0, 2, 0]
 
 
 @pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")

@@ -84,6 +84,8 @@ class WorkerSpec:
     pad_token_id: int = 0
     scaled_output_init: bool = True
     """megatron's scaled init of the output projections (random init only; ``model.scaled_output_init``)."""
+    keep_logits_bytes: int | None = None
+    """Logits the LM head keeps for its backward (``model.keep_logits_gib``; None: the device's default)."""
     remove_padding: bool = False
     """Pack micro-batch rows for the model (``model.use_remove_padding``; ``token_batching.PackedRows``)."""
     share_prompt_prefix: bool = False
@@ -115,6 +117,7 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         options = ModelOptions(
             dtype=getattr(torch, spec.dtype),
             scaled_output_init=spec.scaled_output_init,
+            keep_logits_bytes=spec.keep_logits_bytes,
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
             moe_z_loss_coeff=spec.moe_z_loss_coeff,
             lora=spec.lora,

@@ -24,10 +24,9 @@ device memory through CUDA's caching allocator and are left alone, as is a build
 
 from __future__ import annotations
 
-import os
 import platform
 
-from mcore_rl.io.host import host_memory_limit
+from mcore_rl.io.host import host_memory_limit, ranks_on_this_host
 
 MIN_BLOCK_BYTES = 1 << 20
 """Blocks from this size up are the cache's; below it glibc's heap already reuses freed memory."""
@@ -81,11 +80,6 @@ def host_cache_stats() -> dict[str, int] | None:
     """The cache's counters (bytes kept, mapped, peak, reuses, maps, bytes returned); None without it."""
     native, _ = _native()
     return None if native is None else dict(native.host_cache_stats())  # type: ignore[attr-defined]
-
-
-def ranks_on_this_host(world_size: int) -> int:
-    """torchrun's ``LOCAL_WORLD_SIZE`` where set, else the whole world (CPU runs share one host)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def keep_freed_host_memory_of_run(cache_gib: float | None, world_size: int, apply: bool = True) -> str:
