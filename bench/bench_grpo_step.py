@@ -61,6 +61,7 @@ from bench.grpo_step_limits import WORKLOADS, GemmRate, gemm_shapes
 from bench.grpo_step_report import print_report, report_record
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.local_hybrid import build_local_hybrid
+from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.engine.packing.shared_prefix import shared_prefix_packing
 from mcore_rl.engine.rollout import SamplingParams
@@ -118,7 +119,10 @@ class Ours:
 
     def __init__(self, ctx: ParallelContext, args: argparse.Namespace) -> None:
         self.arch = ModelArch.from_hf_config(args.hf_config)
-        self.engine = TrainEngine.build(self.arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=LR))
+        # A cache emptied after every step keeps no logits, as mcore-rl train with trainer.host_cache_gib=0
+        # (trainer/build.py): the kept block would be faulted in fresh every step.
+        options = ModelOptions(keep_logits_bytes=0 if getattr(args, "return_host_cache", False) else None)
+        self.engine = TrainEngine.build(self.arch, ctx, options, OptimConfig(weight_decay=0.0, lr=LR))
         self.hybrid, self.rollout = build_local_hybrid(self.engine)
         self.args = args
         self.settings = PolicyLossSettings(vocab_size=self.arch.vocab_size, temperature=1.0)

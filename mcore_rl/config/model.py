@@ -105,7 +105,8 @@ class ModelConfig:
     backward, which then skips their GEMM: the fused log-prob op otherwise recomputes every logit in the
     backward (one [tokens, h] x [h, V] GEMM more than forward and backward need; about 10% of an update at
     a 32k vocab on CPU). Gradients are the same bit for bit. None (the default): on a CPU rank 1/16 of the
-    host's memory over its ranks, on a GPU 0 (``engine/lm_head.py``); 0 keeps none."""
+    host's memory over its ranks, on a GPU 0 (``engine/lm_head.py``), and 0 where ``trainer.host_cache_gib=0``
+    (the kept block would be faulted in fresh every step); 0 keeps none."""
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: weight of megatron's load-balancing loss (per layer and micro-batch, the
     switch-transformer loss), logged as ``moe/load_balancing_loss``; None takes the checkpoint's
@@ -152,9 +153,14 @@ class ModelConfig:
             assets = os.path.join(str(self.path), MEGATRON_HF_ASSETS)
             self.tokenizer_path = assets if os.path.isdir(assets) else self.tokenizer_path
 
-    def keep_logits_bytes(self) -> int | None:
-        """``keep_logits_gib`` in bytes (None: the device's default)."""
-        return None if self.keep_logits_gib is None else int(self.keep_logits_gib * (1 << 30))
+    def keep_logits_bytes(self, host_cache_off: bool = False) -> int | None:
+        """``keep_logits_gib`` in bytes (None: the device's default). Unset, nothing is kept where the CPU ranks'
+        host cache is off (``trainer.host_cache_gib=0``): without it the kept block is faulted in fresh every
+        step, which on these VMs cost more than the GEMM it saves (the scaling sweep with its cache emptied
+        after every step: the 128 x 8 update 16.4 s against 5.5 s)."""
+        if self.keep_logits_gib is None:
+            return 0 if host_cache_off else None
+        return int(self.keep_logits_gib * (1 << 30))
 
     def lora_spec(self) -> LoRASpec | None:
         """The adapters these keys describe; None without LoRA (``lora_rank`` 0)."""

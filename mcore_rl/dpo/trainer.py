@@ -333,7 +333,7 @@ def policy_spec(cfg: RunConfig, total_steps: int, pad_token_id: int) -> PolicySp
         with_reference=not (dpo.reference_free or dpo.precompute_ref_log_probs),
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
-        keep_logits_bytes=cfg.model.keep_logits_bytes(),
+        keep_logits_bytes=cfg.model.keep_logits_bytes(host_cache_off=cfg.trainer.host_cache_gib == 0),
         lora=cfg.model.lora_spec(),
         pad_token_id=pad_token_id,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,

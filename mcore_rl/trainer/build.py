@@ -95,7 +95,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         total_optimizer_steps=total_optimizer_steps,
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
-        keep_logits_bytes=cfg.model.keep_logits_bytes(),
+        keep_logits_bytes=cfg.model.keep_logits_bytes(host_cache_off=cfg.trainer.host_cache_gib == 0),
         remove_padding=bool(cfg.model.use_remove_padding),
         share_prompt_prefix=bool(cfg.model.share_prompt_prefix),
         # rollout.tensor_model_parallel_size is the pool's when the rollout has a pool of its own

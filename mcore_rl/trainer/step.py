@@ -434,7 +434,12 @@ def fast_path_note(cfg: RunConfig) -> str:
         lines.append(describe_cpu_layout(cfg))
         lines.append(keep_freed_host_memory_of_run(cfg.trainer.host_cache_gib, cfg.world_size, apply=False))
     device = torch.device(compute_device(cfg))
-    lines.append(describe_keep_logits(cfg.model.keep_logits_bytes(), device, cfg.world_size))
+    if cfg.model.keep_logits_gib is None and cfg.trainer.host_cache_gib == 0:
+        lines.append(
+            "LM head: every logit recomputed in the backward (trainer.host_cache_gib=0, see keep_logits_gib)"
+        )
+    else:
+        lines.append(describe_keep_logits(cfg.model.keep_logits_bytes(), device, cfg.world_size))
     return "fast paths: " + "; ".join(lines)
 
 

@@ -132,8 +132,8 @@ def test_the_lm_head_keeps_logits_for_its_backward_on_a_cpu_by_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``model.keep_logits_gib``: null keeps 1/16 of the host's memory over its ranks on a CPU (the backward
-    then skips those logits' GEMM), none on a GPU; a value is taken as given and reaches the actor's spec;
-    a negative one is refused naming the key."""
+    then skips those logits' GEMM), none on a GPU or with the host cache off; a value is taken as given and
+    reaches the actor's spec; a negative one is refused naming the key."""
     import mcore_rl.engine.lm_head as lm_head
     from mcore_rl.config import ConfigError
     from mcore_rl.trainer.build import worker_spec
@@ -148,5 +148,8 @@ def test_the_lm_head_keeps_logits_for_its_backward_on_a_cpu_by_default(
     cfg = _cfg("llama", "model.keep_logits_gib=0.5")
     assert worker_spec(cfg, total_optimizer_steps=1).keep_logits_bytes == 1 << 29
     assert "every logit recomputed" in fast_path_note(_cfg("llama", "model.keep_logits_gib=0"))
+    no_cache = _cfg("llama", "trainer.host_cache_gib=0")  # a kept block would be faulted in every step
+    assert worker_spec(no_cache, total_optimizer_steps=1).keep_logits_bytes == 0
+    assert "(trainer.host_cache_gib=0" in fast_path_note(no_cache)
     with pytest.raises(ConfigError, match=r"model\.keep_logits_gib"):
         _cfg("llama", "model.keep_logits_gib=-1")
