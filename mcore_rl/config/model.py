@@ -153,15 +153,6 @@ class ModelConfig:
             assets = os.path.join(str(self.path), MEGATRON_HF_ASSETS)
             self.tokenizer_path = assets if os.path.isdir(assets) else self.tokenizer_path
 
-    def keep_logits_bytes(self, host_cache_off: bool = False) -> int | None:
-        """``keep_logits_gib`` in bytes (None: the device's default). Unset, nothing is kept where the CPU ranks'
-        host cache is off (``trainer.host_cache_gib=0``): without it the kept block is faulted in fresh every
-        step, which on these VMs cost more than the GEMM it saves (the scaling sweep with its cache emptied
-        after every step: the 128 x 8 update 16.4 s against 5.5 s)."""
-        if self.keep_logits_gib is None:
-            return 0 if host_cache_off else None
-        return int(self.keep_logits_gib * (1 << 30))
-
     def lora_spec(self) -> LoRASpec | None:
         """The adapters these keys describe; None without LoRA (``lora_rank`` 0)."""
         if self.lora_rank == 0:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mcore_rl.algo import DPOSettings
 from mcore_rl.config import ConfigError, RunConfig, check_paths, claim_run_folders, load_config, save_config
+from mcore_rl.config.fast_paths import keep_logits_setting
 from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
 from mcore_rl.convert.export import MODEL_DIR, check_export_folder, export_hf_model
 from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
@@ -333,7 +334,7 @@ def policy_spec(cfg: RunConfig, total_steps: int, pad_token_id: int) -> PolicySp
         with_reference=not (dpo.reference_free or dpo.precompute_ref_log_probs),
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
-        keep_logits_bytes=cfg.model.keep_logits_bytes(host_cache_off=cfg.trainer.host_cache_gib == 0),
+        keep_logits_bytes=keep_logits_setting(cfg),
         lora=cfg.model.lora_spec(),
         pad_token_id=pad_token_id,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,

@@ -40,10 +40,15 @@ def keep_logits_bytes(setting: int | None, device: torch.device, world_size: int
     return host_memory_limit() // KEEP_LOGITS_SHARE // max(1, ranks_on_this_host(world_size))
 
 
-def describe_keep_logits(setting: int | None, device: torch.device, world_size: int) -> str:
-    """One line for the run's fast-path note: what :func:`keep_logits_bytes` chose and why."""
+def describe_keep_logits(
+    setting: int | None, device: torch.device, world_size: int, host_cache_off: bool = False
+) -> str:
+    """One line for the run's fast-path note: what :func:`keep_logits_bytes` chose and why (``host_cache_off``:
+    the setting is 0 because the run's host cache is off, not because the key says so)."""
     kept = keep_logits_bytes(setting, device, world_size)
-    if setting is not None:
+    if host_cache_off:
+        chosen = "trainer.host_cache_gib=0, see model.keep_logits_gib"
+    elif setting is not None:
         chosen = "model.keep_logits_gib"
     elif device.type == "cpu":
         chosen = f"1/{KEEP_LOGITS_SHARE} of memory / {max(1, ranks_on_this_host(world_size))} ranks"

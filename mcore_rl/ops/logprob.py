@@ -246,10 +246,11 @@ def _kept_columns(chunks: list[tuple[int, int]], keep_chunks: int) -> int:
     return sum(stop - start for start, stop in chunks[:keep_chunks])
 
 
-def _chunk_logits(kept: Tensor, rows: int, buffer: _ChunkBuffer, start: int, stop: int) -> Tensor:
-    """Where chunk ``index``'s [rows, stop - start] logits live: its own block of ``kept`` (the first chunks,
-    back to back, ``start`` counting kept columns) or the buffer every other chunk reuses."""
-    if start * rows < kept.numel():
+def _chunk_logits(kept: Tensor, is_kept: bool, buffer: _ChunkBuffer, start: int, stop: int) -> Tensor:
+    """Where a chunk's [rows, stop - start] logits live: its own block of ``kept`` (the leading chunks, back to
+    back from column 0) or the buffer every other chunk reuses."""
+    if is_kept:
+        rows = buffer.rows
         return kept[start * rows : stop * rows].view(rows, stop - start)
     return buffer.block(stop - start)
 
@@ -271,8 +272,8 @@ def _linear_logprob_entropy_op(
     chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
     buffer = _ChunkBuffer(hidden, chunks[keep_chunks:])
     kept = hidden.new_empty(hidden.shape[0] * _kept_columns(chunks, keep_chunks))
-    for start, stop in chunks:
-        logits = _chunk_logits(kept, hidden.shape[0], buffer, start, stop)
+    for index, (start, stop) in enumerate(chunks):
+        logits = _chunk_logits(kept, index < keep_chunks, buffer, start, stop)
         gemm_into(logits, hidden, weight[start:stop].T, accumulate=False)
         chunk_stats = _stats_fn(logits)(logits, targets, vocab_start + start, vocab_size, inv_temperature)
         stats = _merge(stats, chunk_stats)
@@ -297,26 +298,25 @@ def _(
 
 
 def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    hidden, weight, targets, vocab_start, vocab_size, inv_t, vocab_chunk_size, _, _ = inputs
+    hidden, weight, targets, vocab_start, vocab_size, inv_t, vocab_chunk_size, _, keep_chunks = inputs
     ctx.save_for_backward(hidden, weight, targets, output[2], output[3])
-    ctx.args = (vocab_start, vocab_size, inv_t, vocab_chunk_size)
+    ctx.args = (vocab_start, vocab_size, inv_t, vocab_chunk_size, keep_chunks)
 
 
 def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, *_: Tensor) -> tuple[Any, ...]:
     hidden, weight, targets, softmax_stats, kept = ctx.saved_tensors
-    vocab_start, vocab_size, inv_t, chunk = ctx.args
+    vocab_start, vocab_size, inv_t, chunk, keep_chunks = ctx.args
     # Accumulate dL/dhidden over vocab chunks in fp32; padding rows of the weight get zero gradient.
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.zeros_like(weight)
     chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk)
-    recomputed = [(start, stop) for start, stop in chunks if start * hidden.shape[0] >= kept.numel()]
-    logits_buffer, grad_buffer = _ChunkBuffer(hidden, recomputed), _ChunkBuffer(hidden, chunks)
+    logits_buffer, grad_buffer = _ChunkBuffer(hidden, chunks[keep_chunks:]), _ChunkBuffer(hidden, chunks)
     # In place where the dtypes allow (fp32): no [N, hidden] or [chunk, hidden] temporary per chunk.
     accumulate = hidden.dtype == torch.float32 and weight.dtype == hidden.dtype
-    for start, stop in chunks:
+    for index, (start, stop) in enumerate(chunks):
         w = weight[start:stop]
-        logits = _chunk_logits(kept, hidden.shape[0], logits_buffer, start, stop)
-        if (start, stop) in recomputed:  # the forward kept only the per-row (lse, entropy)
+        logits = _chunk_logits(kept, index < keep_chunks, logits_buffer, start, stop)
+        if index >= keep_chunks:  # the forward kept only the per-row (lse, entropy)
             gemm_into(logits, hidden, w.T, accumulate=False)
         chunk_start, all_rows = vocab_start + start, hidden.shape[0] or 1
         grad_logits = _logits_grad(

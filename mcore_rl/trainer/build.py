@@ -14,6 +14,7 @@ import torch
 
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import ConfigError, RunConfig
+from mcore_rl.config.fast_paths import keep_logits_setting
 from mcore_rl.config.machine import ranks_beside_actor
 from mcore_rl.config.model import RolloutEngineName
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
@@ -95,7 +96,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         total_optimizer_steps=total_optimizer_steps,
         dtype=cfg.model.dtype,
         scaled_output_init=cfg.model.scaled_output_init,
-        keep_logits_bytes=cfg.model.keep_logits_bytes(host_cache_off=cfg.trainer.host_cache_gib == 0),
+        keep_logits_bytes=keep_logits_setting(cfg),
         remove_padding=bool(cfg.model.use_remove_padding),
         share_prompt_prefix=bool(cfg.model.share_prompt_prefix),
         # rollout.tensor_model_parallel_size is the pool's when the rollout has a pool of its own

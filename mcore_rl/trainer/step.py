@@ -24,7 +24,7 @@ import torch
 from mcore_rl.algo.agreement import ProbAgreement, truncated_importance_weights
 from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import AlgorithmConfig, RunConfig
-from mcore_rl.config.fast_paths import compute_device, describe_fast_paths
+from mcore_rl.config.fast_paths import compute_device, describe_fast_paths, keep_logits_setting
 from mcore_rl.config.machine import describe_cpu_layout
 from mcore_rl.config.model import RecomputeOldLogProbs
 from mcore_rl.controller import WorkerError
@@ -430,16 +430,14 @@ def fast_path_note(cfg: RunConfig) -> str:
         lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
     if cfg.algorithm.ppo_max_token_len_per_gpu is None:
         lines.append(balance_line(cfg))
-    if compute_device(cfg) == "cpu":
+    device = compute_device(cfg)
+    if device == "cpu":
         lines.append(describe_cpu_layout(cfg))
         lines.append(keep_freed_host_memory_of_run(cfg.trainer.host_cache_gib, cfg.world_size, apply=False))
-    device = torch.device(compute_device(cfg))
-    if cfg.model.keep_logits_gib is None and cfg.trainer.host_cache_gib == 0:
-        lines.append(
-            "LM head: every logit recomputed in the backward (trainer.host_cache_gib=0, see keep_logits_gib)"
-        )
-    else:
-        lines.append(describe_keep_logits(cfg.model.keep_logits_bytes(), device, cfg.world_size))
+    setting = keep_logits_setting(cfg)
+    # only an unset key resolves to 0 through the host cache (config/fast_paths.py)
+    host_cache_off = setting == 0 and cfg.model.keep_logits_gib is None
+    lines.append(describe_keep_logits(setting, torch.device(device), cfg.world_size, host_cache_off))
     return "fast paths: " + "; ".join(lines)
 
 
