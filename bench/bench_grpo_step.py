@@ -32,8 +32,9 @@ once per round beside the steps; the best round counts. Memory-bound phases, aga
 bandwidth measured in the same run: ``sync`` (the bytes handed to the rollout engine, copied once) and
 ``optimizer`` (Adam's reads and writes). The compute limit of the step is generate + update, at the
 workload's full FLOPs. Peak RSS per phase: the kernel's high-water mark, reset before each phase, on our
-side and inside TRL's subprocess. Rounds alternate which side runs first; the report gives medians and the
-min-max spread; ``--json PATH`` writes all of it as one object. The FLOPs, GEMM shapes and limits are
+side and inside TRL's subprocess. Rounds alternate which side runs first (``--sides-in-turn``: each side's
+steps back to back instead, ours with its host cache kept between them as a run keeps it, the baseline's
+process started only after ours returned its cache); the report gives medians and the min-max spread; ``--json PATH`` writes all of it as one object. The FLOPs, GEMM shapes and limits are
 computed in ``bench/grpo_step_limits.py``, the report in ``bench/grpo_step_report.py``.
 
     python -m bench.bench_grpo_step --rounds 8 --threads 2 [--model realistic] [--baseline both] [--json PATH]
@@ -42,6 +43,7 @@ computed in ``bench/grpo_step_limits.py``, the report in ``bench/grpo_step_repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -365,7 +367,15 @@ def _parse() -> argparse.Namespace:
         "--return-host-cache",
         action="store_true",
         help="return the blocks our host cache kept after each of our steps (its cap back before the next): "
-        "a 24 GiB machine cannot hold them and TRL's process at 512 new tokens (the scaling sweep)",
+        "a 24 GiB machine cannot hold them and TRL's process at 512 new tokens (--sides-in-turn avoids that "
+        "without emptying the cache between our steps)",
+    )
+    parser.add_argument(
+        "--sides-in-turn",
+        action="store_true",
+        help="each side's warm-up and rounds back to back instead of interleaved: ours first, its host cache "
+        "kept between its steps as a run keeps it, then returned, and only then TRL's process started "
+        "(the scaling sweep: a 24 GiB machine holds one side's memory at 512 new tokens, not both)",
     )
     parser.add_argument(
         "--micro-batch-tokens",
@@ -377,6 +387,10 @@ def _parse() -> argparse.Namespace:
     args = parser.parse_args()
     if args.return_host_cache and args.release_host_memory:
         parser.error("--return-host-cache: there is no cache to return with --release-host-memory")
+    if args.sides_in_turn and (args.return_host_cache or args.release_host_memory):
+        parser.error(
+            "--sides-in-turn: keeps our host cache through our steps; drop --return-host-cache / --release-host-memory"
+        )
     workload = WORKLOADS[args.model]
     args.hf_config = dict(workload["hf_config"])
     for name in ("n", "new_tokens"):
@@ -425,6 +439,41 @@ def _returning_host_cache(
     return run
 
 
+def _baseline_sides(
+    args: argparse.Namespace, prompts: torch.Tensor, labels: dict[str, str], stack: contextlib.ExitStack
+) -> dict[str, Callable[[torch.Tensor, int], dict[str, float]]]:
+    """The baseline steps ``--baseline`` names (TRL's subprocess closed with ``stack``)."""
+    sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {}
+    if args.baseline in ("trl", "both"):
+        trl = TrlBaseline(args.trl_python, prompts, args)
+        stack.callback(trl.close)
+        sides["trl"], labels["trl"] = trl.step, trl.label
+    if args.baseline in ("hf", "both"):
+        sides["hf"] = Baseline(args).step
+        labels["hf"] = "HF generate + plain PyTorch GRPO step"
+    return sides
+
+
+def _measure(
+    args: argparse.Namespace, ours: Ours, gemm: GemmRate, prompts: torch.Tensor, labels: dict[str, str]
+) -> dict[str, list[dict[str, float]]]:
+    """Every side's rounds: interleaved, or with ``--sides-in-turn`` ours' first and the baselines' after."""
+    step = _returning_host_cache(ours.step) if args.return_host_cache else ours.step
+    own: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {"ours": step}
+    if not args.no_always:
+        always = functools.partial(ours.step, recompute=True)
+        own["ours_always"] = _returning_host_cache(always) if args.return_host_cache else always
+    probe = {"gemm": gemm.step}
+    with contextlib.ExitStack() as stack:
+        if not args.sides_in_turn:
+            sides = own | probe | _baseline_sides(args, prompts, labels, stack)
+            return _run_rounds(sides, prompts, args.rounds, unwarmed=("gemm",))
+        rows = _run_rounds(own, prompts, args.rounds)
+        keep_freed_host_memory(0)  # our kept blocks go back before the baseline's process starts
+        rows |= _run_rounds(probe, prompts, args.rounds, unwarmed=("gemm",))
+        return rows | _run_rounds(_baseline_sides(args, prompts, labels, stack), prompts, args.rounds)
+
+
 def main() -> None:
     args = _parse()
     torch.set_num_threads(args.threads)
@@ -435,28 +484,10 @@ def main() -> None:
     torch.manual_seed(0)
     prompts = torch.randint(1, args.hf_config["vocab_size"], (args.prompts, args.prompt_len))
     labels = {"ours": "ours", "ours_always": "ours, recompute_old_log_probs=always"}
-    trl = None
     with ParallelContext.initialize(ParallelConfig()) as ctx:
         ours = Ours(ctx, args)
         gemm = GemmRate(gemm_shapes(ours.arch, args.prompts * args.n, args.prompt_len, args.new_tokens))
-        sides: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {
-            "ours": _returning_host_cache(ours.step) if args.return_host_cache else ours.step
-        }
-        sides["gemm"] = gemm.step
-        try:
-            if args.baseline in ("trl", "both"):
-                trl = TrlBaseline(args.trl_python, prompts, args)
-                sides["trl"], labels["trl"] = trl.step, trl.label
-            if args.baseline in ("hf", "both"):
-                sides["hf"] = Baseline(args).step
-                labels["hf"] = "HF generate + plain PyTorch GRPO step"
-            if not args.no_always:
-                always = functools.partial(ours.step, recompute=True)
-                sides["ours_always"] = _returning_host_cache(always) if args.return_host_cache else always
-            rows = _run_rounds(sides, prompts, args.rounds, unwarmed=("gemm",))
-        finally:
-            if trl is not None:
-                trl.close()
+        rows = _measure(args, ours, gemm, prompts, labels)
         last_sync = next(t for t in reversed(ours.hybrid.history) if t.target.value == "rollout")
         sync = {"bytes": ours.sync_bytes, "steps_s": last_sync.steps_s}
     sync["copy_bytes_per_s"] = memcpy_bytes_per_s(ours.sync_bytes)

@@ -7,9 +7,14 @@ point runs in its own process, so no allocator state or thread placement carries
 and the points run one after another, never two at once: each side's timing needs the whole machine. A point
 that lies on both sweeps (128 tokens x 8 samples by default) is measured once and used in both.
 
-Growth: ours(point) / ours(first point of its sweep) against TRL(point) / TRL(first). Ours should grow no
-faster than TRL's anywhere; a point where it does (by more than ``--tolerance``) is flagged. Equivalently, the
-ratio TRL/ours at that point is below the one at the sweep's first point.
+Growth, two ways, each flagged where ours is worse than TRL's by more than ``--tolerance``:
+- as a ratio, ours(point) / ours(first point of its sweep) against TRL(point) / TRL(first point) (equivalently:
+  the ratio TRL/ours at that point below the one at the sweep's first point);
+- in seconds, what each side's step added since the sweep's first point (the cost of the added work).
+The two disagree where the sides' fixed costs differ: a step at its compute limit grows as the FLOPs do, while
+one with large fixed per-step costs grows less in ratio for more added seconds. So the table also gives the
+compute limit's own growth (the step's matmul FLOPs at the rates measured at each point) and each side's
+share of its limit.
 
 Everything goes under ``--out`` (default bench/out/scaling), named with the run's timestamp so that no run
 overwrites another's: scaling-STAMP.json (the settings and each point's full bench_grpo_step JSON and report),
@@ -18,9 +23,10 @@ scaling-STAMP.md (the table) and scaling-STAMP.png (two log-log panels, the rati
 
     python -m bench.bench_scaling [--model realistic] [--rounds 1] [--threads 2]
 
-The README's run: ``--bench-args="--return-host-cache --micro-batch-tokens 9216"`` (our cache emptied after
-each of our steps so that TRL's process fits beside ours at 512 new tokens; our update in micro-batches of at
-most the 128 x 8 batch's tokens, as ``algorithm.ppo_max_token_len_per_gpu`` would split it).
+The README's run: ``--bench-args="--sides-in-turn --micro-batch-tokens 9216"`` (our steps first with our host
+cache kept between them, as ``mcore-rl train`` keeps it, then returned before TRL's process starts, so that
+the two fit one after the other at 512 new tokens on 24 GiB; our update in micro-batches of at most the 128 x 8
+batch's tokens, as ``algorithm.ppo_max_token_len_per_gpu`` would split it).
 """
 
 from __future__ import annotations
@@ -63,11 +69,13 @@ class Point:
 
 @dataclasses.dataclass(frozen=True)
 class SideTimes:
-    """One side's step seconds over a point's rounds."""
+    """One side's step seconds over a point's rounds, and its median step's share of the compute limit
+    (None in records that lack it)."""
 
     median_s: float
     min_s: float
     max_s: float
+    limit_percent: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,10 @@ class GrowthRow:
     trl: SideTimes
     ours_growth: float  # ours(point) / ours(first point), medians
     trl_growth: float  # TRL(point) / TRL(first point), medians
+    ours_added_s: float  # ours(point) - ours(first point), medians
+    trl_added_s: float  # TRL(point) - TRL(first point), medians
+    limit_growth: float | None = None  # the step's compute limit at the point over at the first point
+    limit_s: float | None = None  # the step's compute limit at the point
 
     @property
     def ratio(self) -> float:
@@ -89,20 +101,38 @@ class GrowthRow:
         """Whether our step time grew faster than TRL's from the first point by more than ``tolerance``."""
         return self.ours_growth > self.trl_growth * (1 + tolerance)
 
+    def adds_more(self, tolerance: float) -> bool:
+        """Whether our step added more seconds than TRL's since the first point by more than ``tolerance``."""
+        return self.ours_added_s > self.trl_added_s * (1 + tolerance)
+
 
 def side_times(step_json: dict[str, Any]) -> dict[str, SideTimes]:
     """The step seconds per side in one ``bench_grpo_step --json`` file: the one place that knows its layout.
 
-    Expects ``{"sides": {"ours": {"step_s": {"median": s, "min": s, "max": s}, ...}, "trl": {...}}, ...}``.
+    Expects ``{"sides": {"ours": {"step_s": {"median": s, "min": s, "max": s}, "compute_limit_percent": p},
+    "trl": {...}}, ...}`` (the percentage optional).
     """
     times = {}
     for side in SIDES:
         try:
-            step = step_json["sides"][side]["step_s"]
-            times[side] = SideTimes(float(step["median"]), float(step["min"]), float(step["max"]))
-        except (KeyError, TypeError) as missing:
+            record = step_json["sides"][side]
+            step = record["step_s"]
+            percent = record.get("compute_limit_percent")
+            times[side] = SideTimes(
+                float(step["median"]),
+                float(step["min"]),
+                float(step["max"]),
+                None if percent is None else float(percent),
+            )
+        except (KeyError, TypeError, AttributeError) as missing:
             raise ValueError(f"bench_grpo_step JSON: sides.{side}.step_s has no {missing}") from None
     return times
+
+
+def compute_limit_s(step_json: dict[str, Any]) -> float | None:
+    """The step's compute limit in one ``bench_grpo_step --json`` file (``limits.compute_s``), if it has one."""
+    limit = step_json.get("limits", {}).get("compute_s")
+    return None if limit is None else float(limit)
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -124,65 +154,89 @@ def sweep_points(lengths: list[int], n: int, samples: list[int], new_tokens: int
     }
 
 
-def growth_rows(points: list[Point], times: dict[Point, dict[str, SideTimes]]) -> list[GrowthRow]:
-    """Each point of one sweep with both sides' growth since the sweep's first point."""
-    first = times[points[0]]
-    return [
-        GrowthRow(
-            point,
-            times[point]["ours"],
-            times[point]["trl"],
-            times[point]["ours"].median_s / first["ours"].median_s,
-            times[point]["trl"].median_s / first["trl"].median_s,
+def growth_rows(
+    points: list[Point],
+    times: dict[Point, dict[str, SideTimes]],
+    limits: dict[Point, float | None] | None = None,
+) -> list[GrowthRow]:
+    """Each point of one sweep with both sides' growth since the sweep's first point (and the compute
+    limit's, where ``limits`` has the point's and the first point's)."""
+    first, limits = times[points[0]], limits or {}
+    first_limit = limits.get(points[0])
+    rows = []
+    for point in points:
+        ours, trl, limit = times[point]["ours"], times[point]["trl"], limits.get(point)
+        rows.append(
+            GrowthRow(
+                point,
+                ours,
+                trl,
+                ours.median_s / first["ours"].median_s,
+                trl.median_s / first["trl"].median_s,
+                ours.median_s - first["ours"].median_s,
+                trl.median_s - first["trl"].median_s,
+                None if limit is None or first_limit is None else limit / first_limit,
+                limit,
+            )
         )
-        for point in points
-    ]
+    return rows
 
 
 def _seconds(times: SideTimes) -> str:
-    if times.min_s == times.max_s:  # one round: no spread to show
-        return f"{times.median_s:.3f}"
-    return f"{times.median_s:.3f} ({times.min_s:.3f}-{times.max_s:.3f})"
+    text = f"{times.median_s:.3f}"
+    if times.min_s != times.max_s:  # one round: no spread to show
+        text += f" ({times.min_s:.3f}-{times.max_s:.3f})"
+    return text if times.limit_percent is None else f"{text}, {times.limit_percent:.0f}%"
+
+
+def _growth(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def markdown_table(rows_by_sweep: dict[str, list[GrowthRow]], tolerance: float) -> str:
-    """Both sweeps as one markdown table; growth is against each sweep's first point."""
+    """Both sweeps as one markdown table; growth is against each sweep's first point, each side's seconds
+    with its share of the compute limit where the record has it."""
     lines = [
-        "| sweep | point | ours s | TRL s | TRL/ours | ours growth | TRL growth | ours grows faster |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sweep | point | ours s | TRL s | TRL/ours | limit growth | ours growth | TRL growth "
+        "| added s, ours / TRL | ours grows faster | ours adds more s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for sweep, rows in rows_by_sweep.items():
         for row in rows:
             name = f"{row.point.new_tokens} tokens x {row.point.n} samples"
-            flag = "**yes**" if row.grows_faster(tolerance) else "no"
+            faster = "**yes**" if row.grows_faster(tolerance) else "no"
+            more = "**yes**" if row.adds_more(tolerance) else "no"
             lines.append(
                 f"| {SWEEPS[sweep][0]} | {name} | {_seconds(row.ours)} | {_seconds(row.trl)} | {row.ratio:.2f}x "
-                f"| {row.ours_growth:.2f}x | {row.trl_growth:.2f}x | {flag} |"
+                f"| {_growth(row.limit_growth)} | {row.ours_growth:.2f}x | {row.trl_growth:.2f}x "
+                f"| {row.ours_added_s:+.2f} / {row.trl_added_s:+.2f} | {faster} | {more} |"
             )
     return "\n".join(lines)
 
 
 def growth_lines(rows_by_sweep: dict[str, list[GrowthRow]], tolerance: float) -> list[str]:
-    """One line per point after each sweep's first: both growths, a flag where ours grows faster, and the
-    seconds each side added since the first point (a side with a smaller fixed cost per step grows faster
-    in ratio for the same added seconds, so the flag alone can mislead)."""
+    """One line per point after each sweep's first: both growths as ratios beside the compute limit's, and
+    the seconds each side added, each with its verdict (a side with a smaller fixed cost per step grows
+    faster in ratio for the same added seconds, so neither form alone tells the whole story)."""
     lines = []
     for sweep, rows in rows_by_sweep.items():
         axis, fixed = SWEEPS[sweep]
         first = rows[0]
         lines.append(f"{axis} (at {first.point.fixed(sweep)} {fixed}), growth since {first.point.x(sweep)}:")
         for row in rows[1:]:
-            verdict = "OURS GROWS FASTER" if row.grows_faster(tolerance) else "ok"
-            added = row.ours.median_s - first.ours.median_s, row.trl.median_s - first.trl.median_s
+            ratio = "OURS GROWS FASTER" if row.grows_faster(tolerance) else "ok"
+            added = "OURS ADDS MORE" if row.adds_more(tolerance) else "ok"
+            limit = "" if row.limit_growth is None else f" (limit {row.limit_growth:.2f}x)"
             lines.append(
-                f"  {row.point.x(sweep):>5}: ours {row.ours_growth:.2f}x, TRL {row.trl_growth:.2f}x  {verdict}"
-                f"  (added: ours {added[0]:+.3f}s, TRL {added[1]:+.3f}s)"
+                f"  {row.point.x(sweep):>5}: ours {row.ours_growth:.2f}x, TRL {row.trl_growth:.2f}x{limit}  {ratio}"
+                f"; added: ours {row.ours_added_s:+.3f}s, TRL {row.trl_added_s:+.3f}s  {added}"
             )
     return lines
 
 
 def plot(rows_by_sweep: dict[str, list[GrowthRow]], path: Path, title: str, tolerance: float) -> None:
-    """Two log-log panels of step time, one per sweep, both sides, TRL/ours written at each point."""
+    """Two log-log panels of step time, one per sweep, both sides (and the step's compute limit where the
+    record has it), TRL/ours written at each point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,6 +249,8 @@ def plot(rows_by_sweep: dict[str, list[GrowthRow]], path: Path, title: str, tole
         xs = [row.point.x(sweep) for row in rows]
         ax.plot(xs, [row.ours.median_s for row in rows], "o-", label="ours")
         ax.plot(xs, [row.trl.median_s for row in rows], "s--", label="TRL")
+        if all(row.limit_s is not None for row in rows):
+            ax.plot(xs, [row.limit_s for row in rows], ":", color="gray", label="compute limit")
         for x, row in zip(xs, rows, strict=True):  # the ratio sits in the gap it measures (log midpoint)
             color = "red" if row.grows_faster(tolerance) else "black"
             gap_middle = (row.ours.median_s * row.trl.median_s) ** 0.5
@@ -280,8 +336,9 @@ def measure(args: argparse.Namespace, sweeps: dict[str, list[Point]]) -> dict[st
 def rows_from_record(record: dict[str, Any]) -> dict[str, list[GrowthRow]]:
     """The growth rows of each sweep in a scaling.json record."""
     times = {Point(p["new_tokens"], p["n"]): side_times(p["step_json"]) for p in record["points"]}
+    limits = {Point(p["new_tokens"], p["n"]): compute_limit_s(p["step_json"]) for p in record["points"]}
     sweeps = {name: [Point(*p) for p in points] for name, points in record["sweeps"].items()}
-    return {name: growth_rows(points, times) for name, points in sweeps.items() if points}
+    return {name: growth_rows(points, times, limits) for name, points in sweeps.items() if points}
 
 
 def _stamped(out: Path) -> Path:

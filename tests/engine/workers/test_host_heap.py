@@ -153,3 +153,53 @@ def test_the_scaling_bench_keeps_the_cache_within_our_step_and_empties_it_after(
     assert seen["during"]["max_cached_bytes"] > 0 and seen["during"]["cached_bytes"] >= 16 * MIB, seen
     assert seen["after"]["cached_bytes"] == 0 and seen["after"]["max_cached_bytes"] == 0, seen
     assert seen["after"]["returned_bytes"] >= 16 * MIB, seen
+
+
+SIDES_IN_TURN = """
+import argparse, json
+import torch
+import bench.bench_grpo_step as bench
+from mcore_rl.engine.workers.host_heap import host_cache_stats, keep_freed_host_memory
+
+keep_freed_host_memory()
+order, kept = [], {}
+class Ours:
+    def step(self, prompts, seed):
+        block = torch.ones(16 << 18)  # 16 MiB, freed within the step: the cache keeps it
+        del block
+        kept[f"ours {seed}"] = host_cache_stats()["cached_bytes"]
+        order.append(f"ours {seed}")
+        return {"step": 1.0}
+class Gemm:
+    def step(self, prompts, seed):
+        order.append(f"gemm {seed}")
+        return {"step": 0.0}
+def baseline_sides(args, prompts, labels, stack):
+    kept["baseline built"] = host_cache_stats()["cached_bytes"]
+    order.append("baseline built")
+    return {"trl": lambda prompts, seed: order.append(f"trl {seed}") or {"step": 2.0}}
+bench._baseline_sides = baseline_sides
+args = argparse.Namespace(return_host_cache=False, no_always=True, sides_in_turn=True, rounds=2)
+rows = bench._measure(args, Ours(), Gemm(), None, {})
+print(json.dumps({"order": order, "kept": kept, "sides": sorted(rows), "trl": rows["trl"]}))
+"""
+
+
+def test_sides_in_turn_keeps_our_cache_through_our_steps_and_returns_it_before_the_baseline() -> None:
+    """``bench_grpo_step --sides-in-turn`` (the scaling sweep): our warm-up and rounds back to back with what
+    the cache kept still there (as in a run), then the cache emptied, and only then the baseline built."""
+    seen = _child(SIDES_IN_TURN)
+    assert seen["order"] == [
+        "ours 0",
+        "ours 1",
+        "ours 2",
+        "gemm 1",
+        "gemm 2",
+        "baseline built",
+        "trl 0",
+        "trl 1",
+        "trl 2",
+    ]
+    assert all(seen["kept"][f"ours {seed}"] >= 16 * MIB for seed in range(3)), seen
+    assert seen["kept"]["baseline built"] == 0, seen
+    assert seen["sides"] == ["gemm", "ours", "trl"] and seen["trl"] == [{"step": 2.0}] * 2
