@@ -34,8 +34,9 @@ bandwidth measured in the same run: ``sync`` (the bytes handed to the rollout en
 workload's full FLOPs. Peak RSS per phase: the kernel's high-water mark, reset before each phase, on our
 side and inside TRL's subprocess. Rounds alternate which side runs first (``--sides-in-turn``: each side's
 steps back to back instead, ours with its host cache kept between them as a run keeps it, the baseline's
-process started only after ours returned its cache); the report gives medians and the min-max spread; ``--json PATH`` writes all of it as one object. The FLOPs, GEMM shapes and limits are
-computed in ``bench/grpo_step_limits.py``, the report in ``bench/grpo_step_report.py``.
+process started only after ours returned its cache); the report gives medians and the min-max spread;
+``--json PATH`` writes all of it as one object. The FLOPs, GEMM shapes and limits are computed in
+``bench/grpo_step_limits.py``, the report in ``bench/grpo_step_report.py``.
 
     python -m bench.bench_grpo_step --rounds 8 --threads 2 [--model realistic] [--baseline both] [--json PATH]
 """
@@ -389,7 +390,8 @@ def _parse() -> argparse.Namespace:
         parser.error("--return-host-cache: there is no cache to return with --release-host-memory")
     if args.sides_in_turn and (args.return_host_cache or args.release_host_memory):
         parser.error(
-            "--sides-in-turn: keeps our host cache through our steps; drop --return-host-cache / --release-host-memory"
+            "--sides-in-turn: keeps our host cache through our steps; "
+            "drop --return-host-cache / --release-host-memory"
         )
     workload = WORKLOADS[args.model]
     args.hf_config = dict(workload["hf_config"])

@@ -184,7 +184,7 @@ def growth_rows(
 
 def _seconds(times: SideTimes) -> str:
     text = f"{times.median_s:.3f}"
-    if times.min_s != times.max_s:  # one round: no spread to show
+    if times.min_s != times.max_s:  # several rounds: their spread (one round has none to show)
         text += f" ({times.min_s:.3f}-{times.max_s:.3f})"
     return text if times.limit_percent is None else f"{text}, {times.limit_percent:.0f}%"
 
