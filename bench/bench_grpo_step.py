@@ -460,11 +460,11 @@ def _measure(
     args: argparse.Namespace, ours: Ours, gemm: GemmRate, prompts: torch.Tensor, labels: dict[str, str]
 ) -> dict[str, list[dict[str, float]]]:
     """Every side's rounds: interleaved, or with ``--sides-in-turn`` ours' first and the baselines' after."""
-    step = _returning_host_cache(ours.step) if args.return_host_cache else ours.step
-    own: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {"ours": step}
+    own: dict[str, Callable[[torch.Tensor, int], dict[str, float]]] = {"ours": ours.step}
     if not args.no_always:
-        always = functools.partial(ours.step, recompute=True)
-        own["ours_always"] = _returning_host_cache(always) if args.return_host_cache else always
+        own["ours_always"] = functools.partial(ours.step, recompute=True)
+    if args.return_host_cache:
+        own = {name: _returning_host_cache(step) for name, step in own.items()}
     probe = {"gemm": gemm.step}
     with contextlib.ExitStack() as stack:
         if not args.sides_in_turn:

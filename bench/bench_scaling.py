@@ -107,7 +107,8 @@ class GrowthRow:
 
 
 def side_times(step_json: dict[str, Any]) -> dict[str, SideTimes]:
-    """The step seconds per side in one ``bench_grpo_step --json`` file: the one place that knows its layout.
+    """The step seconds per side in one ``bench_grpo_step --json`` file (this and :func:`compute_limit_s` are
+    the places that know its layout).
 
     Expects ``{"sides": {"ours": {"step_s": {"median": s, "min": s, "max": s}, "compute_limit_percent": p},
     "trl": {...}}, ...}`` (the percentage optional).
