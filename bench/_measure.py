@@ -123,6 +123,26 @@ def memcpy_bytes_per_s(num_bytes: int, reps: int = 5) -> float:
     return source.numel() / best
 
 
+def host_cpu_jiffies(stat_path: str = "/proc/stat") -> tuple[int, int]:
+    """The host's CPU time so far as ``(all, stolen)`` clock ticks, from ``/proc/stat``'s first line: stolen is
+    the time the hypervisor ran something else while this VM's vCPUs wanted to run (zero on bare metal).
+    Two readings give the share of a span's CPU time a VM lost to its host; (0, 0) where the file is
+    missing."""
+    try:
+        with open(stat_path) as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    # user nice system idle iowait irq softirq steal (guest times are already inside user and nice)
+    return sum(fields[:8]), (fields[7] if len(fields) > 7 else 0)
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the host's CPU time between two :func:`host_cpu_jiffies` readings that was stolen."""
+    total = after[0] - before[0]
+    return (after[1] - before[1]) / total if total > 0 else 0.0
+
+
 def parallel_region_us(threads: int, reps: int = 2000) -> float:
     """Microseconds per smallest parallel region at ``threads`` threads: an add over 64 Ki floats (two of
     at::parallel_for's 32 Ki grains, so two threads split it), best of three rounds of ``reps``. At 2 threads

@@ -28,11 +28,17 @@ Reported per side: the median step of each run (after ``--warmup`` steps), the m
 run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
 the ratios; and the step's compute limit measured in the same run (its matmul FLOPs, LM head included, over
 the faster fp32 GEMM's (``torch.mm`` or oneDNN's) best rate at the step's decode and training shapes,
-probed after each round: ``step_limit``) with each of our sides' share of it. Beside each run, a sample of the machine's own speed: ``torch.mm`` at the realistic model's
-training shapes, timed in this process for about a second just before and just after the run (GFLOP/s, their
-mean). These VMs' GEMM rate moves by tens of percent within an hour; a run that lands in a slow spell shows it
-there. Two seconds do not stand for a run of minutes, so the bench reports the rate beside the steps and does
-not divide by it. ``--override KEY=VALUE`` applies to ``train``, ``onerank`` and ``rlstep`` alike.
+probed after each round: ``step_limit``) with each of our sides' share of it. Beside each run, a sample of
+the machine's own speed: ``torch.mm`` at the realistic model's training shapes, timed in this process for
+about a second just before and just after the run (GFLOP/s, their mean). These VMs' GEMM rate moves by tens
+of percent within an hour; a run that lands in a slow spell shows it there. Two seconds do not stand for a
+run of minutes, so the bench reports the rate beside the steps and does not divide by it. And the share of
+the host's CPU time its hypervisor stole during each run (``/proc/stat``; 0 on bare metal), which tells a
+vCPU taken away from one that ran slowly where it was placed. ``--override KEY=VALUE`` applies to
+``train``, ``onerank`` and ``rlstep`` alike.
+
+Runs of a few seconds of steps land inside the host's spells; ``--steps 150`` on the tiny workload (about
+40 s of steps per run) is a run of a user's length, over which they average.
 
     python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
         [--sides train onerank rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
@@ -54,7 +60,7 @@ from typing import Any
 import torch
 import yaml
 
-from bench._measure import mm_seconds, parallel_region_us
+from bench._measure import host_cpu_jiffies, mm_seconds, parallel_region_us, steal_share
 from bench._rollout_models import MODELS
 from bench.grpo_step_limits import GemmRate, gemm_flops, gemm_shapes, linear_shapes, step_flops
 from mcore_rl.engine.arch import ModelArch
@@ -328,6 +334,9 @@ def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: 
     # the threads' meeting cost moves with where the host runs the vCPUs (bench/bench_machine_modes.py)
     regions = " ".join(f"{r['probe_region_us'][0]:.1f}->{r['probe_region_us'][1]:.1f}" for r in per_run)
     print(f"          vCPUs      {regions} us per {threads}-thread region (before -> after each run)")
+    # a VM's vCPUs can also be descheduled by its host: the share of the run's CPU time that was stolen
+    steal = " ".join(f"{r['steal']:.1%}" for r in per_run)
+    print(f"          stolen     {steal} of the host's CPU time during each run (/proc/stat)")
     # a spread between runs that the steps within one run also show is the machine's, not a run's state
     steps = " | ".join(
         " ".join(f"{s:.2f}" for s in r["step"])
@@ -420,7 +429,7 @@ def main() -> int:
                 write_inputs(folder / "inputs", workload, workload["prompts"] * args.steps)
                 recipe = write_recipe(folder, workload, args.steps, args.threads)
                 rate_before, region_before = gemm_probe_gflops(), parallel_region_us(args.threads)
-                start = time.perf_counter()
+                cpu_before, start = host_cpu_jiffies(), time.perf_counter()
                 if side in train_overrides:
                     runs[side].append(run_train(folder, recipe, train_overrides[side], args.warmup))
                 elif side == "rlstep":
@@ -430,6 +439,7 @@ def main() -> int:
                 else:
                     runs[side].append(run_trl(workload, args.steps, args.warmup, args.threads))
                 seconds = time.perf_counter() - start
+                runs[side][-1]["steal"] = steal_share(cpu_before, host_cpu_jiffies())
                 runs[side][-1]["probe_gflops"] = (rate_before + gemm_probe_gflops()) / 2
                 region_after = parallel_region_us(args.threads)
                 runs[side][-1]["probe_region_us"] = (region_before, region_after)

@@ -1,8 +1,11 @@
 """bench/bench_train.py's compute limit: the step's FLOPs at the defaults' shapes over the rates probed at
-those shapes."""
+those shapes; and its reading of the CPU time a VM's host stole during a run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from bench._measure import host_cpu_jiffies, steal_share
 from bench.bench_train import PROMPT_LEN, WORKLOADS, step_gemm_rate, step_limit
 from bench.grpo_step_limits import step_flops
 from mcore_rl.engine.arch import ModelArch
@@ -18,3 +21,17 @@ def test_bench_train_limit_is_the_step_flops_over_the_rates_at_their_shapes() ->
     assert gflop == {"generate": flops["generate"] / 1e9, "update": flops["update_shared"] / 1e9}
     assert seconds == flops["generate"] / 50e9 + flops["update_shared"] / 100e9
     assert flops["update_shared"] < 3 * flops["log_probs"]  # each prompt computed once per group of 4
+
+
+def test_steal_share_is_stolen_ticks_over_all_ticks_of_the_span(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice (guest inside user: not added again)
+    stat.write_text("cpu  100 0 20 300 5 0 5 10 40 0\ncpu0 50 0 10 150 2 0 2 5 20 0\n")
+    before = host_cpu_jiffies(str(stat))
+    assert before == (440, 10)
+    stat.write_text("cpu  180 0 30 380 5 0 5 40 70 0\n")
+    after = host_cpu_jiffies(str(stat))
+    assert after == (640, 40)
+    assert steal_share(before, after) == 30 / 200
+    assert steal_share(after, after) == 0.0  # no ticks between the readings
+    assert host_cpu_jiffies(str(tmp_path / "missing")) == (0, 0)
