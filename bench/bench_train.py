@@ -33,12 +33,13 @@ the machine's own speed: ``torch.mm`` at the realistic model's training shapes, 
 about a second just before and just after the run (GFLOP/s, their mean). These VMs' GEMM rate moves by tens
 of percent within an hour; a run that lands in a slow spell shows it there. Two seconds do not stand for a
 run of minutes, so the bench reports the rate beside the steps and does not divide by it. And the share of
-the host's CPU time its hypervisor stole during each run (``/proc/stat``; 0 on bare metal), which tells a
+the VM's CPU time its hypervisor stole during each run (``/proc/stat``; 0 on bare metal), which tells a
 vCPU taken away from one that ran slowly where it was placed. ``--override KEY=VALUE`` applies to
 ``train``, ``onerank`` and ``rlstep`` alike.
 
 Runs of a few seconds of steps land inside the host's spells; ``--steps 150`` on the tiny workload (about
-40 s of steps per run) is a run of a user's length, over which they average.
+40 s of steps per run) is a run of a user's length, over which the shortest spells average out (not the
+host's slower minutes: README, "Step speed").
 
     python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
         [--sides train onerank rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]
@@ -336,7 +337,7 @@ def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: 
     print(f"          vCPUs      {regions} us per {threads}-thread region (before -> after each run)")
     # a VM's vCPUs can also be descheduled by its host: the share of the run's CPU time that was stolen
     steal = " ".join(f"{r['steal']:.1%}" for r in per_run)
-    print(f"          stolen     {steal} of the host's CPU time during each run (/proc/stat)")
+    print(f"          stolen     {steal} of the machine's CPU time during each run (/proc/stat)")
     # a spread between runs that the steps within one run also show is the machine's, not a run's state
     steps = " | ".join(
         " ".join(f"{s:.2f}" for s in r["step"])
