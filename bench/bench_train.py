@@ -39,7 +39,7 @@ vCPU taken away from one that ran slowly where it was placed. ``--override KEY=V
 
 Runs of a few seconds of steps land inside the host's spells; ``--steps 150`` on the tiny workload (about
 40 s of steps per run) is a run of a user's length, over which the shortest spells average out (not the
-host's slower minutes: README, "Step speed").
+host's slower minutes: README, "Step speed", and ``bench/RESULTS.md``).
 
     python -m bench.bench_train [--workload tiny|realistic] [--rounds 3] [--steps 6] [--warmup 2]
         [--sides train onerank rlstep trl] [--threads 2] [--override model.share_prompt_prefix=false ...]

@@ -7,7 +7,7 @@ CPU, as the host's memory holds.
 Why one rank per vCPU on CPU: a rank whose threads span two vCPUs meets them at every op of its decode, and
 what that costs moves with where the host places the vCPUs (``bench/bench_machine_modes.py``): one rank on
 both vCPUs of these VMs ran the realistic workload 9.5% apart over twelve fresh runs, two single-threaded
-ranks 3.8%, no slower (README "Step speed"). Each rank holds a whole copy of the model's training state on
+ranks 3.8%, no slower (``bench/RESULTS.md``). Each rank holds a whole copy of the model's training state on
 CPU, so the count stays where ``MEMORY_SHARE`` of the host's memory holds that state; activations, the KV
 cache and the host cache take the rest.
 """

@@ -4,7 +4,7 @@ On CPU, torch.distributed's backend is gloo, whose all-reduce between processes 
 loopback: the tiny workload's 15 MB of gradients took 9.7 ms (median; 6.3 at best) between two ranks on this
 project's 2-vCPU VMs, about 1.5 GB/s against 14.85 GB/s for a plain copy, and 2.2 ms (1.9) through the mapping
 below (40 alternating pairs, README "Ranks per node"). That all-reduce is what
-made two single-threaded ranks' update slower than one rank's on the tiny workload (README, "Step speed").
+made two single-threaded ranks' update slower than one rank's on the tiny workload (``bench/RESULTS.md``).
 The ranks instead sum through one shared mapping (a file in ``/dev/shm``, unlinked as soon as every rank has
 mapped it, so nothing is left behind): each rank copies in the parts of its buffer the others sum, sums its
 own part of every rank's buffer and publishes it, and copies the others' sums back, with one barrier
