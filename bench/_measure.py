@@ -123,7 +123,7 @@ def memcpy_bytes_per_s(num_bytes: int, reps: int = 5) -> float:
     return source.numel() / best
 
 
-def host_cpu_jiffies(stat_path: str = "/proc/stat") -> tuple[int, int]:
+def machine_cpu_jiffies(stat_path: str = "/proc/stat") -> tuple[int, int]:
     """This machine's CPU time so far (a VM's: its vCPUs') as ``(all, stolen)`` clock ticks, from
     ``/proc/stat``'s first line: stolen is the time the hypervisor ran something else while the vCPUs wanted
     to run (zero on bare metal).
@@ -139,7 +139,7 @@ def host_cpu_jiffies(stat_path: str = "/proc/stat") -> tuple[int, int]:
 
 
 def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
-    """The share of this machine's CPU time between two :func:`host_cpu_jiffies` readings that was stolen."""
+    """The share of this machine's CPU time between two :func:`machine_cpu_jiffies` readings that was stolen."""
     total = after[0] - before[0]
     return (after[1] - before[1]) / total if total > 0 else 0.0
 

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import yaml
 
-from bench._measure import host_cpu_jiffies, mm_seconds, parallel_region_us, steal_share
+from bench._measure import machine_cpu_jiffies, mm_seconds, parallel_region_us, steal_share
 from bench._rollout_models import MODELS
 from bench.grpo_step_limits import GemmRate, gemm_flops, gemm_shapes, linear_shapes, step_flops
 from mcore_rl.engine.arch import ModelArch
@@ -430,7 +430,7 @@ def main() -> int:
                 write_inputs(folder / "inputs", workload, workload["prompts"] * args.steps)
                 recipe = write_recipe(folder, workload, args.steps, args.threads)
                 rate_before, region_before = gemm_probe_gflops(), parallel_region_us(args.threads)
-                cpu_before, start = host_cpu_jiffies(), time.perf_counter()
+                cpu_before, start = machine_cpu_jiffies(), time.perf_counter()
                 if side in train_overrides:
                     runs[side].append(run_train(folder, recipe, train_overrides[side], args.warmup))
                 elif side == "rlstep":
@@ -440,7 +440,7 @@ def main() -> int:
                 else:
                     runs[side].append(run_trl(workload, args.steps, args.warmup, args.threads))
                 seconds = time.perf_counter() - start
-                runs[side][-1]["steal"] = steal_share(cpu_before, host_cpu_jiffies())
+                runs[side][-1]["steal"] = steal_share(cpu_before, machine_cpu_jiffies())
                 runs[side][-1]["probe_gflops"] = (rate_before + gemm_probe_gflops()) / 2
                 region_after = parallel_region_us(args.threads)
                 runs[side][-1]["probe_region_us"] = (region_before, region_after)

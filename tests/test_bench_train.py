@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench._measure import host_cpu_jiffies, steal_share
+from bench._measure import machine_cpu_jiffies, steal_share
 from bench.bench_train import PROMPT_LEN, WORKLOADS, step_gemm_rate, step_limit
 from bench.grpo_step_limits import step_flops
 from mcore_rl.engine.arch import ModelArch
@@ -27,11 +27,11 @@ def test_steal_share_is_stolen_ticks_over_all_ticks_of_the_span(tmp_path: Path) 
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal guest guest_nice (guest inside user: not added again)
     stat.write_text("cpu  100 0 20 300 5 0 5 10 40 0\ncpu0 50 0 10 150 2 0 2 5 20 0\n")
-    before = host_cpu_jiffies(str(stat))
+    before = machine_cpu_jiffies(str(stat))
     assert before == (440, 10)
     stat.write_text("cpu  180 0 30 380 5 0 5 40 70 0\n")
-    after = host_cpu_jiffies(str(stat))
+    after = machine_cpu_jiffies(str(stat))
     assert after == (640, 40)
     assert steal_share(before, after) == 30 / 200
     assert steal_share(after, after) == 0.0  # no ticks between the readings
-    assert host_cpu_jiffies(str(tmp_path / "missing")) == (0, 0)
+    assert machine_cpu_jiffies(str(tmp_path / "missing")) == (0, 0)
