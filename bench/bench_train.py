@@ -34,7 +34,10 @@ about a second just before and just after the run (GFLOP/s, their mean). These V
 of percent within an hour; a run that lands in a slow spell shows it there. Two seconds do not stand for a
 run of minutes, so the bench reports the rate beside the steps and does not divide by it. And the share of
 the VM's CPU time its hypervisor stole during each run (``/proc/stat``; 0 on bare metal), which tells a
-vCPU taken away from one that ran slowly where it was placed. ``--override KEY=VALUE`` applies to
+vCPU taken away from one that ran slowly where it was placed. For the ``train`` sides, a witness read
+inside the run: the driver's rule scoring per step (pure Python in another process than the ranks', while
+they wait), and the step over it: a fresh run slower in its steps and its scoring alike ran on a slower
+machine (``scoring_witness``). ``--override KEY=VALUE`` applies to
 ``train``, ``onerank`` and ``rlstep`` alike.
 
 Runs of a few seconds of steps land inside the host's spells; ``--steps 150`` on the tiny workload (about
@@ -173,6 +176,7 @@ def run_train(folder: Path, recipe: Path, overrides: list[str], warmup: int) -> 
         ],
         "generate": [r.get("time/generate_s", float("nan")) for r in steps[warmup:]],
         "update": [r.get("time/update_s", float("nan")) for r in steps[warmup:]],
+        "score": [r.get("time/score_s", float("nan")) for r in steps[warmup:]],
         "notes": notes,  # type: ignore[dict-item]
     }
 
@@ -314,6 +318,17 @@ def _spread(values: list[float]) -> float:
     return max(values) / min(values) - 1
 
 
+def scoring_witness(per_run: list[dict[str, Any]]) -> tuple[list[float], list[float]] | None:
+    """The machine's speed read inside each run: the median of the driver's rule scoring per step
+    (``time/score_s``: pure Python in the driver's process, with ``reward.num_workers: 0``, while the ranks
+    wait for the next call, so it shares no state with them), and each run's median step over it.
+    -> (scoring ms per run, step / scoring per run); None for a side that does not log it (TRL)."""
+    if not all(r.get("score") for r in per_run):
+        return None
+    scoring = [_median(r["score"]) for r in per_run]
+    return [s * 1e3 for s in scoring], [_median(r["step"]) / s for r, s in zip(per_run, scoring, strict=True)]
+
+
 def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: int) -> float:
     """One side's lines of the report; returns the median over its runs' median steps."""
     run_medians = [_median(r["step"]) for r in per_run]
@@ -338,6 +353,16 @@ def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: 
     # a VM's vCPUs can also be descheduled by its host: the share of the run's CPU time that was stolen
     steal = " ".join(f"{r['steal']:.1%}" for r in per_run)
     print(f"          stolen     {steal} of the machine's CPU time during each run (/proc/stat)")
+    # a run that is slow everywhere, the driver's own Python included, ran on a slower machine, not in a
+    # slower state of ours: the step over a witness that shares nothing with the ranks
+    witness = scoring_witness(per_run)
+    if witness is not None:
+        scoring, ratios = witness
+        print(
+            f"          scoring    {' '.join(f'{s:.3f}' for s in scoring)} ms per step on the driver (the "
+            f"machine's speed inside each run); step / scoring {' '.join(f'{r:.0f}' for r in ratios)} "
+            f"(run-to-run spread {_spread(ratios):.1%})"
+        )
     # a spread between runs that the steps within one run also show is the machine's, not a run's state
     steps = " | ".join(
         " ".join(f"{s:.2f}" for s in r["step"])

@@ -1,12 +1,15 @@
 """bench/bench_train.py's compute limit: the step's FLOPs at the defaults' shapes over the rates probed at
-those shapes; and its reading of the CPU time a VM's host stole during a run."""
+those shapes; its reading of the CPU time a VM's host stole during a run; and its in-run witness of the
+machine's speed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench._measure import machine_cpu_jiffies, steal_share
-from bench.bench_train import PROMPT_LEN, WORKLOADS, step_gemm_rate, step_limit
+from bench.bench_train import PROMPT_LEN, WORKLOADS, scoring_witness, step_gemm_rate, step_limit
 from bench.grpo_step_limits import step_flops
 from mcore_rl.engine.arch import ModelArch
 
@@ -35,3 +38,14 @@ def test_steal_share_is_stolen_ticks_over_all_ticks_of_the_span(tmp_path: Path) 
     assert steal_share(before, after) == 30 / 200
     assert steal_share(after, after) == 0.0  # no ticks between the readings
     assert machine_cpu_jiffies(str(tmp_path / "missing")) == (0, 0)
+
+
+def test_scoring_witness_is_each_runs_step_over_its_drivers_scoring() -> None:
+    fast = {"step": [0.28, 0.29, 0.30], "score": [0.0013, 0.0014, 0.0015]}
+    slow = {"step": [0.37, 0.38, 0.40], "score": [0.0017, 0.0019, 0.0018]}
+    witness = scoring_witness([fast, slow])
+    assert witness is not None
+    scoring, ratios = witness
+    assert scoring == pytest.approx([1.4, 1.8])
+    assert ratios == pytest.approx([0.29 / 0.0014, 0.38 / 0.0018])
+    assert scoring_witness([fast, {"step": [0.6, 0.6]}]) is None  # TRL's runs log no scoring
