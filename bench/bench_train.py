@@ -37,8 +37,8 @@ the VM's CPU time its hypervisor stole during each run (``/proc/stat``; 0 on bar
 vCPU taken away from one that ran slowly where it was placed. For the ``train`` sides, a witness read
 inside the run: the driver's rule scoring per step (pure Python in another process than the ranks', while
 they wait), and the step over it: a fresh run slower in its steps and its scoring alike ran on a slower
-machine (``scoring_witness``). ``--override KEY=VALUE`` applies to
-``train``, ``onerank`` and ``rlstep`` alike.
+machine (``scoring_witness``). ``--override KEY=VALUE`` applies to ``train``, ``onerank`` and ``rlstep``
+alike.
 
 Runs of a few seconds of steps land inside the host's spells; ``--steps 150`` on the tiny workload (about
 40 s of steps per run) is a run of a user's length, over which the shortest spells average out (not the
