@@ -82,24 +82,7 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
     )
     fused = torch.cuda.is_available()  # megatron's fused kernels are CUDA-only
     bf16 = options.dtype == torch.bfloat16
-    extra: dict[str, Any] = {}
-    if options.recompute_activations:
-        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if layout.vpp and layout.pp == 2:
-        # Interleaved PP2 sends to the same peer in both directions at once; batched p2p then pairs the two
-        # messages by posting order and swaps activations with gradients (silently: same shapes). megatron's
-        # unbatched path routes the two directions through different groups.
-        extra["batch_p2p_comm"] = False
-    if arch.sliding_window is not None:
-        extra["window_size"] = (arch.sliding_window - 1, 0)
-    if not options.scaled_output_init:
-        from megatron.core.utils import init_method_normal
-
-        extra["output_layer_init_method"] = init_method_normal(arch.initializer_range)
-    if arch.moe is not None:
-        extra.update(_moe_config(arch, ctx, options))
-    else:
-        extra["moe_token_dispatcher_type"] = "alltoall"  # dense; megatron rejects its default without experts
+    extra = _optional_config(arch, ctx, options)
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -138,6 +121,30 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         variable_seq_lengths=True,  # RL batches change length every step; PP must exchange shapes
         **extra,
     )
+
+
+def _optional_config(arch: ModelArch, ctx: ParallelContext, options: ModelOptions) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields that only some models, layouts or options set."""
+    layout = ctx.layout
+    extra: dict[str, Any] = {}
+    if options.recompute_activations:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout.vpp and layout.pp == 2:
+        # Interleaved PP2 sends to the same peer in both directions at once; batched p2p then pairs the two
+        # messages by posting order and swaps activations with gradients (silently: same shapes). megatron's
+        # unbatched path routes the two directions through different groups.
+        extra["batch_p2p_comm"] = False
+    if arch.sliding_window is not None:
+        extra["window_size"] = (arch.sliding_window - 1, 0)
+    if not options.scaled_output_init:
+        from megatron.core.utils import init_method_normal
+
+        extra["output_layer_init_method"] = init_method_normal(arch.initializer_range)
+    if arch.moe is not None:
+        extra.update(_moe_config(arch, ctx, options))
+    else:
+        extra["moe_token_dispatcher_type"] = "alltoall"  # dense; megatron rejects its default without experts
+    return extra
 
 
 def _cp_comm_type(arch: ModelArch, cp: int) -> str | None:

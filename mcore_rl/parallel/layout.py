@@ -284,6 +284,33 @@ class ParallelLayout:
         moe_ffn_hidden_size: int | None = None,
     ) -> None:
         """Raise :class:`LayoutError` naming the field when the model cannot be split this way."""
+        self._check_experts(num_experts, moe_ffn_hidden_size)
+        if num_attention_heads % self.tp:
+            raise LayoutError(
+                f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={self.tp}"
+            )
+        if num_query_groups % self.tp:
+            raise LayoutError(
+                f"num_key_value_heads={num_query_groups} is not divisible by tensor_model_parallel_size={self.tp}"
+            )
+        chunks = self.pp * self.num_model_chunks
+        if num_layers % chunks:
+            what = (
+                f"pipeline_model_parallel_size*virtual_pipeline_model_parallel_size={chunks}"
+                if self.vpp
+                else (f"pipeline_model_parallel_size={self.pp}")
+            )
+            raise LayoutError(f"num_layers={num_layers} is not divisible by {what}")
+        if vocab_size is not None and not pad_vocab and vocab_size % self.tp:
+            raise LayoutError(
+                f"vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={self.tp} and padding is off"
+            )
+        if seq_length is not None:
+            self._check_sequence(seq_length)
+
+    def _check_experts(self, num_experts: int | None, moe_ffn_hidden_size: int | None) -> None:
+        """The expert-parallel sizes against the model's experts (none, or ``num_experts`` of
+        ``moe_ffn_hidden_size``)."""
         if num_experts is not None and self.cp > 1:
             # megatron folds EP into DP x CP; our router taps and replay (engine/moe.py) follow tokens in the
             # order of one unsplit sequence, so CP x EP is refused rather than routed in a wrong order
@@ -318,32 +345,15 @@ class ParallelLayout:
             raise LayoutError(
                 "a mixture-of-experts model with tensor_model_parallel_size > 1 needs sequence_parallel=true"
             )
-        if num_attention_heads % self.tp:
-            raise LayoutError(
-                f"num_attention_heads={num_attention_heads} is not divisible by tensor_model_parallel_size={self.tp}"
-            )
-        if num_query_groups % self.tp:
-            raise LayoutError(
-                f"num_key_value_heads={num_query_groups} is not divisible by tensor_model_parallel_size={self.tp}"
-            )
-        chunks = self.pp * self.num_model_chunks
-        if num_layers % chunks:
-            what = (
-                f"pipeline_model_parallel_size*virtual_pipeline_model_parallel_size={chunks}"
-                if self.vpp
-                else (f"pipeline_model_parallel_size={self.pp}")
-            )
-            raise LayoutError(f"num_layers={num_layers} is not divisible by {what}")
-        if vocab_size is not None and not pad_vocab and vocab_size % self.tp:
-            raise LayoutError(
-                f"vocab_size={vocab_size} is not divisible by tensor_model_parallel_size={self.tp} and padding is off"
-            )
-        if seq_length is not None and self.sp and seq_length % self.tp:
+
+    def _check_sequence(self, seq_length: int) -> None:
+        """A sequence length against what sequence and context parallelism split it into."""
+        if self.sp and seq_length % self.tp:
             raise LayoutError(
                 f"sequence length {seq_length} is not divisible by tensor_model_parallel_size={self.tp}, "
                 "which sequence_parallel requires"
             )
-        if seq_length is not None and self.cp > 1 and seq_length % self.sequence_multiple:
+        if self.cp > 1 and seq_length % self.sequence_multiple:
             tp_part = f" x tensor_model_parallel_size={self.tp} (sequence_parallel)" if self.sp else ""
             raise LayoutError(
                 f"sequence length {seq_length} is not divisible by 2 x context_parallel_size={self.cp}{tp_part} "

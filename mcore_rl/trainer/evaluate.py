@@ -233,7 +233,6 @@ def evaluate_model(
 ) -> EvalReport:
     """Greedy accuracy, sampled mean reward and pass@k of ``model`` on ``data_files`` (see the module
     docstring), on the layout and rollout engine the config names."""
-    from mcore_rl.config import ConfigError, check_paths
     from mcore_rl.data.prompts import PromptDataset
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
@@ -241,16 +240,8 @@ def evaluate_model(
     from mcore_rl.trainer.multi_turn import prompt_tokenizer
     from mcore_rl.trainer.step import StepBase
 
-    if not data_files:
-        raise ConfigError("eval: give at least one data file (.parquet or .jsonl, verl's columns)")
-    cfg = eval_config(model, data_files, overrides, recipe, max_ranks=None if use_ray else 1)
+    cfg = _checked_config(model, data_files, overrides, recipe, use_ray)
     val = cfg.rollout.val_kwargs
-    if val.n > 1 and val.temperature == 0:
-        raise ConfigError(
-            f"rollout.val_kwargs.n={val.n} with rollout.val_kwargs.temperature=0 draws the greedy answer "
-            f"{val.n} times; set a temperature (e.g. rollout.val_kwargs.temperature=1.0) for pass@k"
-        )
-    check_paths(cfg)  # a missing model or data file named as itself, not as a tokenizer error
     # multi-turn tools are listed in every prompt (rollout.multi_turn.tools_in_prompt)
     tokenizer = prompt_tokenizer(cfg, load_tokenizer(cfg.model.tokenizer_path or ""))
     dataset = PromptDataset.from_files(list(data_files), tokenizer, cfg.data)
@@ -285,6 +276,25 @@ def evaluate_model(
         pass_threshold=pass_threshold,
         by_source=summarize(sources, greedy[:, 0], samples, pass_threshold),
     )
+
+
+def _checked_config(
+    model: str, data_files: Sequence[str], overrides: Sequence[str], recipe: str | None, use_ray: bool
+) -> Any:
+    """The eval's config, refused with one line naming the field where it cannot run."""
+    from mcore_rl.config import ConfigError, check_paths
+
+    if not data_files:
+        raise ConfigError("eval: give at least one data file (.parquet or .jsonl, verl's columns)")
+    cfg = eval_config(model, data_files, overrides, recipe, max_ranks=None if use_ray else 1)
+    val = cfg.rollout.val_kwargs
+    if val.n > 1 and val.temperature == 0:
+        raise ConfigError(
+            f"rollout.val_kwargs.n={val.n} with rollout.val_kwargs.temperature=0 draws the greedy answer "
+            f"{val.n} times; set a temperature (e.g. rollout.val_kwargs.temperature=1.0) for pass@k"
+        )
+    check_paths(cfg)  # a missing model or data file named as itself, not as a tokenizer error
+    return cfg
 
 
 def _greedy(sampling: SamplingParams) -> SamplingParams:
