@@ -7,7 +7,8 @@
 #   launch/torchrun.sh convert hf-to-mcore --hf-dir /models/Llama-3.1-8B --out /ckpt/l8b --tp 8 --pp 1
 #   launch/torchrun.sh plan --self-check recipes/llama3_8b_grpo_a100.yaml model.path=/models/Llama-3.1-8B
 #                                 (builds the engine at the recipe's layout, checks the planner on every rank)
-#   launch/torchrun.sh sft RECIPE                                   (once `mcore-rl sft` exists)
+#   launch/torchrun.sh dpo recipes/dpo_demo_cpu.yaml      (DPO is SPMD; `train` and `sft` run under the Ray
+#                                 driver instead: launch/local.sh, launch/ray_on_slurm.sbatch)
 #
 # Every option falls back to the environment, then to Slurm, then to one local node:
 #   --nnodes          NNODES, SLURM_NNODES, 1

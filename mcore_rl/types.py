@@ -50,15 +50,23 @@ class PromptBatch:
         if len(self) % num_ranks:
             raise ValueError(f"{len(self)} prompts do not split into {num_ranks} equal parts")
         size = len(self) // num_ranks
-        part = slice(rank * size, (rank + 1) * size)
+        return self.part(slice(rank * size, (rank + 1) * size))
+
+    def part(self, rows: slice) -> PromptBatch:
+        """The prompts of ``rows``."""
         return PromptBatch(
-            self.prompt_ids[part],
-            self.indices[part],
-            self.data_sources[part],
-            self.ground_truths[part],
-            self.extra_infos[part],
-            self.origins[part],
+            self.prompt_ids[rows],
+            self.indices[rows],
+            self.data_sources[rows],
+            self.ground_truths[rows],
+            self.extra_infos[rows],
+            self.origins[rows],
         )
+
+    def parts(self, size: int | None) -> list[PromptBatch]:
+        """Consecutive parts of at most ``size`` prompts (None: the whole batch as one)."""
+        size = size or max(len(self), 1)
+        return [self.part(slice(i, i + size)) for i in range(0, len(self), size)]
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Each test asks vLLM's own code the question our engine answers on its behalf: config validation of our engine
 arguments on this platform, sampling-parameter validation, the documented log-prob modes, and the internals
 ``vllm_compat`` relies on (the CPU worker's shared-memory name, the shutdown's default-group destroy, the
-repacking hook, CPU attention's head sizes). The engine itself runs in ``tests/engine/rollout/test_vllm_engine.py``.
+repacking hook, CPU attention's head sizes, CUDA's bfloat16 rule). The engine itself runs in
+``tests/engine/rollout/test_vllm_engine.py``.
 """
 
 from __future__ import annotations
@@ -217,6 +218,56 @@ def test_the_config_checks_copy_of_the_cpu_head_sizes_is_vllms() -> None:
     assert {torch.float32, torch.bfloat16, torch.float16} <= set(current_platform.supported_dtypes)
     problems = vllm_compat.preflight_problems(tiny_arch("llama"), 1, on_gpu=False, installed=True)
     assert len(problems) == 1 and "head_dim=16" in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("capability", "refused"),
+    [((6, 1), True), ((7, 0), True), ((7, 5), True), ((8, 0), False), ((8, 6), False), ((9, 0), False)],
+    ids=["pascal", "volta", "turing", "ampere", "ampere-8.6", "hopper"],
+)
+def test_the_config_checks_copy_of_the_cuda_bfloat16_rule_is_vllms(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], refused: bool
+) -> None:
+    """A bfloat16 rollout on a GPU is checked before any process starts against a copy of vLLM's CUDA rule;
+    vLLM's own check, on a GPU of each capability, must refuse what the copy refuses (and take the rest)."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("vllm._C_stable_libtorch") is None:
+        # the CPU build has no CUDA kernels, which vllm/platforms/cuda.py imports first (to register ops;
+        # the dtype rule does not use them)
+        stub = types.ModuleType("vllm._C_stable_libtorch")
+        monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch", stub)
+    from vllm.platforms.cuda import CudaPlatform
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(
+        CudaPlatform,
+        "get_device_capability",
+        classmethod(lambda cls, device_id=0: DeviceCapability(*capability)),
+    )
+    monkeypatch.setattr(CudaPlatform, "get_device_name", classmethod(lambda cls, device_id=0: "test"))
+    if refused:
+        with pytest.raises(
+            ValueError, match=r"Bfloat16 is only supported on GPUs with compute capability of at"
+        ):
+            CudaPlatform.check_if_supports_dtype(torch.bfloat16)
+    else:
+        CudaPlatform.check_if_supports_dtype(torch.bfloat16)
+    CudaPlatform.check_if_supports_dtype(torch.float16)  # what both messages say to set instead
+    problems = vllm_compat.preflight_problems(
+        tiny_arch("llama"),
+        1,
+        on_gpu=True,
+        installed=True,
+        dtype=("model.dtype", "bfloat16"),
+        gpu_capability=capability,
+    )
+    expected = ["model.dtype=bfloat16 with rollout.name=vllm"] if refused else []
+    assert [p.split(": ")[0] for p in problems] == expected, problems
+    major, minor = capability
+    assert all(f"this GPU has {major}.{minor}" in p for p in problems)
 
 
 def test_the_chat_template_warmup_failure_of_a_tokenizer_free_engine_is_dropped(caplog) -> None:

@@ -106,7 +106,15 @@ class KLControl:
     """adaptive: steps over which the coefficient adapts."""
 
     def __post_init__(self) -> None:
-        check_section(self, {"type": choice(KLControlType), "kl_coef": NON_NEGATIVE, "horizon": POSITIVE})
+        check_section(
+            self,
+            {
+                "type": choice(KLControlType),
+                "kl_coef": NON_NEGATIVE,
+                "target_kl": POSITIVE,
+                "horizon": POSITIVE,
+            },
+        )
 
 
 def kl_estimator_rule() -> Rule:

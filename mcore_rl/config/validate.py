@@ -56,7 +56,7 @@ def check_paths(cfg: RunConfig) -> None:
 
 def config_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     """Every broken rule of :func:`validate`, one line each (empty when the config can run)."""
-    problems = world_size_problems(cfg) + _run_problems(cfg)
+    problems = world_size_problems(cfg) + _run_problems(cfg) + _algorithm_problems(cfg)
     problems += _hub_id_problems(cfg)
     if check_paths:
         problems += _path_problems(cfg)
@@ -218,12 +218,41 @@ def _model_copy_ranks(par: Any) -> int:
     return int(par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size)
 
 
+def _rollout_replicas(cfg: RunConfig) -> int:
+    rollout_ranks = cfg.world_size if cfg.rollout.colocate else cfg.rollout.num_ranks
+    return max(rollout_ranks // cfg.rollout.tensor_model_parallel_size, 1)
+
+
+def last_batch_problem(cfg: RunConfig, num_prompts: int) -> str | None:
+    """With ``data.drop_last=false`` the epoch's last batch holds ``num_prompts % data.train_batch_size``
+    prompts, and the step splits them as it splits a full batch: over the rollout replicas, its sequences over
+    the data-parallel ranks and into the plan's ``train_batch_size / ppo_mini_batch_size`` mini-batches, each
+    rank's share of one into micro-batches of ``ppo_micro_batch_size_per_gpu`` (unless a token budget sizes
+    them). Refused here, naming the key, where that split does not come out even: else the step fails hours in."""
+    batch, alg = cfg.data.train_batch_size, cfg.algorithm
+    rest = num_prompts % batch
+    if cfg.data.drop_last or not rest:
+        return None
+    dp = cfg.world_size // _model_copy_ranks(cfg.parallel)
+    mini_batches, replicas = batch // alg.ppo_mini_batch_size, _rollout_replicas(cfg)
+    share, uneven = divmod(rest * cfg.rollout.n, dp * mini_batches)
+    micro_uneven = alg.ppo_max_token_len_per_gpu is None and share % alg.ppo_micro_batch_size_per_gpu
+    if rest % replicas == 0 and not uneven and not micro_uneven:
+        return None
+    return (
+        f"data.drop_last=false: the {num_prompts} training prompts leave a last batch of {rest}, whose "
+        f"{rest * cfg.rollout.n} sequences do not split as a full batch's do ({replicas} rollout replicas, "
+        f"{dp} data-parallel ranks x {mini_batches} mini-batches, micro-batches of "
+        f"algorithm.ppo_micro_batch_size_per_gpu={alg.ppo_micro_batch_size_per_gpu}); set data.drop_last=true "
+        "or change the number of prompts"
+    )
+
+
 def _batch_problems(cfg: RunConfig) -> list[str]:
     """Prompts split evenly over rollout replicas; sequences over DP ranks, mini- and micro-batches."""
     par, alg, n = cfg.parallel, cfg.algorithm, cfg.rollout.n
     dp = cfg.world_size // _model_copy_ranks(par)
-    rollout_ranks = cfg.world_size if cfg.rollout.colocate else cfg.rollout.num_ranks
-    rollout_dp = max(rollout_ranks // cfg.rollout.tensor_model_parallel_size, 1)
+    rollout_dp = _rollout_replicas(cfg)
     if cfg.dpo.train_files:  # a DPO run has no rollout: the RL batch rules do not apply
         return _dpo_batch_problems(cfg.dpo, dp)
     batch, mini, micro = cfg.data.train_batch_size, alg.ppo_mini_batch_size, alg.ppo_micro_batch_size_per_gpu
@@ -330,6 +359,31 @@ def _run_problems(cfg: RunConfig) -> list[str]:
     ):
         if optim.min_lr > optim.lr:
             problems.append(f"{prefix}.min_lr={optim.min_lr} exceeds {prefix}.lr={optim.lr}")
+    return problems
+
+
+def _algorithm_problems(cfg: RunConfig) -> list[str]:
+    """Options the RL step builds only in some combinations: refused here, before the run folder is claimed,
+    rather than by the workers or at the first update."""
+    if cfg.dpo.train_files:  # a DPO run neither rolls out nor runs the RL update
+        return []
+    alg, problems = cfg.algorithm, []
+    if alg.use_kl_in_reward and alg.adv_estimator != AdvEstimator.GAE:
+        problems.append(
+            f"algorithm.use_kl_in_reward=true needs algorithm.adv_estimator=gae (got {alg.adv_estimator}): the "
+            "per-token KL penalty feeds GAE's token rewards; the critic-free estimators take one score per "
+            "sequence (use algorithm.use_kl_loss for a KL term with them)"
+        )
+    if alg.ppo_max_token_len_per_gpu is not None and cfg.parallel.pipeline_model_parallel_size > 1:
+        problems.append(
+            f"algorithm.ppo_max_token_len_per_gpu={alg.ppo_max_token_len_per_gpu} makes micro-batches of unequal "
+            "shapes, which pipeline schedules cannot send: needs parallel.pipeline_model_parallel_size=1"
+        )
+    if cfg.rollout.temperature == 0:
+        problems.append(
+            "rollout.temperature=0: training samples at this temperature and its loss divides the logits by it; "
+            "set a temperature > 0 (greedy validation is rollout.val_kwargs.temperature=0)"
+        )
     return problems
 
 

@@ -39,7 +39,8 @@ class DataConfig:
     train_batch_size: int = 1024
     """Prompts per RL step, over all data-parallel ranks."""
     val_batch_size: int | None = None
-    """Prompts per validation generate call; None: the whole validation set at once."""
+    """Prompts per validation generate call (validation during training, the held-out test, ``mcore-rl eval``);
+    None: the whole set at once."""
     filter_overlong_prompts: bool = False
     """True drops prompts longer than ``max_prompt_length`` with one counted warning; False refuses them,
     naming the file and row."""
@@ -53,7 +54,9 @@ class DataConfig:
     seed: int = II("trainer.seed")
     """Shuffle seed; follows ``trainer.seed``."""
     drop_last: bool = True
-    """Drop an epoch's last incomplete batch (every step then has ``train_batch_size`` prompts)."""
+    """Drop an epoch's last incomplete batch (every step then has ``train_batch_size`` prompts); False keeps it
+    as a shorter step, split into the same number of mini-batches (refused at the start where its sequences
+    do not split over the ranks and micro-batches as a full batch's do)."""
     generate: str | None = None
     """A built-in task ('arithmetic'; 'arithmetic_reversed' writes the answers least-significant digit
     first) whose generator writes the files named by ``train_files``, ``val_files``, ``test_files``,

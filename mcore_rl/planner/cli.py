@@ -151,5 +151,11 @@ def _plan_from_recipe(args: argparse.Namespace) -> PlanInput:
         cfg = load_config(recipe, overrides)
     except ConfigError as err:
         raise PlanError(str(err)) from None
-    arch = ModelArch.from_hf_config(args.model_config) if args.model_config else None
+    try:
+        arch = ModelArch.from_hf_config(args.model_config) if args.model_config else cfg.model.arch()
+    except ConfigError as err:  # e.g. the recipe's /models/... folder is on the cluster, not here
+        raise PlanError(
+            f"{err}; plan reads only the model's config.json: point model.path=FOLDER at it, or give "
+            "--model-config CONFIG.json"
+        ) from None
     return plan_input_from_config(cfg, arch=arch, **_common(args))

@@ -77,14 +77,7 @@ def check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
 
 
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
-    """What every rank builds, from the run config; refuses what the driver does not run yet."""
-    unsupported = {
-        # token rewards feed GAE only; the critic-free estimators take one outcome score per sequence
-        "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward and cfg.algorithm.adv_estimator != "gae",
-    }
-    for key, bad in unsupported.items():
-        if bad:
-            raise ConfigError(f"{key}: not supported by the RL driver yet (got {getattr_path(cfg, key)!r})")
+    """What every rank builds, from the run config (checked by ``config.validate``)."""
     megatron = cfg.model.is_megatron_checkpoint()
     arch = cfg.model.arch()
     aux = cfg.model.moe_aux_loss_coeff
@@ -318,9 +311,3 @@ def build_step(
     if critic is not None:
         return PPOStep(cfg, actors, critic, tokenizer, scorer, rollout=rollout, reward_model=reward_model)
     return GRPOStep(cfg, actors, tokenizer, scorer, rollout=rollout, reward_model=reward_model)
-
-
-def getattr_path(obj: object, dotted: str) -> object:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_rl.config import RunConfig
+from mcore_rl.config import ConfigError, RunConfig
+from mcore_rl.config.validate import last_batch_problem
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.rows import DataError
 from mcore_rl.data.sft import SFTDataset
@@ -32,6 +33,9 @@ def load_run_data(cfg: RunConfig) -> RunData:
     tokenizer = prompt_tokenizer(cfg, load_tokenizer(cfg.model.tokenizer_path or ""))
     check = row_checks(cfg)
     train = PromptDataset.from_files(cfg.data.train_files, tokenizer, cfg.data, check)
+    short = last_batch_problem(cfg, len(train))
+    if short is not None:
+        raise ConfigError(short)
 
     def whole(files: list[str]) -> PromptBatch | None:
         if not files:

@@ -14,6 +14,7 @@ at construction; with ``trainer.one_step_off`` the next step's rollout is starte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -202,12 +203,19 @@ class StepBase:
 
     def evaluate(self, prompts: PromptBatch) -> float:
         """Mean validation reward (accuracy for 0/1 rules) with ``rollout.val_kwargs`` sampling, on the actor's
-        own engines; ``logging.log_val_generations`` of its samples are kept for :meth:`take_val_samples`."""
-        scored = generate_scored(self, prompts, self.sampling(0, validation=True))
-        if self.cfg.logging.log_val_generations:
-            limit = self.cfg.logging.log_val_generations
-            self._val_samples += generation_samples(self.tokenizer, prompts, scored, limit)
-        return scored.mean
+        own engines, ``data.val_batch_size`` prompts per generate call (each call its own seed); the first
+        ``logging.log_val_generations`` prompts' samples are kept for :meth:`take_val_samples`."""
+        sampling, scores = self.sampling(0, validation=True), []
+        keep = self.cfg.logging.log_val_generations
+        for i, part in enumerate(prompts.parts(self.cfg.data.val_batch_size)):
+            seed = None if sampling.seed is None else sampling.seed + i
+            scored = generate_scored(self, part, dataclasses.replace(sampling, seed=seed))
+            scores.append(scored.scores)
+            if keep > 0:
+                samples = generation_samples(self.tokenizer, part, scored, keep)
+                self._val_samples += samples
+                keep -= len(samples)
+        return float(torch.cat(scores).mean())
 
     def take_val_samples(self) -> list[dict[str, Any]]:
         """The validation samples kept since the last call; the run log writes them with the record that
@@ -382,7 +390,7 @@ def _off_policy_reason(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int)
     if plan.ppo_epochs != 1 or plan.num_mini_batches != 1:
         return (
             f"{plan.ppo_epochs} epoch(s) x {plan.num_mini_batches} mini-batches: the optimizer steps more than once "
-            "(algorithm.ppo_epochs, actor.ppo_mini_batch_size)"
+            "(algorithm.ppo_epochs, algorithm.ppo_mini_batch_size)"
         )
     if policy_lag:
         return f"the rollout is {policy_lag} update(s) behind the weights (trainer.one_step_off)"

@@ -217,6 +217,22 @@ BAD_CONFIGS = [
     (["rollout.colocate=false", "rollout.num_ranks=32"], "the 32 rollout replicas"),
     (["rollout.num_ranks=0"], "rollout.num_ranks=0 must be > 0"),
     (["algorithm.rollout_is_threshold=1.0"], "algorithm.rollout_is_threshold"),
+    (
+        ["algorithm.use_kl_in_reward=true"],
+        "algorithm.use_kl_in_reward=true needs algorithm.adv_estimator=gae",
+    ),
+    (
+        [
+            "algorithm.ppo_max_token_len_per_gpu=256",
+            "parallel.pipeline_model_parallel_size=2",
+            "trainer.n_gpus_per_node=2",
+            "model.use_remove_padding=false",
+            "model.share_prompt_prefix=false",
+        ],
+        "algorithm.ppo_max_token_len_per_gpu=256 makes micro-batches of unequal shapes",
+    ),
+    (["rollout.temperature=0"], "rollout.temperature=0: training samples at this temperature"),
+    (["algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl=0.0 must be > 0"),
 ]
 
 

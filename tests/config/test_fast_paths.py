@@ -78,7 +78,12 @@ def test_a_gpu_keeps_the_padded_path_until_transformer_engine_packing_is_verifie
     gpu = dataclasses.replace(cpu, model=unresolved, trainer=dataclasses.replace(cpu.trainer, device="cuda"))
     resolved = resolve_fast_paths(gpu)
     assert _on(resolved) == (False, False)
-    assert all("Transformer Engine" in line for line in describe_fast_paths(resolved))
+    lines = describe_fast_paths(resolved)
+    assert [line.split(" (")[0] for line in lines] == [  # one line per key, each off
+        "model.use_remove_padding=false",
+        "model.share_prompt_prefix=false",
+    ]
+    assert all("Transformer Engine" in line for line in lines)
 
 
 def test_a_value_the_user_set_is_kept() -> None:

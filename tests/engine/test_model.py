@@ -45,14 +45,20 @@ def _values_in_layout(parallel: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "parallel",
-    [{}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"pipeline_model_parallel_size": 2}],
+    ("parallel", "ranks_with_values"),
+    [
+        ({}, [True, True]),  # DP2: each replica ends in the head
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, [True, True]),  # both TP ranks
+        ({"pipeline_model_parallel_size": 2}, [False, True]),  # the last stage alone holds the head
+    ],
     ids=["tp1", "tp2-sp", "pp2"],
 )
-def test_value_head_is_scalar_and_layout_invariant(run_distributed, parallel):
+def test_value_head_is_scalar_and_layout_invariant(run_distributed, parallel, ranks_with_values):
     reference = run_distributed(_values_in_layout, {})[0]["values"]
     assert reference.shape == (2, SEQ, 1)
-    for result in run_distributed(_values_in_layout, parallel):
+    results = run_distributed(_values_in_layout, parallel)
+    assert [r["values"] is not None for r in results] == ranks_with_values
+    for result in results:
         assert result["full_has_head"] == (1, 64)
         if result["values"] is not None:
             assert result["head_is_value_head"]

@@ -46,7 +46,16 @@ def test_types_and_rules_are_checked_at_construction_naming_the_dotted_key() -> 
 
 
 def test_an_interpolation_waits_until_it_is_resolved() -> None:
-    _Section(count="${other.count}")  # type: ignore[arg-type]
+    """A default that follows another key is a ``${...}`` string until OmegaConf resolves it: checked as an
+    integer then, every such default would be refused; the section the loader builds from the resolved values
+    (``config/loader.py``: ``to_container(resolve=True)``, then the class) is checked."""
+    waiting = _Section(count="${other.count}")  # type: ignore[arg-type]
+    assert waiting.count == "${other.count}"  # kept as written, unchecked
+    node = OmegaConf.create({"other": {"count": 0}, "demo": {"count": "${other.count}"}})
+    resolved = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(resolved, dict)
+    with pytest.raises(FieldError, match=r"demo\.count=0 must be > 0"):
+        _Section(**resolved["demo"])
 
 
 def test_sections_built_in_python_name_their_field() -> None:

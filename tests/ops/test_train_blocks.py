@@ -1,7 +1,7 @@
 """Training blocks with hand-written backwards (RMSNorm, SwiGLU, rotary): the backward formulas by gradcheck
-in fp64, and the fp32 entry points against their unfused references (megatron's own rotary among them) to
-1e-5 (the forwards bitwise), on the compiled kernels and on the references (the ``impl`` fixture); the backward kernels against their
-references directly, with ``opcheck``."""
+in fp64, and the fp32 entry points against their unfused references (megatron's own rotary and SwiGLU among
+them) to 1e-5 (the forwards bitwise), on the compiled kernels and on the references (the ``impl`` fixture);
+the backward kernels against their references directly, with ``opcheck``."""
 
 from __future__ import annotations
 
@@ -63,13 +63,24 @@ def test_rms_norm_matches_torch(impl, shape) -> None:
     assert torch.equal(fused[0], ref[0])
 
 
-def test_swiglu_matches_megatron_glu(impl) -> None:
+def test_swiglu_matches_megatron_glu(impl, monkeypatch) -> None:
+    from megatron.core.fusions import fused_bias_swiglu
+
+    # megatron's fused-SwiGLU entry (the ``bias_activation_fusion`` slot ours fills), its own forward and
+    # hand-written backward (``swiglu_back``); their ``torch.compile`` is undone, as it compiles C++ on a CPU at
+    # first use and computes the same formulas
+    for name in ("swiglu", "swiglu_back"):
+        fn = getattr(fused_bias_swiglu, name)
+        monkeypatch.setattr(fused_bias_swiglu, name, getattr(fn, "__wrapped__", fn))
     gate_up = _rand(6, 3, 2 * 45, seed=8)
     fused = _forward_backward(train_blocks.swiglu, gate_up, seed=9)
     ref = _forward_backward(train_blocks.swiglu_reference, gate_up, seed=9)
+    megatron = _forward_backward(lambda a: fused_bias_swiglu.bias_swiglu_impl(a, None), gate_up, seed=9)
     assert fused[0].shape == (6, 3, 45)
     _assert_close(fused, ref)
     assert torch.equal(fused[0], ref[0])
+    _assert_close(fused, megatron)
+    assert torch.equal(fused[0], megatron[0])  # the forward is megatron's, bitwise
 
 
 @pytest.mark.parametrize("rot", [16, 8], ids=["full", "partial"])

@@ -84,6 +84,21 @@ def test_recipe_form_reports_config_errors(tiny_recipe, capsys):
     assert "= 3 does not divide the world size 2" in capsys.readouterr().err
 
 
+def test_a_recipe_whose_model_folder_is_elsewhere_is_planned_from_its_config_json(tmp_path, capsys):
+    """A cluster recipe names /models/...: here its error says how to plan without the folder, and
+    --model-config does it."""
+    recipe = str(REPO / "recipes" / "llama3_8b_grpo_a100.yaml")
+    missing = f"model.path={tmp_path / 'not-here'}"
+    assert main(["plan", recipe, missing]) == 2
+    err = capsys.readouterr().err
+    assert "config.json does not exist; plan reads only the model's config.json" in err
+    assert "--model-config CONFIG.json" in err
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA31_8B))
+    assert main(["plan", recipe, missing, "--model-config", str(path)]) in (0, 1)  # fits or not: planned
+    assert "model: 8,030,261,248 parameters" in capsys.readouterr().out
+
+
 def test_recipe_form_refuses_layout_flags(tiny_recipe, capsys):
     assert main(["plan", tiny_recipe, "--tp", "2"]) == 2
     assert "--tp cannot be combined with a recipe" in capsys.readouterr().err

@@ -209,6 +209,7 @@ def test_ppo_with_lora_trains_the_adapters_beside_a_full_critic(tmp_path) -> Non
         run.fit()
         after = _ours(run)["adapters"]
     steps = _rl(run, {1, 2})
+    assert [r["step"] for r in steps] == [1, 2]  # both steps logged: the checks below see each
     assert all(abs(r["token_mult_prob_error"] - 1.0) <= 1e-6 for r in steps)
     assert all("critic/values_mean" in r for r in steps)
     assert any(not torch.equal(after[k], v) for k, v in before.items() if ".lora_B." in k)  # B left zero

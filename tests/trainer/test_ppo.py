@@ -116,9 +116,11 @@ def test_critic_config_errors_name_the_key(tmp_path, overrides, message) -> None
 
 
 def test_kl_in_reward_without_a_critic_is_refused_naming_the_key(tmp_path) -> None:
-    cfg = tiny_run_config(str(tmp_path), ["algorithm.use_kl_in_reward=true"])  # GRPO: outcome scores only
-    with pytest.raises(ConfigError, match=r"algorithm\.use_kl_in_reward"):
-        worker_spec(cfg, total_optimizer_steps=1)
+    """Refused with the config's other rules (``mcore-rl config show --check`` too), before any run folder."""
+    with pytest.raises(
+        ConfigError, match=r"algorithm\.use_kl_in_reward=true needs algorithm\.adv_estimator=gae"
+    ):
+        tiny_run_config(str(tmp_path), ["algorithm.use_kl_in_reward=true"])  # GRPO: outcome scores only
 
 
 def test_the_actor_lr_schedule_ends_after_the_critic_warm_up(tmp_path) -> None:
