@@ -491,8 +491,14 @@ def workspace(tmp_path, hf_sharded, ckpt, monkeypatch) -> Iterator[Workspace]:
 def _run_case(case: Case, ws: Workspace, capsys, monkeypatch) -> str:
     import torch.distributed as dist
 
-    if case.env and dist.is_initialized():  # the pool's fixtures never join one in this process
-        pytest.skip("this process already joined a torch.distributed world; launcher variables are moot")
+    if case.env and dist.is_initialized():
+        # An earlier in-process test's world of one (a ParallelContext leaves the default group for the next one
+        # in the process, and builds a world again where there is none). Launcher variables are read only when a
+        # world is joined: leave it, so that these cases check them rather than being skipped.
+        from mcore_rl.parallel.context import ParallelContext
+
+        assert ParallelContext._active is None, "a ParallelContext is still live in this test process"
+        dist.destroy_process_group()
     args = case.build(ws)
     before = snapshot(ws.root)
     for key, value in (case.env or {}).items():
