@@ -145,7 +145,9 @@ class MultiTurnRollout:
 
     def _answer(self, active: list[Conversation], last_turn: bool) -> None:
         """Parse the turns just sampled, run their calls (or environment steps) together, and append what
-        came back; conversations with nothing to run, or on their last turn, end."""
+        came back; conversations with nothing to run end. On the last turn nothing more may be sampled: the
+        tool calls it asked for are not run, but the environment still judges a turn without one (its reward
+        counts; an answer given on the last turn is scored like any other)."""
         tasks: list[ToolTask | EnvTask] = []
         owners: list[tuple[Conversation, list[str]]] = []  # conversation, its parse errors
         spans: list[tuple[int, int]] = []
@@ -160,26 +162,44 @@ class MultiTurnRollout:
                     f"{extra.name}: more than {self.cfg.max_tool_calls_per_turn} tool calls in one turn"
                 )
             c.bad_calls += len(errors)
+            new: list[ToolTask | EnvTask]
             if not calls and not errors:
                 if self.executor.environment is None:
                     c.finish = "answered"
                     continue
-                first = len(tasks)
-                tasks.append(EnvTask(list(c.messages), c.extra_info, c.where))
+                new = [EnvTask(list(c.messages), c.extra_info, c.where)]
             else:
                 c.tool_calls += len(calls) + len(errors)
-                first = len(tasks)
-                tasks += [ToolTask(call, c.where) for call in calls]
-            if last_turn:  # nothing more may be sampled: what it asked for is not run
-                c.finish = "max_turns"
-                continue
+                if last_turn:
+                    c.finish = "max_turns"
+                    continue
+                new = [ToolTask(call, c.where) for call in calls]
             owners.append((c, errors))
-            spans.append((first, len(tasks)))
-        if last_turn:
+            spans.append((len(tasks), len(tasks) + len(new)))
+            tasks += new
+        if not owners:
             return
         answers = self.executor.run(tasks)
         for (c, errors), (first, last) in zip(owners, spans, strict=True):
-            self._append(c, errors, answers[first:last])
+            if last_turn:
+                answer = answers[first]
+                assert isinstance(answer, EnvAnswer)  # a last turn runs environment steps only
+                self._judge_last(c, answer)
+            else:
+                self._append(c, errors, answers[first:last])
+
+    @staticmethod
+    def _judge_last(c: Conversation, answer: EnvAnswer) -> None:
+        """The environment's step on a conversation's last model turn: its reward counts and nothing is
+        appended (no model turn would read it)."""
+        c.reward += answer.step.reward
+        if answer.status != "ok":
+            c.env_errors += 1
+            c.finish = "env_error"
+        elif answer.step.done or answer.step.observation is None:
+            c.finish = "env_done"
+        else:
+            c.finish = "max_turns"
 
     def _append(self, c: Conversation, errors: list[str], answers: Sequence[ToolAnswer | EnvAnswer]) -> None:
         """The answers of one conversation's turn as the template's next turn(s), within the budgets."""
@@ -202,7 +222,8 @@ class MultiTurnRollout:
             c.bad_calls += answer.status == "bad_call"
             messages.append({"role": "tool", "content": self._cut(c, answer.text)})
         messages += [{"role": "tool", "content": f"Error: {e}"} for e in errors]
-        ids = self.chat.next_turn_ids(messages)
+        turn = c.last_model_turn()
+        ids = self.chat.next_turn_ids(messages, ended_by=turn[-1] if turn else None)
         room = self.response_length - c.response_len - len(ids)
         if room < 1:  # not even one model token would fit after it
             c.finish = "truncated"

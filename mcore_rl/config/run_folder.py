@@ -91,8 +91,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def publish_checkpoint(cfg: RunConfig, step: int) -> None:
-    """After a complete save: point ``latest`` at it (atomically), then drop checkpoints beyond the last
-    ``trainer.max_ckpt_to_keep`` -- only folders carrying our marker, never a user's own ``global_step_N``."""
+    """After a complete save: point ``latest`` at it (atomically), then keep it and the ``trainer.max_ckpt_to_keep
+    - 1`` newest of our checkpoints before it. Only folders carrying our marker are counted or dropped, never a
+    user's own ``global_step_N``, and none of a later step than this one (left by a run this one resumed from
+    an earlier checkpoint): pruning by number alone would drop the checkpoint just saved."""
     root = checkpoint_root(cfg)
     staging = os.path.join(root, f".{LATEST}.tmp")
     with open(staging, "w") as f:
@@ -101,11 +103,16 @@ def publish_checkpoint(cfg: RunConfig, step: int) -> None:
         os.fsync(f.fileno())
     os.replace(staging, os.path.join(root, LATEST))
     keep = cfg.trainer.max_ckpt_to_keep
+    if not keep:
+        return
     names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
-    for old in sorted(names, key=lambda n: int(n[12:]))[:-keep] if keep else []:
-        folder = os.path.join(root, old)
-        if is_ours(folder):
-            shutil.rmtree(folder)
+    earlier = sorted(
+        (int(n[12:]), os.path.join(root, n))
+        for n in names
+        if int(n[12:]) < step and is_ours(os.path.join(root, n))
+    )
+    for _, folder in earlier[: max(len(earlier) - (keep - 1), 0)]:
+        shutil.rmtree(folder)
 
 
 def resume_checkpoint(cfg: RunConfig) -> str | None:

@@ -32,29 +32,42 @@ class ChatFormat:
             raise TokenizerError(f"{where}: its chat template drops an assistant turn's content")
         self._opening = opening
         self._base = base
-        close = base.split(_ASSISTANT)[-1]
-        stop = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
-        # What follows the stop token the model ended its turn with; all of the close when the template
-        # does not end an assistant turn with that token (the stop token then stays as written).
-        self._after_stop = close[len(stop) :] if stop and close.startswith(stop) else close
+        self._close = base.split(_ASSISTANT)[-1]
+        """What the template writes after an assistant turn's text (ChatML: ``<|im_end|>\n``)."""
         self._where = where
 
-    def next_turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Tokens that follow a model turn (ended by its stop token) when ``messages`` (tool answers as
-        ``{"role": "tool", "content": ...}``, or an environment's ``user`` message) come next, up to and
-        including the next assistant turn's generation prompt."""
+    def _closing_text(self, token: int | None) -> str | None:
+        """The text of ``token``, the last of a model turn, where it is the one that ended the turn: the
+        eos, or a special token the template's close begins with (ChatML's ``<|im_end|>`` as a stop id of a
+        model whose eos is another token); None otherwise."""
+        if token is None:
+            return None
+        text = self.tokenizer.decode([token], skip_special_tokens=False)
+        special = not self.tokenizer.decode([token], skip_special_tokens=True)
+        if token == self.tokenizer.eos_token_id or (special and text and self._close.startswith(text)):
+            return text
+        return None
+
+    def next_turn_ids(self, messages: list[dict[str, str]], ended_by: int | None = None) -> list[int]:
+        """Tokens that follow a model turn ended by its stop token ``ended_by`` (default the eos) when
+        ``messages`` (tool answers as ``{"role": "tool", "content": ...}``, or an environment's ``user``
+        message) come next, up to and including the next assistant turn's generation prompt. The close is
+        written after that stop token, without its first token again where the stop token is it; all of the
+        close where it is not (the stop token then stays as written)."""
         full = self.tokenizer.chat_text([*self._opening, *messages], add_generation_prompt=True)
         if not full.startswith(self._base):
             raise TokenizerError(
                 f"{self._where}: its chat template renders an assistant turn differently when a tool turn follows "
                 "it; a tool turn cannot be appended to a conversation token by token"
             )
-        return self.tokenizer.encode(self._after_stop + full[len(self._base) :])
+        stop = self._closing_text(self.tokenizer.eos_token_id if ended_by is None else ended_by)
+        close = self._close[len(stop) :] if stop and self._close.startswith(stop) else self._close
+        return self.tokenizer.encode(close + full[len(self._base) :])
 
     def turn_text(self, ids: list[int]) -> str:
         """A model turn's text as the parser reads it: special tokens kept (``<tool_call>`` may be one), the
         stop token that ended it left out."""
-        if ids and ids[-1] == self.tokenizer.eos_token_id:
+        if ids and self._closing_text(ids[-1]) is not None:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 

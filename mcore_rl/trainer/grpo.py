@@ -27,7 +27,8 @@ import torch
 from mcore_rl.algo.advantages import compute_advantages
 from mcore_rl.algo.agreement import prob_agreement
 from mcore_rl.io.errors import note
-from mcore_rl.trainer.step import StageTimer, StepBase, recompute_old_log_probs
+from mcore_rl.trainer.on_policy import recompute_old_log_probs, training_dropout
+from mcore_rl.trainer.step import StageTimer, StepBase
 from mcore_rl.types import PromptBatch, RolloutBatch, StepStats, TrainBatch
 
 
@@ -44,7 +45,7 @@ class GRPOStep(StepBase):
         ``next_prompts`` (``trainer.one_step_off``): the next step's prompts, generated before this update."""
         cfg, timer = self.cfg, StageTimer()
         rollout, lag = self.rollout_for(prompts, step, next_prompts, timer)
-        recompute = recompute_old_log_probs(cfg.algorithm, self.plan, lag)
+        recompute = recompute_old_log_probs(cfg.algorithm, self.plan, lag, training_dropout(cfg.model))
         with timer("score_and_log_probs"):
             wait_log_probs = self.submit_log_probs(rollout, recompute)
             with timer("score"):

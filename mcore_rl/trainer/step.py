@@ -24,10 +24,9 @@ import torch
 
 from mcore_rl.algo.agreement import ProbAgreement, truncated_importance_weights
 from mcore_rl.algo.settings import AdvEstimator
-from mcore_rl.config import AlgorithmConfig, RunConfig
+from mcore_rl.config import RunConfig
 from mcore_rl.config.fast_paths import compute_device, describe_fast_paths, keep_logits_setting
 from mcore_rl.config.machine import describe_cpu_layout
-from mcore_rl.config.model import RecomputeOldLogProbs
 from mcore_rl.controller import WorkerError
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.lm_head import describe_keep_logits
@@ -39,6 +38,7 @@ from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan, balances_groups
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.multi_turn import MultiTurnOutput, build_multi_turn, conversation_samples
+from mcore_rl.trainer.on_policy import old_log_prob_line, training_dropout
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
 from mcore_rl.trainer.validation import generate_scored, generation_samples
 from mcore_rl.types import (
@@ -191,14 +191,18 @@ class StepBase:
 
     def training_scores(self, rollout: RolloutBatch, prompts: PromptBatch) -> ScoredBatch:
         """The step's reward: the rules', or ``rule_weight * rules + weight * model`` with a reward model
-        (started first, so that it scores on the workers while the driver runs the rules)."""
+        (started first, so that it scores on the workers while the driver runs the rules); a multi-turn
+        rollout's tool and environment rewards added to either, unweighted."""
         if self.reward_model is None:
             return self.score(rollout, prompts)
         rm = self.cfg.reward_model
         wait = self.reward_model.submit_scores(rollout, rm.micro_batch_size_per_gpu)
         scored = self.score(rollout, prompts)
         model = wait().float()
-        scored.scores, scored.model_scores = rm.rule_weight * scored.rule_scores + rm.weight * model, model
+        scores = rm.rule_weight * scored.rule_scores + rm.weight * model
+        turns = self.turns_of(rollout)
+        scored.scores = scores if turns is None else scores + turns.tool_rewards
+        scored.model_scores = model
         return scored
 
     def evaluate(self, prompts: PromptBatch) -> float:
@@ -371,47 +375,6 @@ def _step_nonfinite(step: int, err: Exception) -> NonFiniteLossError:
     )
 
 
-def recompute_old_log_probs(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) -> bool:
-    """Whether the step runs the actor's old-log-prob pass (``algorithm.recompute_old_log_probs``). auto
-    skips it only where it provably equals the update's own forward: one optimizer step (one epoch, one
-    mini-batch) on a rollout of the weights being updated (policy lag 0), and no in-reward KL reading the
-    actor's log-probs before the update."""
-    try:
-        mode = RecomputeOldLogProbs(algo.recompute_old_log_probs)
-    except ValueError:
-        raise ValueError(
-            f"algorithm.recompute_old_log_probs={algo.recompute_old_log_probs!r}: choose auto or always"
-        ) from None
-    return mode is RecomputeOldLogProbs.ALWAYS or _off_policy_reason(algo, plan, policy_lag) is not None
-
-
-def _off_policy_reason(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) -> str | None:
-    """Why the update's own forward cannot stand for the old log-probs, or None where it can."""
-    if plan.ppo_epochs != 1 or plan.num_mini_batches != 1:
-        return (
-            f"{plan.ppo_epochs} epoch(s) x {plan.num_mini_batches} mini-batches: the optimizer steps more than once "
-            "(algorithm.ppo_epochs, algorithm.ppo_mini_batch_size)"
-        )
-    if policy_lag:
-        return f"the rollout is {policy_lag} update(s) behind the weights (trainer.one_step_off)"
-    if algo.use_kl_in_reward:
-        return "algorithm.use_kl_in_reward reads the actor's log-probs before the update"
-    return None
-
-
-def old_log_prob_line(algo: AlgorithmConfig, plan: UpdatePlan, policy_lag: int) -> str:
-    """Whether the old-log-prob pass of a critic-free step runs and why (logged once per run)."""
-    if algo.recompute_old_log_probs == RecomputeOldLogProbs.ALWAYS:
-        return "algorithm.recompute_old_log_probs=always: the old-log-prob pass runs every step"
-    reason = _off_policy_reason(algo, plan, policy_lag)
-    if reason is None:
-        return (
-            "algorithm.recompute_old_log_probs=auto (the old-log-prob pass skipped: one optimizer step on the "
-            "rollout's own weights, whose forward gives them)"
-        )
-    return f"algorithm.recompute_old_log_probs=auto (the old-log-prob pass runs: {reason})"
-
-
 def balance_line(cfg: RunConfig) -> str:
     """``trainer.balance_batch`` for the note: what it does in this layout, or what keeps it off."""
     if not cfg.trainer.balance_batch:
@@ -435,7 +398,8 @@ def fast_path_note(cfg: RunConfig) -> str:
     critic-free estimators also the on-policy shortcut)."""
     lines = describe_fast_paths(cfg)
     if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
-        lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), int(cfg.trainer.one_step_off)))
+        lag, dropout = int(cfg.trainer.one_step_off), training_dropout(cfg.model)
+        lines.append(old_log_prob_line(cfg.algorithm, update_plan(cfg), lag, dropout))
     if cfg.algorithm.ppo_max_token_len_per_gpu is None:
         lines.append(balance_line(cfg))
     device = compute_device(cfg)

@@ -104,6 +104,8 @@ class Trainer:
         self.global_step = 0
         self._prefetched: PromptBatch | None = None
         """``trainer.one_step_off``: the next step's prompts, already drawn (their rollout is pending)."""
+        self._saved: str | None = None
+        """The last run checkpoint this run saved (where a recovery continues from)."""
         self.records: list[dict[str, Any]] = []
         self.recoveries: list[Recovery] = []
         """Each recovery from a lost worker so far (``trainer.max_restarts``)."""
@@ -262,7 +264,7 @@ class Trainer:
             if owns_ray:  # nothing of the run is left to stop it with
                 shutdown_ray()
             raise
-        self.resume_from = resume_point(self.cfg, self.data.loader)  # the data position comes back with it
+        self.resume_from = self._recovery_point()  # the data position comes back with it
         self._prefetched = None
         resumed = self.resume()
         if not resumed:  # nothing saved yet: the run starts over (its SFT warm start too)
@@ -281,6 +283,18 @@ class Trainer:
         log.records[:] = kept_records(log.records, self.global_step, resumed)
         log.write("recovery", self.global_step, recovery.record())
         return resumed
+
+    def _recovery_point(self) -> ResumePoint | None:
+        """Where a recovery continues: this run's last save, else where the run started (the checkpoint
+        ``trainer.resume_mode`` named, or the start). ``auto`` finds the last save through ``latest``; the
+        other modes would name the start checkpoint (``resume_path``) or none (``disable``) after saves too."""
+        cfg = self.cfg
+        if self._saved is not None and cfg.trainer.resume_mode != "auto":
+            trainer = dataclasses.replace(
+                cfg.trainer, resume_mode="resume_path", resume_from_path=self._saved
+            )
+            cfg = dataclasses.replace(cfg, trainer=trainer)
+        return resume_point(cfg, self.data.loader)
 
     def _before_rl(self, log: RunLog, summary: dict[str, Any]) -> None:
         """A fresh run's start: the held-out test and, after the SFT warm start, validation at RL step 0
@@ -367,6 +381,7 @@ class Trainer:
             self._save_failed(why, required)
             return None
         self._staging = None
+        self._saved = path
         return path
 
     def _save_failed(self, why: str, required: bool) -> None:

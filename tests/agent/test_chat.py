@@ -91,3 +91,30 @@ def test_tools_are_listed_in_the_prompt_through_the_template(tmp_path) -> None:
     assert plain.chat_text([{"role": "user", "content": "2*3="}]).startswith("<|im_start|>user")
     answer = [{"role": "tool", "content": "6"}]  # the tool turn is the same tokens in the tools' context
     assert ChatFormat(wrapped).next_turn_ids(answer) == ChatFormat(plain).next_turn_ids(answer)
+
+
+def test_a_turn_ended_by_the_templates_close_token_is_not_closed_twice(tmp_path) -> None:
+    """A base model's eos (here ``<pad>``) is not ChatML's ``<|im_end|>``, which a run gives as a stop id
+    (Qwen base: ``<|endoftext|>`` and ``rollout.stop_token_ids=[<|im_end|>]``): a turn it ended is closed by
+    the rest of the template's close, as the template renders the conversation, and the parser reads the turn
+    without it."""
+    from mcore_rl.data.tool_task import CHAT_TEMPLATE, write_tokenizer
+
+    write_tokenizer(str(tmp_path))
+    write_tokenizer_config(str(tmp_path), eos_token="<pad>", pad_token="<pad>", chat_template=CHAT_TEMPLATE)
+    base = load_tokenizer(str(tmp_path))
+    chat = ChatFormat(base)
+    im_end = base.encode("<|im_end|>")[-1]
+    turn = [*base.encode("ok"), im_end]
+    answer = [{"role": "tool", "content": "7"}]
+    after = base.decode(chat.next_turn_ids(answer, ended_by=im_end), skip_special_tokens=False)
+    assert (
+        after == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    rendered = base.chat_text(
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": "ok"}, *answer], True
+    )
+    assert rendered.endswith("ok" + base.decode(turn[-1:], skip_special_tokens=False) + after)
+    assert chat.turn_text(turn) == "ok"
+    eos_ended = base.decode(chat.next_turn_ids(answer, ended_by=base.eos_token_id), skip_special_tokens=False)
+    assert eos_ended == "<|im_end|>" + after  # an eos the close does not begin with stays, the close follows

@@ -143,6 +143,30 @@ def test_timeouts_max_turns_and_truncation(tokenizer, caplog) -> None:
     assert any("sample 3 (test.jsonl row 3)" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("turns", "finish", "reward"),
+    [(1, "max_turns", 0.25), (2, "max_turns", 0.5), (3, "env_done", 1.5)],
+)
+def test_the_environment_judges_the_last_turn_too(tokenizer, turns, finish, reward) -> None:
+    """CountdownEnv pays 0.25 per model turn and 1.0 at the third, when it ends the conversation: with
+    ``max_assistant_turns`` at 1-3 the last turn's step still runs and counts (it is not sampled after)."""
+    cfg = MultiTurnConfig(
+        enable=True,
+        environment="tests.agent.user_tools:CountdownEnv",
+        num_workers=0,
+        max_assistant_turns=turns,
+    )
+    engine = ScriptedTurns(tokenizer, {0: ["a", "b", "c"]})
+    out = _rollout(tokenizer, cfg, response_length=80).run(
+        engine, prompts(tokenizer, ["x"], ["7"]), SamplingParams(n=1, pad_token_id=tokenizer.pad_token_id)
+    )
+    (c,) = out.conversations
+    assert (c.turns, c.finish, c.reward) == (turns, finish, pytest.approx(reward))
+    assert out.tool_rewards.tolist() == [pytest.approx(reward)]
+    context = _model_and_context_text(tokenizer, out.batch, 0)[1]
+    assert context.count("go on 7") == turns - 1  # no observation after the last turn
+
+
 def test_a_model_turn_that_reaches_the_budget_ends_its_conversation(tokenizer) -> None:
     cfg = MultiTurnConfig(enable=True, tools=[CALC], num_workers=0)
     engine = ScriptedTurns(tokenizer, {0: ["1" * 50]})

@@ -114,3 +114,21 @@ def test_keep_last_k_removes_only_our_checkpoints(tmp_path: Path) -> None:
     assert (root / "global_step_1" / "notes.txt").read_text() == "mine"
     assert resume_checkpoint(cfg) == str(root / "global_step_3")
     assert resume_checkpoint(_cfg(tmp_path, "trainer.resume_mode=disable")) is None
+
+
+def test_keep_last_k_never_drops_the_save_just_published_nor_a_later_one(tmp_path: Path) -> None:
+    """A run resumed from step 10 while an older attempt's step 20 is still there (resume_path, or auto falling
+    back past a damaged save): its step-11 save is kept with keep=1, step 20 is left, steps before 11 go."""
+    cfg = _cfg(tmp_path, "trainer.max_ckpt_to_keep=2")
+    claim_run_folders(cfg)
+    root = Path(checkpoint_root(cfg))
+    root.mkdir()
+    for step in (5, 10, 20, 11):
+        out = OutputFolder.plan(str(root / f"global_step_{step}"), kind="checkpoint")
+        out.begin()
+        out.commit()
+    publish_checkpoint(cfg, 11)  # keep 2: step 11 and the newest before it
+    assert sorted(os.listdir(root)) == ["global_step_10", "global_step_11", "global_step_20", "latest"]
+    publish_checkpoint(_cfg(tmp_path, "trainer.max_ckpt_to_keep=1"), 11)
+    assert sorted(os.listdir(root)) == ["global_step_11", "global_step_20", "latest"]
+    assert resume_checkpoint(cfg) == str(root / "global_step_11")

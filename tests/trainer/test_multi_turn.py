@@ -240,3 +240,41 @@ def test_multi_turn_steps_with_vllm(tmp_path) -> None:
     assert len(records) == 2
     for m in records:
         assert 0.999 <= m["token_mult_prob_error"] <= 1.001 and m["multi_turn/turns_mean"] > 1
+
+
+def test_a_reward_model_beside_multi_turn_keeps_the_tool_and_environment_rewards(tmp_path) -> None:
+    """``rule_weight * rules + weight * model`` plus the rewards the tools and the environment returned: the
+    reward model does not replace them (they reach the advantages, as without it)."""
+    import torch
+
+    from mcore_rl.trainer.trainer import Trainer
+    from tests.engine.workers.test_reward_model import _save_classifier
+
+    folder = str(tmp_path / "rm")
+    _save_classifier(folder, "llama", vocab=128, positions=128)
+    overrides = [
+        ENV,
+        f"reward_model.path={folder}",
+        "reward_model.rule_weight=0.5",
+        "reward_model.weight=2",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+    cfg = tool_run_config(str(tmp_path / "data"), overrides)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        step = trainer._step
+        training_scores = step.training_scores
+
+        def checked(rollout, prompts):  # passes the step's own scores through
+            scored = training_scores(rollout, prompts)
+            turns = step.turns_of(rollout)
+            assert turns is not None and scored.model_scores is not None
+            expected = 0.5 * scored.rule_scores + 2.0 * scored.model_scores + turns.tool_rewards
+            seen.append((scored.scores.clone(), expected))
+            assert float(turns.tool_rewards.abs().sum()) > 0  # the environment rewarded something
+            return scored
+
+        step.training_scores = checked
+        trainer.fit()
+    assert len(seen) == 1 and torch.equal(*seen[0])

@@ -17,15 +17,15 @@ import dataclasses
 import pytest
 import torch
 
-from mcore_rl.config import AlgorithmConfig, RunConfig
+from mcore_rl.config import AlgorithmConfig, ModelConfig, RunConfig
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.scoring import RewardScorer
 from mcore_rl.trainer.build import build_actor_group, build_critic_group, worker_spec
 from mcore_rl.trainer.groups.actor import UpdatePlan
 from mcore_rl.trainer.grpo import GRPOStep
+from mcore_rl.trainer.on_policy import old_log_prob_line, recompute_old_log_probs, training_dropout
 from mcore_rl.trainer.ppo import PPOStep
-from mcore_rl.trainer.step import recompute_old_log_probs
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
 SAME = (
@@ -106,6 +106,13 @@ def test_decision_follows_the_update_shape_the_lag_and_the_in_reward_kl() -> Non
     assert recompute_old_log_probs(algo, dataclasses.replace(one, num_mini_batches=2), policy_lag=0)
     assert recompute_old_log_probs(dataclasses.replace(algo, use_kl_in_reward=True), one, policy_lag=0)
     assert recompute_old_log_probs(dataclasses.replace(algo, recompute_old_log_probs="always"), one, 0)
+    assert recompute_old_log_probs(
+        algo, one, policy_lag=0, dropout=0.05
+    )  # LoRA's: the update's forward drops
+    line = old_log_prob_line(algo, one, 0, dropout=0.05)
+    assert "the old-log-prob pass runs: model.lora_dropout=0.05" in line
+    assert training_dropout(ModelConfig(lora_rank=8, lora_dropout=0.05)) == 0.05
+    assert training_dropout(ModelConfig(lora_dropout=0.05)) == 0.0  # no adapters: nothing drops
     with pytest.raises(ValueError, match=r"algorithm\.recompute_old_log_probs='never'"):
         recompute_old_log_probs(dataclasses.replace(algo, recompute_old_log_probs="never"), one, 0)
 

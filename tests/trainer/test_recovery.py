@@ -144,3 +144,17 @@ def test_the_process_groups_collective_timeout_outlasts_the_watchdog() -> None:
     assert collectives_outlast_the_watchdog(default, 1800.0).timeout_minutes == 32
     assert collectives_outlast_the_watchdog(ParallelConfig(timeout_minutes=90), 1800.0).timeout_minutes == 90
     assert collectives_outlast_the_watchdog(default, None) is default
+
+
+@pytest.mark.parametrize("mode", ["disable", "auto"])
+def test_a_recovery_continues_from_this_runs_last_save_whatever_resume_mode_says(tmp_path, mode) -> None:
+    """``trainer.resume_mode=disable`` names no checkpoint (and ``resume_path`` the run's start): after this run
+    saved, a recovery must still continue from its last save, not start over."""
+    overrides = [*OVERRIDES, "trainer.total_training_steps=3", f"trainer.resume_mode={mode}"]
+    cfg = tiny_run_config(str(tmp_path / "data"), [*overrides, f"trainer.default_local_dir={tmp_path / 'r'}"])
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        assert trainer._recovery_point() is None  # nothing saved yet: a recovery starts the run over
+        trainer.fit()  # saves at steps 2 and 3 (the last)
+        point = trainer._recovery_point()
+    assert point is not None and point.step == 3
+    assert point.path == str(tmp_path / "r" / "checkpoints" / "global_step_3")

@@ -23,10 +23,12 @@ from tests.models import tiny_hf_config
 ROWS, PROMPT, WIDTH, VOCAB = 6, 4, 12, 64
 
 
-def _save_classifier(folder: str, family: str, num_labels: int = 1, vocab: int = VOCAB) -> None:
+def _save_classifier(
+    folder: str, family: str, num_labels: int = 1, vocab: int = VOCAB, positions: int = 64
+) -> None:
     import transformers
 
-    hf = tiny_hf_config(family, vocab_size=vocab, max_position_embeddings=64)
+    hf = tiny_hf_config(family, vocab_size=vocab, max_position_embeddings=positions)
     name = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[family]
     config = transformers.AutoConfig.for_model(
         hf["model_type"],
