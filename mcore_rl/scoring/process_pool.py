@@ -204,13 +204,27 @@ class TaskPool:
         results: list[Outcome | None] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
         while pending or any(w.task for w in self._workers):
-            for worker in self._workers:
+            for worker in list(self._workers):
                 if worker.ready and worker.task is None and pending:
-                    index = pending.popleft()
-                    worker.conn.send((index, tasks[index]))
-                    worker.task = (index, time.monotonic() + self.limits.timeout_s)
+                    self._hand_out(worker, pending, tasks, results)
             self._wait_and_receive(results)
         return [r if r is not None else ("error", "no result") for r in results]
+
+    def _hand_out(
+        self, worker: _Worker, pending: deque[int], tasks: Sequence[Any], results: list[Outcome | None]
+    ) -> None:
+        """Send ``worker`` the next pending task; a worker that died idle since it last answered (the OOM
+        killer, a stray signal) is replaced and the task waits for the next free one."""
+        index = pending.popleft()
+        try:
+            if not worker.process.is_alive():
+                raise BrokenPipeError("the worker process is gone")
+            worker.conn.send((index, tasks[index]))
+        except OSError:
+            pending.appendleft(index)
+            self._replace(worker, results, None)  # it held no task: nothing is recorded
+            return
+        worker.task = (index, time.monotonic() + self.limits.timeout_s)
 
     def _spawn(self) -> _Worker:
         assert self._cwd is not None

@@ -39,17 +39,25 @@ class ScorerError(InputError):
     """A scorer spec or data source we cannot resolve; the message names the spec or source."""
 
 
+def truth_text(truth: Any) -> str:
+    """A ground truth as the text rules compare answers with: an integer-valued float as the integer (a
+    numeric parquet column with any NaN is float64, ``72.0``, where the model writes ``72``)."""
+    if isinstance(truth, float) and truth.is_integer():
+        return str(int(truth))
+    return str(truth)
+
+
 def builtin_scorer(name: str, cfg: RewardConfig) -> ScoreFn:
     """One of :data:`BUILTIN_NAMES`, with the recipe's GSM8K method and format score bound."""
 
     def gsm8k(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
-        return rules.gsm8k_score(solution, str(truth), cfg.gsm8k_method, cfg.format_score)
+        return rules.gsm8k_score(solution, truth_text(truth), cfg.gsm8k_method, cfg.format_score)
 
     def math(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
-        return rules.math_score(solution, str(truth), cfg.format_score)
+        return rules.math_score(solution, truth_text(truth), cfg.format_score)
 
     def exact_match(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
-        return rules.exact_match_score(solution, str(truth))
+        return rules.exact_match_score(solution, truth_text(truth))
 
     def format_check(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
         pattern = extra.get("format_pattern")

@@ -14,6 +14,7 @@ match and format checks. Pure functions of strings; no torch, so scorer workers 
 from __future__ import annotations
 
 import re
+import signal
 import threading
 
 GSM8K_TAIL_CHARS = 300
@@ -73,11 +74,15 @@ def math_equivalent(answer: str, ground_truth: str) -> bool:
 
     math-verify bounds its own work with ``signal.alarm``, which only works in a process's main thread;
     elsewhere its timeout is off and the caller's worker timeout (:mod:`mcore_rl.scoring.pool`) bounds it.
+    Under the caller's own timer (``reward.timeout_s`` of an in-process scorer: ``ITIMER_REAL``, the timer
+    ``alarm`` sets too) its timers are off as well: arming and then cancelling its own would cancel the
+    caller's, and the answer would run unbounded by ``reward.timeout_s``.
     """
     from math_verify import parse, verify
 
     in_main = threading.current_thread() is threading.main_thread()
-    limit = 5 if in_main else None
+    timed_by_caller = in_main and signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    limit = 5 if in_main and not timed_by_caller else None
     gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=limit)
     pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=limit)
     if not gold or not pred:

@@ -77,3 +77,21 @@ def test_workers_time_out_a_hung_answer_and_keep_going() -> None:
         assert all(w.process.is_alive() for w in scorer._workers) and len(pids) == 2
         assert scorer.score(requests("ok", "ok", "ok")).scores.tolist() == [1.0, 1.0, 1.0]
     assert scorer._workers == []
+
+
+def test_a_worker_killed_while_idle_is_replaced_at_the_next_batch() -> None:
+    """Between two steps the OOM killer (here SIGKILL) takes an idle worker: the next batch is scored in full
+    by its replacement, no error counted."""
+    import os
+    import signal
+
+    cfg = RewardConfig(num_workers=2, timeout_s=5.0, sources={"user": USER})
+    with RewardScorer(cfg) as scorer:
+        assert scorer.score(requests("ok", "ok")).scores.tolist() == [1.0, 1.0]
+        # one that answered (a worker that dies before it ever said ready is a failed start, refused)
+        victim = next(w for w in scorer._workers if w.ready).process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=5)
+        out = scorer.score(requests("ok", "ok", "ok", "ok"))
+        assert out.scores.tolist() == [1.0] * 4 and out.num_errors == 0
+        assert victim not in [w.process for w in scorer._workers] and len(scorer._workers) == 2

@@ -60,3 +60,22 @@ def test_a_user_scorer_that_cannot_take_verls_arguments_is_refused_before_scorin
     with pytest.raises(ScorerError, match=r"cannot be called as fn\(data_source, solution_str, ground_truth"):
         ScoreDispatch(RewardConfig(custom_function=f"{path}:two"))
     ScoreDispatch(RewardConfig(custom_function=f"{path}:flexible"))
+
+
+def test_an_integer_valued_float_ground_truth_matches_the_integer_answer() -> None:
+    """A numeric parquet column with any NaN is float64: its 72.0 must match an answer of 72 (it scored the
+    format score or 0 for every answer), while 0.5 stays 0.5."""
+    from mcore_rl.scoring.registry import builtin_scorer, truth_text
+
+    cfg = RewardConfig()
+    assert (truth_text(72.0), truth_text(0.5), truth_text(72), truth_text("72.0")) == (
+        "72",
+        "0.5",
+        "72",
+        "72.0",
+    )
+    gsm8k, exact = builtin_scorer("gsm8k", cfg), builtin_scorer("exact_match", cfg)
+    assert gsm8k("openai/gsm8k", "so #### 72", 72.0, {}) == 1.0
+    assert gsm8k("openai/gsm8k", "so #### 73", 72.0, {}) == 0.0
+    assert exact("mine", "72", 72.0, {}) == 1.0 and exact("mine", "0.5", 0.5, {}) == 1.0
+    assert builtin_scorer("math", cfg)("lighteval/MATH", "\\boxed{72}", 72.0, {}) == 1.0

@@ -136,3 +136,22 @@ def test_bad_scorer_specs_are_named(spec: str, expected: str) -> None:
     with pytest.raises(ScorerError, match=expected) as info:
         ScoreDispatch(RewardConfig(sources={"s": spec}))
     assert spec in str(info.value)
+
+
+def test_math_verify_leaves_the_callers_timer_armed() -> None:
+    """An in-process scorer bounds each answer with ``ITIMER_REAL`` (``reward.timeout_s``); math-verify's own
+    ``signal.alarm`` is the same timer, and arming then cancelling it cancelled the caller's."""
+    import signal
+
+    from mcore_rl.scoring.rules import math_equivalent
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 100.0)
+        assert math_equivalent("1/2", "\\frac12")
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 90.0  # still the caller's, still running
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert math_equivalent("1/2", "\\frac12")  # without a caller's timer: math-verify's own, as before
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
