@@ -218,6 +218,10 @@ def _model_copy_ranks(par: Any) -> int:
     return int(par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size)
 
 
+def _data_parallel_size(cfg: RunConfig) -> int:
+    return cfg.world_size // _model_copy_ranks(cfg.parallel)
+
+
 def _rollout_replicas(cfg: RunConfig) -> int:
     rollout_ranks = cfg.world_size if cfg.rollout.colocate else cfg.rollout.num_ranks
     return max(rollout_ranks // cfg.rollout.tensor_model_parallel_size, 1)
@@ -233,7 +237,7 @@ def last_batch_problem(cfg: RunConfig, num_prompts: int) -> str | None:
     rest = num_prompts % batch
     if cfg.data.drop_last or not rest:
         return None
-    dp = cfg.world_size // _model_copy_ranks(cfg.parallel)
+    dp = _data_parallel_size(cfg)
     mini_batches, replicas = batch // alg.ppo_mini_batch_size, _rollout_replicas(cfg)
     share, uneven = divmod(rest * cfg.rollout.n, dp * mini_batches)
     micro_uneven = alg.ppo_max_token_len_per_gpu is None and share % alg.ppo_micro_batch_size_per_gpu
@@ -250,8 +254,8 @@ def last_batch_problem(cfg: RunConfig, num_prompts: int) -> str | None:
 
 def _batch_problems(cfg: RunConfig) -> list[str]:
     """Prompts split evenly over rollout replicas; sequences over DP ranks, mini- and micro-batches."""
-    par, alg, n = cfg.parallel, cfg.algorithm, cfg.rollout.n
-    dp = cfg.world_size // _model_copy_ranks(par)
+    alg, n = cfg.algorithm, cfg.rollout.n
+    dp = _data_parallel_size(cfg)
     rollout_dp = _rollout_replicas(cfg)
     if cfg.dpo.train_files:  # a DPO run has no rollout: the RL batch rules do not apply
         return _dpo_batch_problems(cfg.dpo, dp)

@@ -94,11 +94,6 @@ class PromptDataset:
             origins=[f"{r.file} row {r.row}" for r in picked],
         )
 
-    def batches(self, batch_size: int | None = None) -> list[PromptBatch]:
-        """The whole set in order (validation), ``batch_size`` prompts at a time (None: one batch)."""
-        size = batch_size or len(self)
-        return [self.batch(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
-
     def fingerprint(self) -> str:
         """A hash of every prompt's tokens and ground truth: a resumed run refuses a changed dataset."""
         digest = hashlib.sha256()

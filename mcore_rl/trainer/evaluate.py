@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mcore_rl.io.errors import note
-from mcore_rl.trainer.validation import generate_scored
+from mcore_rl.trainer.validation import scored_parts
 from mcore_rl.types import PromptBatch
 
 if TYPE_CHECKING:
@@ -253,10 +253,10 @@ def evaluate_model(
     finished, step = False, None
     try:
         step = StepBase(cfg, actors, tokenizer, scorer)
-        batches = dataset.batches(cfg.data.val_batch_size)
+        prompts, size = dataset.batch(range(len(dataset))), cfg.data.val_batch_size
         sampled = val.n > 1 or val.temperature > 0
-        greedy = _scores(step, batches, _greedy(step.sampling(0, validation=True)), 1)
-        samples = _scores(step, batches, step.sampling(0, validation=True), val.n) if sampled else None
+        greedy = _scores(step, prompts, size, _greedy(step.sampling(0, validation=True)), 1)
+        samples = _scores(step, prompts, size, step.sampling(0, validation=True), val.n) if sampled else None
         finished = True
     finally:
         scorer.close()
@@ -267,14 +267,13 @@ def evaluate_model(
             shutil.rmtree(cfg.logging.log_dir, ignore_errors=True)
         else:
             note(f"the ranks' output of this eval: {cfg.logging.log_dir}/workers")
-    sources = [source for b in batches for source in b.data_sources]
     return EvalReport(
         model=model,
         data_files=list(data_files),
         num_samples=val.n if sampled else 0,
         temperature=val.temperature,
         pass_threshold=pass_threshold,
-        by_source=summarize(sources, greedy[:, 0], samples, pass_threshold),
+        by_source=summarize(prompts.data_sources, greedy[:, 0], samples, pass_threshold),
     )
 
 
@@ -301,14 +300,15 @@ def _greedy(sampling: SamplingParams) -> SamplingParams:
     return dataclasses.replace(sampling, temperature=0.0, top_p=1.0, top_k=-1, n=1)
 
 
-def _scores(step: StepBase, batches: list[PromptBatch], sampling: SamplingParams, n: int) -> torch.Tensor:
-    """[P, n] rewards of every prompt's n answers, prompts in dataset order (each batch its own seed)."""
+def _scores(
+    step: StepBase, prompts: PromptBatch, size: int | None, sampling: SamplingParams, n: int
+) -> torch.Tensor:
+    """[P, n] rewards of every prompt's n answers, prompts in dataset order (``size`` per generate call,
+    each its own seed)."""
     parts = []
-    for i, batch in enumerate(batches):
-        seed = None if sampling.seed is None else sampling.seed + i
-        scored = generate_scored(step, batch, dataclasses.replace(sampling, seed=seed))
+    for part, scored in scored_parts(step, prompts, size, sampling):
         order = torch.argsort(scored.rollout.prompt_index, stable=True)
-        parts.append(scored.scores[order].view(len(batch), n))
+        parts.append(scored.scores[order].view(len(part), n))
     return torch.cat(parts)
 
 

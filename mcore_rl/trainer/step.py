@@ -14,7 +14,6 @@ at construction; with ``trainer.one_step_off`` the next step's rollout is starte
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +39,7 @@ from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.multi_turn import MultiTurnOutput, build_multi_turn, conversation_samples
 from mcore_rl.trainer.on_policy import old_log_prob_line, training_dropout
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
-from mcore_rl.trainer.validation import generate_scored, generation_samples
+from mcore_rl.trainer.validation import generation_samples, scored_parts
 from mcore_rl.types import (
     PromptBatch,
     RolloutBatch,
@@ -211,9 +210,7 @@ class StepBase:
         ``logging.log_val_generations`` prompts' samples are kept for :meth:`take_val_samples`."""
         sampling, scores = self.sampling(0, validation=True), []
         keep = self.cfg.logging.log_val_generations
-        for i, part in enumerate(prompts.parts(self.cfg.data.val_batch_size)):
-            seed = None if sampling.seed is None else sampling.seed + i
-            scored = generate_scored(self, part, dataclasses.replace(sampling, seed=seed))
+        for part, scored in scored_parts(self, prompts, self.cfg.data.val_batch_size, sampling):
             scores.append(scored.scores)
             if keep > 0:
                 samples = generation_samples(self.tokenizer, part, scored, keep)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,16 @@ class ScoredRollout:
     @property
     def mean(self) -> float:
         return float(self.scores.mean())
+
+
+def scored_parts(
+    step: StepBase, prompts: PromptBatch, size: int | None, sampling: SamplingParams
+) -> Iterator[tuple[PromptBatch, ScoredRollout]]:
+    """``prompts`` sampled and scored ``size`` at a time (``data.val_batch_size``; None: in one call), each
+    call with its own seed (``sampling``'s plus the part's index), in order."""
+    for i, part in enumerate(prompts.parts(size)):
+        seed = None if sampling.seed is None else sampling.seed + i
+        yield part, generate_scored(step, part, dataclasses.replace(sampling, seed=seed))
 
 
 def generate_scored(step: StepBase, prompts: PromptBatch, sampling: SamplingParams) -> ScoredRollout:
