@@ -31,3 +31,16 @@ def test_advantage_dispatch_matches_the_algorithms_and_rejects_unknown_names() -
         assert adv.shape == mask.shape and bool((adv[mask == 0] == 0).all())
     with pytest.raises(ValueError, match=r"algorithm\.adv_estimator: unknown 'ppo'"):
         compute_advantages("ppo", scores, mask, groups)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("score", [1.1, 2.2, 0.7, -0.35, 1 / 3])
+def test_a_group_of_equal_fractional_scores_has_no_advantage(name: str, score: float) -> None:
+    # A rule score plus a tool reward of 0.1 is 1.1 for every sample of a group that all solved it: float32
+    # sums of 16 such scores miss their mean by an ulp, and GRPO's std was that ulp too (advantages -0.106).
+    groups = torch.tensor([0] * 16 + [1] * 4)
+    scores = torch.cat([torch.full((16,), score), torch.tensor([0.0, 1.0, 0.5, 1.0])])
+    mask = torch.ones(20, 3)
+    adv = compute_advantages(name, scores, mask, groups)
+    assert bool((adv[:16] == 0).all())
+    assert bool((adv[16:] != 0).any())
