@@ -11,6 +11,7 @@ the tokens appended are the rest of the close (ChatML: ``\\n``), the tool turn (
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,11 @@ class ChatFormat:
         self._close = base.split(_ASSISTANT)[-1]
         """What the template writes after an assistant turn's text (ChatML: ``<|im_end|>\n``)."""
         self._where = where
+
+    @property
+    def close(self) -> str:
+        """What the template writes after an assistant turn's text (ChatML: ``<|im_end|>\n``)."""
+        return self._close
 
     def _closing_text(self, token: int | None) -> str | None:
         """The text of ``token``, the last of a model turn, where it is the one that ended the turn: the
@@ -74,6 +80,16 @@ class ChatFormat:
     def answer_text(self, ids: list[int]) -> str:
         """A model turn's text without special tokens (what a reward rule reads)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+_CHAT_FORMATS: weakref.WeakKeyDictionary[Any, ChatFormat] = weakref.WeakKeyDictionary()
+
+
+def chat_format_of(tokenizer: Tokenizer) -> ChatFormat:
+    """One :class:`ChatFormat` per tokenizer (building one renders the template)."""
+    if tokenizer not in _CHAT_FORMATS:
+        _CHAT_FORMATS[tokenizer] = ChatFormat(tokenizer)
+    return _CHAT_FORMATS[tokenizer]
 
 
 def conversation_ids(

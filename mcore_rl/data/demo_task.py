@@ -119,7 +119,7 @@ def prepare_data(
     }
 
     def present(split: str, path: str) -> bool:
-        return os.path.isfile(os.path.join(path, "tokenizer.json") if split == "tokenizer" else path)
+        return _holds_a_tokenizer(path) if split == "tokenizer" else os.path.isfile(path)
 
     missing = {split: paths[0] for split, paths in wanted.items() if paths and not present(split, paths[0])}
     if data.generate == "tool_calc":
@@ -132,6 +132,15 @@ def prepare_data(
             check_task(wanted[split][0], data.generate, reverse)
     write_demo_dataset(missing, data.seed, reverse=reverse)
     return list(missing.values())
+
+
+def _holds_a_tokenizer(path: str) -> bool:
+    """A tokenizer file, or a folder with any tokenizer in it (a user's sentencepiece ``.model`` and its
+    ``tokenizer_config.json`` included): the demo tokenizer is written only where none is, never over one."""
+    if os.path.isfile(path):
+        return True
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return any(n in ("tokenizer.json", "tokenizer_config.json") or n.endswith(".model") for n in names)
 
 
 def check_task(path: str, task: str, reverse: bool) -> None:

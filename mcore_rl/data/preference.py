@@ -10,8 +10,9 @@ Rows (jsonl or parquet, the formats TRL and verl users have)::
 
 A message-list completion continues the prompt's conversation: the completion text is what the tokenizer's
 chat template adds to the prompt (``template(prompt + chosen)`` minus ``template(prompt, generation prompt)``),
-so the model is trained on exactly the tokens it would generate. Plain-text completions are encoded as they
-are. EOS closes every completion (unless the template already ended it with EOS).
+less what the template writes after the last assistant turn (ChatML's ``<|im_end|>\n``), so the model is
+trained on exactly the tokens it would generate, its stop token last. Plain-text completions are encoded as
+they are. EOS closes every completion (unless it already ends with EOS).
 
 Each pair becomes two right-padded rows, chosen and rejected; the loss mask covers the positions that predict
 completion tokens, never the prompt. Prompts over ``data.max_prompt_length`` and pairs over the length limit
@@ -30,10 +31,12 @@ from typing import Any
 
 import torch
 
+from mcore_rl.data.chat_format import chat_format_of
 from mcore_rl.data.config import DataConfig
 from mcore_rl.data.prompts import encode_prompt
 from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
 from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.io.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -213,13 +216,24 @@ def _completion_ids(
         if not after.startswith(before):
             reason = "the chat template does not render the prompt as a prefix of prompt + completion"
             raise BadRowError(RowProblem(*where, reason))
-        text = after[len(before) :]
+        text = _without_close(after[len(before) :], tokenizer, where)
     else:
         text = "".join(m["content"] for m in completion)
     ids = tokenizer.encode(text)
     if not ids:
         raise BadRowError(RowProblem(*where, "empty completion"))
     return ids if ids[-1] == tokenizer.eos_token_id else [*ids, tokenizer.eos_token_id]
+
+
+def _without_close(text: str, tokenizer: Tokenizer, where: tuple[str, int, str]) -> str:
+    """The completion's rendering without what the template writes after the last assistant turn's text
+    (ChatML's ``<|im_end|>\n``): the model stops at its stop token, which the caller appends, and generates
+    nothing after it, as an SFT example's response ends."""
+    try:
+        close = chat_format_of(tokenizer).close
+    except InputError as err:
+        raise BadRowError(RowProblem(*where, str(err))) from None
+    return text[: -len(close)] if close and text.endswith(close) else text
 
 
 # --- the synthetic preference task -----------------------------------------------------------------------------

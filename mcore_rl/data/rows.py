@@ -113,7 +113,11 @@ def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[
                 raise BadRowError(
                     RowProblem(where[0], where[1], key, f"message {i} needs 'role' and 'content'")
                 )
-            messages.append({"role": str(message["role"]), "content": str(message["content"])})
+            content = message_text(message["content"])
+            if content is None or not isinstance(message["role"], str):
+                reason = f"message {i}: expected a role and text content, got {message!r:.80}"
+                raise BadRowError(RowProblem(where[0], where[1], key, reason))
+            messages.append({"role": message["role"], "content": content})
         if not any(m["content"].strip() for m in messages):
             raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt (every message is empty)"))
         return messages
@@ -122,6 +126,19 @@ def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[
     raise BadRowError(
         RowProblem(where[0], where[1], key, f"expected text or a list of messages, got {value!r:.60}")
     )
+
+
+def message_text(content: Any) -> str | None:
+    """A message's content as text: a string, or OpenAI's content parts when every part is text
+    (``[{"type": "text", "text": ...}, ...]``, joined); None for anything else (null, an image part)."""
+    if isinstance(content, str):
+        return content
+    is_sequence = isinstance(content, list | tuple) or type(content).__name__ == "ndarray"  # pandas' parquet
+    parts = list(content) if is_sequence else []
+    texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+    if parts and len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
+        return "".join(texts)
+    return None
 
 
 class BadRowError(Exception):

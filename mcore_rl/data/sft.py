@@ -10,16 +10,24 @@ or ``user`` turns that answer them): its tokens are those a multi-turn rollout o
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mcore_rl.data.chat_format import chat_format_of, conversation_ids
 from mcore_rl.data.config import DataConfig
 from mcore_rl.data.prompts import encode_prompt
-from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
+from mcore_rl.data.rows import (
+    BadRowError,
+    DataError,
+    RowProblem,
+    column,
+    message_text,
+    prompt_messages,
+    read_rows,
+)
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.io.errors import InputError
@@ -75,7 +83,9 @@ class SFTDataset:
                     records.append(_record(raw, (file, row), tokenizer, data, response_key, max_length))
                 except BadRowError as bad:
                     overlong = bad.error.reason.startswith("example has")
-                    if not records and _no_response_column(bad.error, raw, response_key):
+                    if not (records or data.skip_bad_rows) and _no_response_column(
+                        bad.error, raw, response_key
+                    ):
                         raise DataError(
                             f"{bad.error}: the rows hold no sft.response_key={response_key!r}; name the column "
                             f"of the answer text (e.g. sft.response_key=extra_info.answer for the files of "
@@ -89,7 +99,8 @@ class SFTDataset:
         if skipped:
             log.warning("skipped %d SFT rows; first: %s", len(skipped), skipped[0])
         if not records:
-            raise DataError(f"{', '.join(files) or 'no files'}: no usable SFT examples")
+            first = f" (every row skipped, the first: {skipped[0]})" if skipped else ""
+            raise DataError(f"{', '.join(files) or 'no files'}: no usable SFT examples{first}")
         return cls(records, tokenizer.pad_token_id)
 
     def __len__(self) -> int:
@@ -144,30 +155,19 @@ def _is_trace(response: Any) -> bool:
 def _trace_ids(
     response: Any, prompt_ids: list[int], tokenizer: Tokenizer, where: tuple[str, int, str]
 ) -> tuple[list[int], list[int]]:
-    from mcore_rl.data.chat_format import conversation_ids
-
     turns = []
     for turn in response:
         if not isinstance(turn, dict) or turn.get("role") not in ("assistant", "tool", "user"):
             raise BadRowError(
                 RowProblem(*where, f"expected messages with role assistant, tool or user, got {turn!r:.60}")
             )
-        turns.append({"role": str(turn["role"]), "content": str(turn.get("content", ""))})
+        content = message_text(turn.get("content", ""))
+        if content is None:
+            raise BadRowError(RowProblem(*where, f"expected a message with text content, got {turn!r:.60}"))
+        turns.append({"role": turn["role"], "content": content})
     if turns[0]["role"] != "assistant":
         raise BadRowError(RowProblem(*where, "a multi-turn response starts with an assistant turn"))
     try:
-        return conversation_ids(tokenizer, _chat_format(tokenizer), prompt_ids, turns)
+        return conversation_ids(tokenizer, chat_format_of(tokenizer), prompt_ids, turns)
     except InputError as err:
         raise BadRowError(RowProblem(*where, str(err))) from None
-
-
-_CHAT_FORMATS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def _chat_format(tokenizer: Tokenizer) -> Any:
-    """One :class:`~mcore_rl.data.chat_format.ChatFormat` per tokenizer (it renders the template to build)."""
-    from mcore_rl.data.chat_format import ChatFormat
-
-    if tokenizer not in _CHAT_FORMATS:
-        _CHAT_FORMATS[tokenizer] = ChatFormat(tokenizer)
-    return _CHAT_FORMATS[tokenizer]

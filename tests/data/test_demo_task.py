@@ -20,6 +20,20 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo_cpu.yaml"
 SMALL = {"test": 50, "val": 20, "train": 200, "sft": 300}
 
 
+@pytest.mark.parametrize("tokenizer", ["folder", "file"])
+def test_generated_data_never_writes_over_a_users_tokenizer(tmp_path: Path, tokenizer: str) -> None:
+    from mcore_rl.config import DataConfig
+    from tests.data.conftest import train_sentencepiece
+
+    folder = train_sentencepiece(tmp_path / "model")  # a sentencepiece model folder, no tokenizer.json
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "the user\'s"}')
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    path = folder if tokenizer == "folder" else next(folder.glob("*.model"))
+    data = DataConfig(seed=0, generate="arithmetic", train_files=[str(tmp_path / "train.parquet")])
+    assert demo_task.prepare_data(data, tokenizer_path=str(path)) == [str(tmp_path / "train.parquet")]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_prepare_data_writes_what_the_recipe_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # the recipe's paths are relative to the working directory
     for split, size in SMALL.items():

@@ -104,6 +104,16 @@ BAD_ROWS = [
     (_bad(prompt=[{"role": "user", "content": " "}]), "prompt", "empty prompt (every message is empty)"),
     (_bad(prompt=[{"content": "hi"}]), "prompt", "message 0 needs 'role' and 'content'"),
     (_bad(prompt=["hi"]), "prompt", "message 0 needs 'role' and 'content'"),
+    (
+        _bad(prompt=[{"role": "system", "content": None}, {"role": "user", "content": "hi"}]),
+        "prompt",
+        "message 0: expected a role and text content",
+    ),
+    (
+        _bad(prompt=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
+        "prompt",
+        "message 0: expected a role and text content",
+    ),
     (_bad(extra_info=[1, 2]), "extra_info", "expected a mapping"),
     ("{not json", "<line>", "not valid JSON"),
 ]
@@ -124,6 +134,15 @@ def test_bad_rows_name_file_row_and_column(
         [str(path)], hf_tok, DataConfig(max_prompt_length=64, skip_bad_rows=True)
     )
     assert [r.row for r in skipping.records] == [0, 2] and skipping.skipped[0].column == col
+
+
+def test_text_content_parts_read_as_their_text(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    # OpenAI's content parts; read as str() they were the literal "[{'type': 'text', ...}]".
+    parts = [{"type": "text", "text": "the cat "}, {"type": "text", "text": "sat 0"}]
+    path = str(tmp_path / "parts.jsonl")
+    write_rows(path, [row(0, prompt=[{"role": "user", "content": parts}]), row(0)])
+    records = PromptDataset.from_files([path], hf_tok, DataConfig(max_prompt_length=64)).records
+    assert records[0].prompt_ids == records[1].prompt_ids
 
 
 def test_bad_files_are_named(tmp_path: Path, hf_tok: Tokenizer) -> None:
@@ -168,6 +187,18 @@ def test_sft_rows_without_the_response_key_name_the_key(tmp_path: Path, hf_tok: 
     ):
         SFTDataset.from_files([path], hf_tok, data)
     assert len(SFTDataset.from_files([path], hf_tok, data, response_key="extra_info.answer")) == 1
+
+
+def test_sft_skips_a_first_row_without_a_response_when_told_to(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    path = str(tmp_path / "sft.jsonl")
+    write_rows(path, [row(0), *(row(i, response="seven") for i in (1, 2))])
+    data = DataConfig(max_prompt_length=64, max_response_length=8, skip_bad_rows=True)
+    assert len(SFTDataset.from_files([path], hf_tok, data)) == 2
+    write_rows(path, [row(0)])
+    with pytest.raises(
+        DataError, match=r"no usable SFT examples \(every row skipped, the first: .*'response': missing"
+    ):
+        SFTDataset.from_files([path], hf_tok, data)
 
 
 def _loader(num: int, batch: int, tmp_path: Path, tok: Tokenizer) -> PromptLoader:

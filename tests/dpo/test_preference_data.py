@@ -14,8 +14,8 @@ from mcore_rl.data.arithmetic import CharTokenizer
 from mcore_rl.data.demo_task import write_tokenizer
 from mcore_rl.data.preference import PreferenceBatch, PreferenceDataset, wrong_answer
 from mcore_rl.data.rows import DataError, write_rows
-from mcore_rl.data.tokenizer import load_tokenizer
-from tests.data.conftest import train_bpe
+from mcore_rl.data.tokenizer import load_tokenizer, write_tokenizer_config
+from tests.data.conftest import TEMPLATE, train_bpe
 
 CHARS = CharTokenizer()
 
@@ -89,6 +89,25 @@ def test_chat_completions_are_what_the_template_adds(tmp_path: Path) -> None:
     assert tokenizer.decode(list(record.chosen_ids), skip_special_tokens=False) == "on a mat</s>"
     assert record.rejected_ids[-1] == tokenizer.eos_token_id
     assert record.rejected_ids.count(tokenizer.eos_token_id) == 1
+
+
+def test_chat_completions_stop_at_the_stop_token_the_template_closes_with(tmp_path: Path) -> None:
+    # ChatML closes a turn with "<|im_end|>\n": the model stops at <|im_end|> (its EOS here) and is not
+    # trained on the newline after it, nor on a second EOS.
+    folder = train_bpe(tmp_path / "hf", with_config=False)
+    template = TEMPLATE.replace("</s>", "</s>\n")
+    write_tokenizer_config(str(folder), eos_token="</s>", pad_token="<pad>", chat_template=template)
+    tokenizer = load_tokenizer(str(folder))
+    row = {
+        "prompt": [{"role": "user", "content": "the cat sat"}],
+        "chosen": [{"role": "assistant", "content": "on a mat"}],
+        "rejected": [{"role": "assistant", "content": "in the box"}],
+    }
+    path = str(tmp_path / "chat.jsonl")
+    write_rows(path, [row])
+    record = PreferenceDataset.from_files([path], tokenizer, DataConfig()).records[0]
+    assert tokenizer.decode(list(record.chosen_ids), skip_special_tokens=False) == "on a mat</s>"
+    assert tokenizer.decode(list(record.rejected_ids), skip_special_tokens=False) == "in the box</s>"
 
 
 def test_overlong_pairs_refused_or_dropped_with_a_count(digits, tmp_path: Path, caplog) -> None:
