@@ -68,6 +68,7 @@ from mcore_rl.engine.rollout.vllm_args import (
     VLLMRolloutConfig,
     check_free_memory,
     engine_args,
+    prompt_seed,
     sampling_kwargs,
     set_launcher_env,
 )
@@ -310,7 +311,11 @@ class VLLMRolloutEngine:
         check_covered(self._unloaded)
         self._check_sampling(prompts, params)
         seed, recorder = shared_seed(params.seed, self.tp_group), self._recorder
-        vllm_params = VLLMSamplingParams(**sampling_kwargs(params, seed, whole_prompts=recorder is not None))
+        whole = recorder is not None
+        vllm_params = [
+            VLLMSamplingParams(**sampling_kwargs(params, prompt_seed(seed, i), whole_prompts=whole))
+            for i in range(len(prompts))
+        ]
         with contextlib.nullcontext(None) if recorder is None else recorder.recording() as steps:
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], vllm_params, use_tqdm=False

@@ -419,6 +419,9 @@ def _rollouts(hybrid: Any, engine: Any, ctx: Any, calls: int) -> list[dict[str, 
             for call in range(calls)
         ]
         greedy = hybrid.generate(PROMPTS, SamplingParams(0.0, max_new_tokens=4))
+        # one prompt four times: vLLM draws sample j from its request's seed + j, so a seed shared by the
+        # call's requests gave each copy the same two responses
+        copies = hybrid.generate([PROMPTS[1]] * 4, SamplingParams(TEMPERATURE, n=2, max_new_tokens=6, seed=5))
         hybrid.to_train()
         steps.append(
             {
@@ -431,6 +434,7 @@ def _rollouts(hybrid: Any, engine: Any, ctx: Any, calls: int) -> list[dict[str, 
                 "planned": hybrid.plan.received_bytes()[ctx.rank],
                 "memory": in_rollout,
                 "recorded": outs[0].response_experts is not None,  # MoE models only: no cost for a dense one
+                "distinct_copies": len({tuple(row) for row in copies.token_ids.tolist()}),
             }
         )
         _train_step(engine)
@@ -537,6 +541,7 @@ def _check(results: list[dict[str, Any]], tp_g: int, family: str) -> None:
             assert step["received"] == step["planned"]  # shards only: no full model gathered anywhere
             assert step["memory"] == expected
             assert step["recorded"] == (ARCHS[family].moe is not None)
+            assert step["distinct_copies"] == 8, (rank, step["distinct_copies"])
         leader = results[rank - rank % tp_g]  # vLLM's TP groups are consecutive ranks
         for mine, theirs in zip(result["steps"], leader["steps"], strict=True):
             for key in ("tokens", "log_probs"):
