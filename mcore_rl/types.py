@@ -260,6 +260,9 @@ class CriticStats:
     """Critic gradient norm before clipping, mean over optimizer steps."""
     lr: float
     """Critic learning rate of the last optimizer step."""
+    num_skipped: int = 0
+    """Critic updates skipped for a NaN/inf loss or gradient (``on_nonfinite_loss=skip``); the means above
+    are over the others."""
 
 
 @dataclass
@@ -318,8 +321,10 @@ class StepStats:
     """The actor's update."""
     seconds: dict[str, float]
     """Wall seconds per stage (generate, score_and_log_probs, update, sync, ...)."""
-    tokens_per_s: float
-    """Response tokens generated per second of generation."""
+    tokens_per_s: float | None
+    """The rollout's response tokens per wall second of its sampling (one-step-off: the previous step's
+    sampling of this rollout; a rollout pool's, until its samples reached the driver); None where unknown
+    (the first rollout after a resume was sampled before the checkpoint)."""
     scorer: dict[str, float]
     """:meth:`ScoredBatch.metrics`: the scorer's error and timeout counts, its extra metrics."""
     sync: dict[str, float]
@@ -359,7 +364,7 @@ class StepStats:
             **{k: v for k, v in vars(self.update).items() if v is not None},
             **{f"time/{k}_s": v for k, v in self.seconds.items()},
             "time/step_s": self.step_s,
-            "tokens_per_s": self.tokens_per_s,
+            **({} if self.tokens_per_s is None else {"tokens_per_s": self.tokens_per_s}),
             **self.scorer,
             **self.critic,
             **self.kl_in_reward,

@@ -81,7 +81,7 @@ def _group_mean_std(
     multi = counts > 1
     mean = torch.where(multi, top + shift_mean, torch.zeros_like(top))
     std = torch.where(multi, std, torch.ones_like(std))
-    return tuple(t[index].to(scores.dtype) for t in (mean, std, counts))
+    return mean[index].to(scores.dtype), std[index].to(scores.dtype), counts[index].to(scores.dtype)
 
 
 def _scores(rewards: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

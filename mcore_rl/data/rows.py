@@ -137,7 +137,7 @@ def message_text(content: Any) -> str | None:
     parts = list(content) if is_sequence else []
     texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
     if parts and len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
-        return "".join(texts)
+        return "".join(str(t) for t in texts)
     return None
 
 

@@ -187,7 +187,9 @@ class ValueHead(torch.nn.Module):
     """Scalar head replacing ``GPTModel.output_layer``: hidden [s, b, h] -> values [s, b, 1].
 
     Replicated on every TP rank. Under sequence parallelism the hidden states arrive split by sequence,
-    so they are gathered first; every rank then sees the full sequence and computes identical grads.
+    so they are gathered first; every rank then sees the full sequence and computes identical grads, so the
+    gather's backward keeps each rank's own slice (megatron's default, a reduce-scatter for a vocab-parallel
+    head whose ranks hold partial gradients, summed TP identical ones: the body's gradient x TP).
     """
 
     def __init__(self, hidden_size: int, config: Any, init_std: float, seed: int) -> None:
@@ -205,7 +207,7 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight), None
 
 

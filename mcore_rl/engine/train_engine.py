@@ -340,20 +340,39 @@ class TrainEngine:
         return [r for r in records if r is not _FILLER_RECORD]
 
     def finite_or_skip(self, local_metrics: torch.Tensor, on_nonfinite: str, what: str) -> bool:
-        """Collective, before the optimizer step: True when every rank's ``local_metrics`` (its loss terms) are
-        finite. Otherwise the gradients are dropped and, as ``on_nonfinite`` says, the step is skipped (False:
-        the caller counts it) or :class:`NonFiniteLossError` names the rank and ``what``. Every rank takes the
-        same branch (a MAX all-reduce), so no collective of the optimizer step is left waiting."""
-        bad = torch.tensor([0.0 if bool(torch.isfinite(local_metrics).all()) else 1.0])
+        """Collective, before the optimizer step: True when every rank's ``local_metrics`` (its loss terms) and
+        gradients are finite. Otherwise the gradients are dropped and, as ``on_nonfinite`` says, the step is
+        skipped (False: the caller counts it) or :class:`NonFiniteLossError` names the rank and ``what``. Every
+        rank takes the same branch (a MAX all-reduce), so no collective of the optimizer step is left waiting.
+        The gradients are checked here because megatron's fp32 and bf16 optimizers have no grad scaler to find
+        an overflow: a finite loss whose backward overflowed would otherwise step Adam into NaN weights."""
+        loss_bad = not bool(torch.isfinite(local_metrics).all())
+        grads_bad = not loss_bad and not self._grads_finite()
+        bad = torch.tensor([1.0 if loss_bad or grads_bad else 0.0])
         self.ctx.all_reduce(bad, op="max")
         if not bad.item():
             return True
         self.zero_grad()
         if on_nonfinite == "skip":
             return False
-        raise NonFiniteLossError(
-            f"rank {self.ctx.rank}: NaN/inf {what} {local_metrics.tolist()}; the update was not applied"
-        )
+        if loss_bad:
+            problem = f"NaN/inf {what} {local_metrics.tolist()}"
+        elif grads_bad:
+            problem = f"a NaN/inf gradient (the {what} was finite)"
+        else:
+            problem = f"a NaN/inf {what} or gradient on another rank"
+        raise NonFiniteLossError(f"rank {self.ctx.rank}: {problem}; the update was not applied")
+
+    def _grads_finite(self) -> bool:
+        """This rank's gradients (megatron's ``main_grad`` buffers, reduced over data parallelism) finite."""
+        grads: list[torch.Tensor] = []
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                grad = getattr(p, "main_grad", None)
+                grad = p.grad if grad is None else grad
+                if p.requires_grad and grad is not None and grad.numel():
+                    grads.append(grad)
+        return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:

@@ -142,6 +142,7 @@ def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps
         dtype=cfg.model.dtype,
         hf_path=path,
         remove_padding=bool(cfg.model.use_remove_padding),
+        on_nonfinite=cfg.trainer.on_nonfinite_loss,
     )
     if cfg.critic.colocate:
         critic = CriticGroup(actors.backend)

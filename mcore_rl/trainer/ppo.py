@@ -30,7 +30,7 @@ from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.critic import CriticGroup
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.rollout_source import RolloutSource
-from mcore_rl.trainer.step import StageTimer, StepBase
+from mcore_rl.trainer.step import StageTimer, StepBase, named_nonfinite
 from mcore_rl.types import (
     CriticStats,
     LogProbBatch,
@@ -100,12 +100,12 @@ class PPOStep(StepBase):
                 self.plan.ppo_epochs,
                 self.cfg.critic.ppo_micro_batch_size_per_gpu,
             )
-            critic_stats = None if self.cfg.trainer.overlap_stages else wait_critic()
+            critic_stats = None if self.cfg.trainer.overlap_stages else named_nonfinite(step, wait_critic)
         frozen = step <= self.cfg.critic.warmup_steps
         with timer("update"):
             stats = _frozen_stats() if frozen else self.update(self.train_batch(batch), step)
         with timer("critic_update"):
-            critic_stats = wait_critic() if critic_stats is None else critic_stats
+            critic_stats = named_nonfinite(step, wait_critic) if critic_stats is None else critic_stats
         with timer("sync"):
             synced = self.submit_sync_and_memory()()
         return self.stats(

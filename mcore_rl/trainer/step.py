@@ -52,6 +52,8 @@ from mcore_rl.types import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_Pending = tuple[PromptBatch, Callable[[], RolloutBatch], Callable[[], float | None]]
+"""A rollout generated ahead (one-step-off): its prompts, the wait for it, the seconds it took to sample."""
 
 
 class StageTimer:
@@ -90,7 +92,9 @@ class StepBase:
         """With ``reward_model.path``: its score joins the rules' (``reward_model.weight``)."""
         self.loss = loss_settings(cfg)
         self.plan = update_plan(cfg)
-        self._pending: tuple[PromptBatch, Callable[[], RolloutBatch]] | None = None
+        self._pending: _Pending | None = None
+        self._generation_s: float | None = None
+        """Wall seconds this step's rollout took to sample (None: unknown, a rollout restored on resume)."""
         """One-step-off: the next step's prompts and their rollout (a wait: on a pool it is still running),
         started before this step's update."""
         self.policy_lag = 0
@@ -120,14 +124,38 @@ class StepBase:
         if self._pending is not None and self._pending[0] is prompts:
             with timer("generate_wait"):  # a rollout pool may still be sampling it
                 rollout, lag = self._pending[1](), 1
+            self._generation_s = self._pending[2]()
         else:
             with timer("generate"):
                 rollout, lag = self.submit_generate(prompts, step)(), 0
+            self._generation_s = timer.seconds["generate"]
         self._pending, self.policy_lag = None, lag
         if next_prompts is not None:
-            with timer("generate_next"):  # on a rollout pool only started: it samples during the update
-                self._pending = (next_prompts, _once(self.submit_generate(next_prompts, step + 1)))
+            self._pending = self._generate_ahead(next_prompts, step + 1, timer)
         return rollout, lag
+
+    def _generate_ahead(self, prompts: PromptBatch, step: int, timer: StageTimer) -> _Pending:
+        """One-step-off: start the next step's rollout; with it, how to tell how long it took to sample.
+        The colocated engines and the multi-turn loop sample within the call; a rollout pool only starts
+        there and samples during the update, so its seconds run until the samples reached the driver."""
+        started = time.perf_counter()
+        with timer("generate_next"):
+            wait = _once(self.submit_generate(prompts, step))
+        if self.multi_turn is not None or isinstance(self.rollout, ColocatedRollout):
+            sampled = time.perf_counter() - started
+            return prompts, wait, lambda: sampled
+        done: list[float] = []
+
+        def seconds() -> float:
+            return done[0] if done else time.perf_counter() - started
+
+        def received() -> RolloutBatch:
+            batch = wait()
+            if not done:
+                done.append(time.perf_counter() - started)
+            return batch
+
+        return prompts, received, seconds
 
     def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
         """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
@@ -148,7 +176,7 @@ class StepBase:
 
     def restore_pending(self, prompts: PromptBatch, rollout: RolloutBatch) -> None:
         """Resume: ``rollout`` was generated for ``prompts`` by the weights before the checkpointed update."""
-        self._pending = (prompts, lambda: rollout)
+        self._pending = (prompts, lambda: rollout, lambda: None)
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step
@@ -249,11 +277,11 @@ class StepBase:
         A NaN/inf loss stops the run naming the step (nothing was applied)."""
         if recompute:
             wait = self.actors.submit_update(batch, self.loss, self.plan)
-            return lambda: (_named_nonfinite(step, wait), batch.old_log_probs)
+            return lambda: (named_nonfinite(step, wait), batch.old_log_probs)
         wait_on_policy = self.actors.submit_update_on_policy(batch, self.loss, self.plan)
 
         def collect() -> tuple[UpdateStats, torch.Tensor]:
-            result = _named_nonfinite(step, wait_on_policy)
+            result = named_nonfinite(step, wait_on_policy)
             return result.stats, result.actor_log_probs
 
         return collect
@@ -302,8 +330,7 @@ class StepBase:
         if turns is not None:
             self._sample_conversation(turns, scored)
         tokens = int(rollout.response_lengths.sum())
-        # one-step-off: this step generated the next rollout, of about as many tokens
-        generate_s = timer.seconds.get("generate", 0.0) or timer.seconds.get("generate_next", 0.0)
+        generate_s = self._generation_s
         return StepStats(
             reward=float(scored.scores.mean()),
             mixed_groups=float((groups != groups[:, :1]).any(dim=1).float().mean()),
@@ -311,7 +338,7 @@ class StepBase:
             token_mult_prob_error=agreement.token_mult_prob_error,
             update=update,
             seconds=timer.seconds,
-            tokens_per_s=tokens / max(generate_s, 1e-9),
+            tokens_per_s=None if generate_s is None else tokens / max(generate_s, 1e-9),
             scorer=scored.metrics(),
             sync=sync_and_memory[0],
             memory=sync_and_memory[1],
@@ -352,7 +379,7 @@ class StepBase:
         self.rollout.close()
 
 
-def _named_nonfinite(step: int, update: Callable[[], T]) -> T:
+def named_nonfinite(step: int, update: Callable[[], T]) -> T:
     """Run ``update``; its NaN/inf-loss error (nothing was applied) comes back naming the step. The error is
     recognised by type, in-process or from a Ray worker (``WorkerError.cause``)."""
     try:
@@ -367,7 +394,7 @@ def _named_nonfinite(step: int, update: Callable[[], T]) -> T:
 
 def _step_nonfinite(step: int, err: Exception) -> NonFiniteLossError:
     return NonFiniteLossError(
-        f"step {step}: NaN/inf loss, the update was not applied (trainer.on_nonfinite_loss=skip "
+        f"step {step}: NaN/inf loss or gradient, the update was not applied (trainer.on_nonfinite_loss=skip "
         f"skips such updates): {str(err).splitlines()[0][:300]}"
     )
 

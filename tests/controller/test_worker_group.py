@@ -101,7 +101,7 @@ def test_a_typed_error_crosses_the_ray_boundary_as_itself() -> None:
     """The driver tells a NaN loss from other failures by type (``WorkerError.cause``), not by its message;
     the RL step then names the step (``trainer/step.py``)."""
     from mcore_rl.engine.train_engine import NonFiniteLossError
-    from mcore_rl.trainer.step import _named_nonfinite
+    from mcore_rl.trainer.step import named_nonfinite
 
     # the group's placement group is released for the next test
     with WorkerGroup.spawn(Worker, 1) as group, pytest.raises(WorkerError) as info:
@@ -111,14 +111,16 @@ def test_a_typed_error_crosses_the_ray_boundary_as_itself() -> None:
     def failed_update() -> None:
         raise info.value
 
-    with pytest.raises(NonFiniteLossError, match=r"^step 7: NaN/inf loss, the update was not applied"):
-        _named_nonfinite(7, failed_update)
+    with pytest.raises(
+        NonFiniteLossError, match=r"^step 7: NaN/inf loss or gradient, the update was not applied"
+    ):
+        named_nonfinite(7, failed_update)
 
     def other_failure() -> None:
         raise WorkerError(0, "update", "ValueError: unrelated", ValueError("unrelated NaN/inf loss text"))
 
     with pytest.raises(WorkerError, match="unrelated"):  # not a NaN loss, whatever its message says
-        _named_nonfinite(7, other_failure)
+        named_nonfinite(7, other_failure)
 
 
 def test_kill_9_of_one_actor_ends_the_call_fast_with_its_rank() -> None:

@@ -29,7 +29,7 @@ def test_an_overflowing_loss_stops_the_run_naming_the_step_or_is_skipped(tmp_pat
     tiny_run_config(data)
     assert main(["train", "recipes/demo_cpu.yaml", *_args(data, str(tmp_path / "stop")), "--in-process"]) == 1
     err = capsys.readouterr().err
-    assert "NonFiniteLossError: step 1: NaN/inf loss, the update was not applied" in err
+    assert "NonFiniteLossError: step 1: NaN/inf loss or gradient, the update was not applied" in err
 
     run = str(tmp_path / "skip")
     args = [*_args(data, run), "trainer.on_nonfinite_loss=skip"]

@@ -8,6 +8,8 @@ on-policy and its numbers equal the off run's; steps 2 and 3 train on rollouts o
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from mcore_rl.trainer.trainer import Trainer
@@ -37,6 +39,12 @@ def test_one_step_off_trains_on_the_rollout_generated_before_the_last_update(tmp
     for key in SAME:  # before any update both runs are the same on-policy step
         assert on[0][key] == pytest.approx(off[0][key], abs=1e-6), key
     assert "time/generate_next_s" in on[0] and "time/generate_s" not in on[1]
+    # throughput pairs each rollout's tokens with its own sampling, the step before (the last step samples
+    # nothing ahead: its 0 s made 6.5e10 tokens/s)
+    sequences = on[0]["tokens_per_s"] * on[0]["time/generate_s"] / on[0]["response_len"]
+    for before, record in itertools.pairwise(on):
+        sampled_s = sequences * record["response_len"] / record["tokens_per_s"]
+        assert sampled_s == pytest.approx(before["time/generate_next_s"], rel=0.2, abs=2e-3)
     for record in on[1:]:  # the old log-probs come from the updated actor, the samples from the one before
         assert record["token_mult_prob_error"] > 1.0 + 1e-3
     # lagged steps carry truncated importance weights of pi_old / pi_rollout; the on-policy first does not

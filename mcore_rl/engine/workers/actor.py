@@ -271,9 +271,10 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         ]
         self.engine.zero_grad()
         out = self.engine.forward_backward(micro, sft_loss(self.spec.arch.vocab_size, count.clamp(min=1)))
+        loss = torch.tensor([sum(float(m.loss) for m in out)])
+        self.engine.finite_or_skip(loss, "stop", "SFT loss")  # names the rank; the weights stay as they were
         self.scheduler.step(1)
         result = self.engine.step()
-        loss = torch.tensor([sum(float(m.loss) for m in out)])
         if out:
             ctx.all_reduce(loss, ctx.dp_group)
         if not self._owns_training_result():

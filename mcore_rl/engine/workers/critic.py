@@ -57,6 +57,8 @@ class CriticSpec:
     remove_padding: bool = False
     """Pack micro-batch rows for the model (``model.use_remove_padding``): values are read on the response
     only, so rows are cut after their last response position."""
+    on_nonfinite: str = "stop"
+    """``trainer.on_nonfinite_loss``: a NaN/inf critic loss or gradient stops the run or skips the update."""
 
 
 class Critic:
@@ -104,18 +106,21 @@ class Critic:
     ) -> CriticStats | None:
         """Epochs over mini-batches (one critic optimizer step each) of this rank's shard."""
         batch = self._pad(batch)
-        sums, steps = torch.zeros(4), 0  # vf_loss, vf_clip_frac, vpred_mean, grad_norm
+        sums, steps, skipped = torch.zeros(4), 0, 0  # vf_loss, vf_clip_frac, vpred_mean, grad_norm
         for _ in range(ppo_epochs):
             for rows in mini_batch_slices(batch.tokens.shape[0], num_mini_batches):
-                sums += self._optimizer_step(_slice(batch, rows), micro_batch_size)
-                steps += 1
+                applied = self._optimizer_step(_slice(batch, rows), micro_batch_size)
+                if applied is None:  # skipped for a NaN/inf loss or gradient
+                    skipped += 1
+                else:
+                    sums, steps = sums + applied, steps + 1
         if not self._owns_result():
             return None
         vf_loss, clip_frac, vpred, grad_norm = (sums / max(steps, 1)).tolist()
         lr = float(self.engine.optimizers[0].param_groups[0]["lr"])
-        return CriticStats(vf_loss, clip_frac, vpred, grad_norm, lr)
+        return CriticStats(vf_loss, clip_frac, vpred, grad_norm, lr, num_skipped=skipped)
 
-    def _optimizer_step(self, mini: ValueBatch, micro_batch_size: int) -> torch.Tensor:
+    def _optimizer_step(self, mini: ValueBatch, micro_batch_size: int) -> torch.Tensor | None:
         from mcore_rl.engine.packing.micro_batches import positions, row_chunks
 
         count = mini.response_mask.sum().reshape(1)
@@ -130,7 +135,8 @@ class Critic:
         self.engine.zero_grad()
         out = self.engine.forward_backward(micro, critic_loss(self.spec.cliprange_value, count.clamp(min=1)))
         local = torch.stack([m.summable() for m in out]).sum(0) if out else torch.zeros(3)
-        self.engine.finite_or_skip(local, "stop", "critic loss")
+        if not self.engine.finite_or_skip(local, self.spec.on_nonfinite, "critic loss"):
+            return None
         self.scheduler.step(1)
         result = self.engine.step()
         if out:

@@ -1,9 +1,10 @@
-"""The critic at TP2xPP2 (gloo, fp32) equals the critic at TP1: its values, its clipped value loss and grad
+"""The critic at TP2xPP2 and at TP2 with sequence parallelism (gloo, fp32) equals the critic at TP1: its values, its clipped value loss and grad
 norm, and its values after one optimizer step, within 1e-5. Same weights (a TP1 full state loaded into
 both), same rows; at TP1 the 4 ranks are data-parallel and each takes a quarter of the batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -64,17 +65,28 @@ def _critic_in_layout(parallel: dict, full: dict[str, torch.Tensor]) -> dict:
         return {"before": before, "after": after, "stats": stats}
 
 
-def test_critic_tp2_pp2_equals_tp1(run_distributed) -> None:
+LAYOUTS = {
+    "tp2-pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    # the value head gathers SP's sequence shards: its backward summing TP identical gradients doubled the body's
+    "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+}
+
+
+@pytest.fixture(scope="module")
+def tp1(run_distributed) -> tuple[dict, dict]:
     full = run_distributed(_initial_state, world_size=4)[0]
-    tp1 = run_distributed(_critic_in_layout, {}, full, world_size=4)[0]
-    tp2pp2 = run_distributed(
-        _critic_in_layout,
-        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-        full,
-        world_size=4,
-    )
+    return full, run_distributed(_critic_in_layout, {}, full, world_size=4)[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_critic_layouts_equal_tp1(run_distributed, tp1, layout: str) -> None:
+    full, tp1 = tp1
+    tp2pp2 = run_distributed(_critic_in_layout, LAYOUTS[layout], full, world_size=4)
     owners = [r for r in tp2pp2 if r["before"] is not None]
-    assert len(owners) == 1  # the last stage's TP rank 0
+    model_parallel = LAYOUTS[layout]["tensor_model_parallel_size"] * LAYOUTS[layout].get(
+        "pipeline_model_parallel_size", 1
+    )
+    assert len(owners) == 4 // model_parallel  # per data-parallel rank, the last stage's TP rank 0
     got = owners[0]
     assert tp1["before"].shape == (ROWS, SEQ)
     # 1e-5 relative to the values' scale (up to ~2): TP/PP-split GEMMs round differently per CPU kernel (AVX2
@@ -86,3 +98,32 @@ def test_critic_tp2_pp2_equals_tp1(run_distributed) -> None:
     for key in ("vf_loss", "vf_clip_frac", "vpred_mean", "grad_norm"):
         assert abs(getattr(got["stats"], key) - getattr(tp1["stats"], key)) <= 1e-5, key
     assert 0.0 < tp1["stats"].vf_clip_frac < 1.0  # the clip is active on some tokens, not all
+
+
+def _critic_with_nan_returns(on_nonfinite: str) -> dict:
+    from dataclasses import replace
+
+    from mcore_rl.engine.train_engine import NonFiniteLossError
+
+    arch, spec = _arch(), replace(_spec(), on_nonfinite=on_nonfinite)
+    batch = _batch(arch.vocab_size)
+    nan = ValueBatch(batch.tokens, batch.response_mask, batch.old_values, batch.returns * float("nan"))
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        critic = Critic(ctx, spec)
+        before = critic.values(batch.tokens, micro_batch_size=4)
+        try:
+            stats, error = critic.update(nan, num_mini_batches=2, ppo_epochs=1, micro_batch_size=2), None
+        except NonFiniteLossError as err:
+            stats, error = None, str(err)
+        after = critic.values(batch.tokens, micro_batch_size=4)
+        return {"stats": stats, "error": error, "same": torch.equal(before, after)}
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_a_nan_critic_loss_follows_on_nonfinite_loss(run_distributed, on_nonfinite: str) -> None:
+    result = run_distributed(_critic_with_nan_returns, on_nonfinite, world_size=1)[0]
+    assert result["same"]  # no update reached the weights
+    if on_nonfinite == "skip":  # both mini-batches skipped and counted; the run goes on
+        assert result["error"] is None and result["stats"].num_skipped == 2
+    else:
+        assert result["stats"] is None and "NaN/inf critic loss" in result["error"]
