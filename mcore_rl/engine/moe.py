@@ -238,6 +238,15 @@ class RoutingTaps:
         return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
 
+def _first_reader(source: torch.Tensor, total: int) -> torch.Tensor:
+    """[total]: the first row position reading each packed token (``source``: the packed token at each row
+    position, ``total`` where none); ``len(source)`` for a token no row reads (filler)."""
+    rows = torch.arange(source.numel())
+    read = source < total
+    home = torch.full((total,), source.numel(), dtype=torch.long)
+    return home.scatter_reduce(0, source[read], rows[read], "amin")
+
+
 def _model_order(choices: torch.Tensor, micro_batch: Any, ctx: ParallelContext) -> torch.Tensor:
     """[b, s, L, k] per row position -> [tokens, L, k] in the order this rank's routers see the tokens."""
     b, s = choices.shape[:2]
@@ -248,7 +257,12 @@ def _model_order(choices: torch.Tensor, micro_batch: Any, ctx: ParallelContext) 
         flat = choices.reshape(b * s, *choices.shape[2:])
         total = packed.tokens.shape[1]
         ordered = torch.full((total, *choices.shape[2:]), -1, dtype=choices.dtype)
-        ordered[: packed.index.numel()] = flat.index_select(0, packed.index.cpu())
+        if packed.source is None:
+            ordered[: packed.index.numel()] = flat.index_select(0, packed.index.cpu())
+        else:  # shared prompts: a prompt token is one packed token that every row of its group reads
+            home = _first_reader(packed.source.cpu(), total)
+            found = home < b * s
+            ordered[found] = flat.index_select(0, home[found])
     if ctx.layout.sp and ctx.tp_size > 1:  # the rank's contiguous slice of the sequence dimension
         ordered = ordered.chunk(ctx.tp_size)[ctx.tp_rank]
     return ordered.to(ctx.device)

@@ -99,3 +99,30 @@ def test_router_replay_agreement_and_a_perturbed_rollout(run_distributed):
         assert own["gap"] > 1e-2  # and so do its log-probs
         assert replayed["gap"] < 1e-5, perturbed  # the rollout's experts replayed: equal by construction
         assert replayed["agreement"] == own["agreement"]  # measured on the trainer's own choice either way
+
+
+def test_routing_follows_shared_prompt_packing() -> None:
+    """model.share_prompt_prefix packs a group's prompt once: each packed token's rollout routing is its first
+    reader's row position, filler has none (-1). Read as plain packing's index, the rows were misaligned
+    (TP1: a shape error; with sequence-parallel filler, another row's experts)."""
+    from types import SimpleNamespace
+
+    from mcore_rl.engine.moe import _model_order
+    from mcore_rl.engine.packing.micro_batches import packed
+    from mcore_rl.engine.train_engine import MicroBatch
+
+    tokens = torch.tensor([[5, 6, 7, 0], [5, 8, 9, 0]])  # one prompt [5], two responses of two tokens
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    choices = (100 * torch.arange(2)[:, None] + torch.arange(4)[None]).reshape(2, 4, 1, 1)  # row * 100 + col
+    ctx = SimpleNamespace(layout=SimpleNamespace(sp=False), tp_size=1, tp_rank=0, device=torch.device("cpu"))
+    for multiple, expected in ((1, [0, 1, 2, 101, 102]), (2, [0, 1, 2, 101, 102, -1])):
+        micro = packed(
+            MicroBatch(tokens, positions(tokens)),
+            mask,
+            multiple,
+            0,
+            remove_padding=True,
+            share_prompt_prefix=True,
+        )
+        assert micro.packed.tokens[0, :5].tolist() == [5, 6, 7, 8, 9]
+        assert _model_order(choices, micro, ctx)[:, 0, 0].tolist() == expected
