@@ -152,11 +152,19 @@ def _lora(args: argparse.Namespace, dtype: torch.dtype | None) -> str | None:
     if args.base is not None and not args.merge_lora:
         raise UsageError("--base names the model to merge into: it goes with --merge-lora")
     if not args.merge_lora:
-        return export_peft(args.ckpt, args.out, args.overwrite) if lora else None
+        return export_peft(args.ckpt, args.out, args.overwrite, dtype, args.allow_nonfinite) if lora else None
     if not lora:
         raise UsageError(
             f"--merge-lora: --ckpt {args.ckpt} is neither a LoRA run checkpoint nor a PEFT folder"
         )
     if args.base is None:
         raise UsageError("--merge-lora needs --base, the HF folder of the model the adapters were trained on")
-    return merge_lora(args.ckpt, args.base, args.out, dtype, parse_size(args.max_shard_size), args.overwrite)
+    return merge_lora(
+        args.ckpt,
+        args.base,
+        args.out,
+        dtype,
+        parse_size(args.max_shard_size),
+        args.overwrite,
+        args.allow_nonfinite,
+    )

@@ -81,6 +81,16 @@ def checkpoint_location(arch: ModelArch, full_name: str) -> Location:
     return Location(key, (arch.moe.num_experts,), (expert,), layer)
 
 
+def stored_vocab_rows(arch: ModelArch) -> list[int]:
+    """The row counts a megatron checkpoint of ``arch`` can store for a vocab tensor (embedding, LM head): the
+    vocab itself, or padded as megatron pads it (:func:`~mcore_rl.parallel.layout.padded_vocab_size`: to a
+    multiple of 128 x TP, our trainer's and Megatron-LM's default ``make_vocab_size_divisible_by``) at a TP the
+    model admits (one dividing ``num_key_value_heads``, hence the heads)."""
+    groups = arch.num_query_groups
+    tps = [tp for tp in range(1, groups + 1) if groups % tp == 0]
+    return sorted({arch.vocab_size, *(padded_vocab_size(arch.vocab_size, tp) for tp in tps)})
+
+
 def writer_layout(arch: ModelArch, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> ParallelLayout:
     """The smallest trainer layout at (tp, pp, ep, etp): one data-parallel replica of the dense weights,
     enough ranks per stage for the expert mesh. Its ranks write the chunks a trainer's ranks would."""

@@ -2,7 +2,9 @@
 
 Data flow (one process; under torchrun only rank 0 works)::
 
-    .metadata --> for each full-state tensor, in HF order:
+    .metadata --> every stored weight has its place in the config's model, each with the config's shape
+              (a vocab tensor's rows: the vocab as megatron pads it), the vocab the checkpoint records
+    --> for each full-state tensor, in HF order:
         DCP read of its region (one layer of one key; the real vocab rows only)
         --to_hf()--> q/k/v, gate/up, ... --> StreamingShardWriter (header first, data appended)
     + config.json (from mcore_rl_model.json or --hf-config-from) + tokenizer files
@@ -20,11 +22,11 @@ from typing import Any
 import torch
 
 from mcore_rl.convert.dcp_io import DistCheckpointReader, Region
-from mcore_rl.convert.dist_layout import checkpoint_location
+from mcore_rl.convert.dist_layout import checkpoint_location, stored_vocab_rows
 from mcore_rl.convert.memory import release_freed_memory
 from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, STORABLE_DTYPES, ModelCheckpointInfo
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, MODEL_INFO_FILE, STORABLE_DTYPES, ModelCheckpointInfo
 from mcore_rl.engine.hf.mapping import (
     ConvertError,
     TensorMap,
@@ -36,12 +38,16 @@ from mcore_rl.engine.hf.mapping import (
     to_hf,
 )
 from mcore_rl.engine.hf.safetensors_io import OutputTensor, StreamingShardWriter
-from mcore_rl.engine.hf.score_head import arch_of_config, hf_config_of
+from mcore_rl.engine.hf.score_head import arch_of_config, has_score_head, hf_config_of
 from mcore_rl.io.errors import note
 from mcore_rl.io.inputs import check_input_tree, input_file, read_json_object
 from mcore_rl.parallel.launch_env import current_rank
+from mcore_rl.parallel.sharding import ShardKind, shard_kind
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' historical default ("5GB")
+OPTIMIZER_PREFIX = "optimizer."
+"""Stored keys of the optimizer state a training checkpoint holds beside the model (megatron's
+``optimizer.state.*``, ``optimizer.distributed.*``): no weights, so not converted."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class McoreToHfOptions:
 class _Source:
     arch: ModelArch
     hf_config: dict[str, Any]
+    config_file: str
+    """The file ``hf_config`` was read from (named in errors)."""
     reader: DistCheckpointReader
     side_files_from: str
 
@@ -85,22 +93,40 @@ def _open_checkpoint(options: McoreToHfOptions) -> _Source:
     if options.hf_config_from is not None:
         if not os.path.isdir(options.hf_config_from):
             raise ConvertError(f"--hf-config-from {options.hf_config_from!r} is not a folder")
-        hf_config = read_json_object(str(input_file(options.hf_config_from, "config.json")), ConvertError)
+        config_file = str(input_file(options.hf_config_from, "config.json"))
+        hf_config = read_json_object(config_file, ConvertError)
         side_files_from = options.hf_config_from
     else:
         info = ModelCheckpointInfo.read(ckpt)
         if info is None:
             raise ConvertError(
-                f"{ckpt}: no mcore_rl_model.json; pass --hf-config-from with the model's HF folder"
+                f"{ckpt}: no {MODEL_INFO_FILE}; pass --hf-config-from with the model's HF folder"
             )
         hf_config, side_files_from = info.hf_config, os.path.join(ckpt, HF_ASSETS_DIR)
-    arch = arch_of_config(hf_config, options.hf_config_from or os.path.join(ckpt, "mcore_rl_model.json"))
+        config_file = os.path.join(ckpt, MODEL_INFO_FILE)
+    arch = arch_of_config(hf_config, options.hf_config_from or config_file)
     check_convertible(arch)
-    return _Source(arch, hf_config, DistCheckpointReader(ckpt), side_files_from)
+    if options.hf_config_from is not None:
+        _check_recorded_vocab(ckpt, arch, config_file)
+    return _Source(arch, hf_config, config_file, DistCheckpointReader(ckpt), side_files_from)
+
+
+def _check_recorded_vocab(ckpt: str, arch: ModelArch, config_file: str) -> None:
+    """A given config's vocab is the one the checkpoint records (when it has our metadata): padded rows hold a
+    smaller vocab too, whose conversion would drop real tokens."""
+    info = ModelCheckpointInfo.read(ckpt)
+    if info is not None and info.arch.vocab_size != arch.vocab_size:
+        raise ConvertError(
+            f"{config_file}: vocab_size={arch.vocab_size}, but {os.path.join(ckpt, MODEL_INFO_FILE)} records "
+            f"vocab_size={info.arch.vocab_size} for this checkpoint"
+        )
 
 
 def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader) -> Region:
-    """The stored box holding ``tensor_map``'s full-state tensor, checked against the config."""
+    """The stored box holding ``tensor_map``'s full-state tensor, checked against the config: the shape it
+    implies, but for a vocab tensor's rows, which may be the vocab padded as megatron pads it at some TP (a
+    classifier's [1, hidden] score head is no vocab tensor: never padded). Any TP's padding of a smaller vocab
+    can fit too: a given config's vocab is checked against the checkpoint's own record first."""
     where = checkpoint_location(arch, tensor_map.full_name)
     key = where.key
     stored = reader.tensors.get(key)
@@ -111,18 +137,36 @@ def _region(arch: ModelArch, tensor_map: TensorMap, reader: DistCheckpointReader
     shape = full_shape(arch, tensor_map)
     expected = (*where.prefix_shape, *shape)
     size = tuple(stored.size)
-    vocab_ok = key.endswith("word_embeddings.weight") or key == "output_layer.weight"
-    fits = len(size) == len(expected) and all(
-        s == e or (vocab_ok and i == 0 and s >= e)
-        for i, (s, e) in enumerate(zip(size, expected, strict=True))
-    )
+    score_head = tensor_map.full_name == "output_layer.weight" and has_score_head(arch)
+    vocab = shard_kind(tensor_map.full_name, value_head=score_head) is ShardKind.VOCAB
+    rows = stored_vocab_rows(arch) if vocab else [expected[0]]
+    fits = size[1:] == expected[1:] and size[0] in rows
     if not fits:
+        hint = ""
+        if vocab:
+            hint = f" (rows: vocab_size={arch.vocab_size} as megatron pads it at some TP, one of {rows})"
+        elif score_head:
+            hint = " (a sequence classifier's score head)"
         raise ConvertError(
-            f"{reader.directory}: {key} has shape {list(size)}, the config implies {list(expected)}"
-            + (" (rows may be padded)" if vocab_ok else "")
+            f"{reader.directory}: {key} has shape {list(size)}, the config implies {list(expected)}{hint}"
         )
     prefix = len(where.prefix_shape)
     return Region(key, where.prefix_offsets + (0,) * len(shape), (1,) * prefix + tuple(shape))
+
+
+def _check_all_used(source: _Source, used: set[str]) -> None:
+    """Every stored weight has its place in the config's model (hf-to-mcore refuses leftover HF tensors alike):
+    else a tied config would silently drop an untied checkpoint's trained output layer."""
+    left = sorted(k for k in source.reader.tensors if k not in used and not k.startswith(OPTIMIZER_PREFIX))
+    if not left:
+        return
+    more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+    tied = source.arch.tie_word_embeddings and "output_layer.weight" in left
+    raise ConvertError(
+        f"{source.reader.directory}: tensor {left[0]}{more} has no place in the model {source.config_file} "
+        "describes"
+        + (" (tie_word_embeddings=true, but the checkpoint has its own output layer)" if tied else "")
+    )
 
 
 def _output_config(hf_config: dict[str, Any], dtype: torch.dtype, arch: ModelArch) -> dict[str, Any]:
@@ -148,6 +192,7 @@ def convert_mcore_to_hf(options: McoreToHfOptions) -> str:
     arch, reader = source.arch, source.reader
     maps = tensor_maps(arch)
     regions = [_region(arch, m, reader) for m in maps]
+    _check_all_used(source, {r.fqn for r in regions})
     stored = reader.tensors[regions[0].fqn].properties.dtype
     if options.dtype is None and stored not in STORABLE_DTYPES:
         raise ConvertError(

@@ -23,7 +23,14 @@ from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo
 from mcore_rl.engine.hf.mapping import ConvertError, check_finite, hf_shapes, tensor_maps, to_full, to_hf
-from mcore_rl.engine.hf.peft import CONFIG_FILE, adapter_shapes, read_peft_adapter, write_peft_adapter
+from mcore_rl.engine.hf.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    adapter_shapes,
+    peft_name,
+    read_peft_adapter,
+    write_peft_adapter,
+)
 from mcore_rl.engine.hf.safetensors_io import OutputTensor, SafetensorsReader, StreamingShardWriter
 from mcore_rl.engine.hf.score_head import arch_of_config
 from mcore_rl.engine.hf.state import check_hf_weights
@@ -94,14 +101,19 @@ def _base_model(ckpt: str) -> str | None:
     return path if isinstance(path, str) and path else None
 
 
-def export_peft(ckpt: str, out: str, overwrite: bool) -> str:
-    """A LoRA run checkpoint's adapters as a PEFT folder ``out``; returns its path."""
+def export_peft(
+    ckpt: str, out: str, overwrite: bool, dtype: torch.dtype | None = None, allow_nonfinite: bool = False
+) -> str:
+    """A LoRA run checkpoint's adapters as a PEFT folder ``out``, cast to ``dtype`` (None: as stored); returns
+    its path."""
     output = conversion_output(out, [ckpt], overwrite, kind="lora-adapter")
     if current_rank() != 0:  # under torchrun one rank writes
         return output.path
     spec, _, adapters = checkpoint_adapters(ckpt)
     for key, tensor in adapters.items():
-        check_finite(tensor, key, ckpt, allow=False)
+        check_finite(tensor, key, ckpt, allow_nonfinite)
+    if dtype is not None:
+        adapters = {key: tensor.to(dtype) for key, tensor in adapters.items()}
     staging = output.begin()
     try:
         write_peft_adapter(staging, spec, adapters, _base_model(ckpt))
@@ -113,10 +125,19 @@ def export_peft(ckpt: str, out: str, overwrite: bool) -> str:
 
 
 def merge_lora(
-    source: str, base: str, out: str, dtype: torch.dtype | None, max_shard_bytes: int, overwrite: bool
+    source: str,
+    base: str,
+    out: str,
+    dtype: torch.dtype | None,
+    max_shard_bytes: int,
+    overwrite: bool,
+    allow_nonfinite: bool = False,
 ) -> str:
     """The HF model ``base`` with the adapters of ``source`` (a LoRA run checkpoint or a PEFT folder) merged
-    in, written to ``out`` (weights, the base's ``config.json`` and tokenizer files); returns its path."""
+    in, written to ``out`` (weights, the base's ``config.json`` and tokenizer files); returns its path.
+
+    NaN/Inf in an adapter or a base weight is refused naming the tensor and its file (``allow_nonfinite``: a
+    warning); each merged weight is computed in fp32 and cast once, to ``dtype`` (None: the base's)."""
     output = conversion_output(out, [source, base], overwrite, kind="hf-model")
     if current_rank() != 0:
         return output.path
@@ -125,10 +146,14 @@ def merge_lora(
     arch = arch_of_config(hf_config, config_file)
     if os.path.isfile(os.path.join(source, CONFIG_FILE)):
         spec, adapters = read_peft_adapter(source, arch)
+        for key, tensor in adapters.items():
+            check_finite(tensor, peft_name(key), os.path.join(source, WEIGHTS_FILE), allow_nonfinite)
     else:
         spec, saved_arch, adapters = checkpoint_adapters(source)
         if adapter_shapes(spec, saved_arch) != adapter_shapes(spec, arch):
             raise ConvertError(f"--base {base}: {config_file} is another model than {source} was trained on")
+        for key, tensor in adapters.items():
+            check_finite(tensor, key, source, allow_nonfinite)
     reader = SafetensorsReader(base)
     dtype = check_hf_weights(arch, reader, dtype)
     maps = tensor_maps(arch)
@@ -141,8 +166,13 @@ def merge_lora(
     try:
         writer = StreamingShardWriter(staging, outputs, max_shard_bytes)
         for m in maps:
-            full = to_full(arch, m, [reader.get(n) for n in m.hf_names])
-            full = merged_weight(m.full_name, full, adapters, spec, arch)
+            hf = [reader.get(n) for n in m.hf_names]
+            for name, tensor in zip(m.hf_names, hf, strict=True):
+                where = os.path.join(reader.directory, reader.infos[name].file)
+                check_finite(tensor, name, where, allow_nonfinite)
+            full = to_full(arch, m, hf)
+            del hf  # q/k/v and gate/up pieces, once fused
+            full = merged_weight(m.full_name, full, adapters, spec, arch, dtype)
             for name, tensor in zip(m.hf_names, to_hf(arch, m, full), strict=True):
                 writer.add(name, tensor.to(dtype))
         writer.finish()

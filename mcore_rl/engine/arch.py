@@ -28,6 +28,20 @@ SUPPORTED_ARCHITECTURES = {
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# What transformers' config class of each family (``LlamaConfig``, ..., ``MixtralConfig``) takes for a field a
+# config.json leaves out, so that we build the model transformers builds from the same file. head_dim None:
+# hidden_size // num_attention_heads; sliding_window None: full attention (read for Mistral and Mixtral only).
+# Kept here rather than read from transformers' classes at run time: this module stays pure and cheap to
+# import (transformers takes seconds), and needs no class an older transformers lacks (Qwen3's came in 4.51);
+# tests/engine/test_arch.py holds every value to what the installed transformers builds.
+HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
+    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None, "sliding_window": 4096},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": None},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "head_dim": None, "sliding_window": None},
+}
 
 
 @dataclass(frozen=True)
@@ -196,12 +210,18 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
             raise ConfigError(f"{key} must be a dtype name such as 'bfloat16', got {cfg[key]!r}")
     heads = _int(cfg, "num_attention_heads")
     hidden = _int(cfg, "hidden_size")
-    rope, rope_theta, partial = _rope(cfg)
-    if cfg.get("head_dim") is None and hidden % heads:
+    defaults = HF_CONFIG_DEFAULTS[family]
+    rope, rope_theta, partial = _rope(cfg, defaults["rope_theta"])
+    # An absent field takes the family's default; an explicit null means hidden // heads for head_dim (as
+    # transformers' attention reads it) and no window for sliding_window (Mistral v0.2+ configs say so).
+    head_dim = _int(cfg, "head_dim", None) if "head_dim" in cfg else defaults["head_dim"]
+    if head_dim is None and hidden % heads:
         raise ConfigError(
             f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (no head_dim)"
         )
-    window = _int(cfg, "sliding_window", None) if family in ("mistral", "mixtral") else None
+    window = None
+    if family in ("mistral", "mixtral"):
+        window = _int(cfg, "sliding_window", None) if "sliding_window" in cfg else defaults["sliding_window"]
     num_layers = _int(cfg, "num_hidden_layers")
     return ModelArch(
         family=family,
@@ -211,9 +231,9 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         num_layers=num_layers,
         num_attention_heads=heads,
         num_query_groups=_int(cfg, "num_key_value_heads", heads),
-        head_dim=_int(cfg, "head_dim", hidden // heads),
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=_int(cfg, "max_position_embeddings"),
-        norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+        norm_eps=_float(cfg, "rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         partial_rotary_factor=partial,
@@ -281,14 +301,17 @@ _ROPE_FIELDS = {
 }
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
-    """(rope parameters besides theta, rope_theta, partial_rotary_factor), every field type-checked."""
+def _rope(cfg: dict[str, Any], default_theta: float) -> tuple[dict[str, Any], float, float]:
+    """(rope parameters besides theta, rope_theta, partial_rotary_factor), every field type-checked;
+    ``default_theta`` where the config gives no rope_theta."""
     key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
     raw = cfg.get(key) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{key} must be an object, got {raw!r}")
     rope = dict(raw)
-    rope_theta = _float(rope, "rope_theta", _float(cfg, "rope_theta", 10000.0), field=f"{key}.rope_theta")
+    rope_theta = _float(
+        rope, "rope_theta", _float(cfg, "rope_theta", default_theta), field=f"{key}.rope_theta"
+    )
     rope.pop("rope_theta", None)
     if "type" in rope and "rope_type" not in rope:  # transformers < 4.45 spelling
         rope["rope_type"] = rope.pop("type")

@@ -413,10 +413,16 @@ def merge_full_state(
 
 
 def merged_weight(
-    key: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], spec: LoRASpec, arch: ModelArch
+    key: str,
+    weight: torch.Tensor,
+    adapters: dict[str, torch.Tensor],
+    spec: LoRASpec,
+    arch: ModelArch,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Full-state tensor ``key`` with its adapters merged (``W + scale * B A`` in fp32, cast back; the fused
-    QKV's and [gate; up]'s rows as :func:`interleave` lays them); itself when nothing adapts it. Pure."""
+    """Full-state tensor ``key`` with its adapters merged (``W + scale * B A`` in fp32, cast once to ``dtype``,
+    None: the weight's own; the fused QKV's and [gate; up]'s rows as :func:`interleave` lays them); itself when
+    nothing adapts it. Pure."""
     path = next((p for p in spec.modules() if key.endswith(f".{p}.weight")), None)
     if path is None or not key.startswith("decoder.layers."):
         return weight
@@ -429,7 +435,7 @@ def merged_weight(
     ]
     blocks, widths = _row_layout(path, arch, 1, weight.shape[0])
     delta = interleave(parts, blocks, widths, weight.shape[1])
-    return (weight.float() + spec.scale * delta).to(weight.dtype)
+    return (weight.float() + spec.scale * delta).to(dtype or weight.dtype)
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------

@@ -134,6 +134,20 @@ def hf_config_field(**changes: object) -> Callable[[Workspace], list[str]]:
     return build
 
 
+def given_config(keep_info: bool = True, **changes: object) -> Callable[[Workspace], list[str]]:
+    """mcore-to-hf with ``--hf-config-from`` a folder whose config.json is the model's with ``changes``
+    (the checkpoint's mcore_rl_model.json removed unless ``keep_info``)."""
+
+    def build(ws: Workspace) -> list[str]:
+        data = {**json.loads(Path(ws.hf, "config.json").read_text()), **changes}
+        ws.write("given/config.json", json.dumps(data))
+        if not keep_info:
+            os.remove(os.path.join(ws.ck, "mcore_rl_model.json"))
+        return to_hf(ws, "--hf-config-from", ws.p("given"))
+
+    return build
+
+
 class _RunsCode:
     """A pickle that, when loaded, creates the file ``ran`` (proof that code ran)."""
 

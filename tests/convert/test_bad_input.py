@@ -30,6 +30,7 @@ from tests.convert.bad_inputs import (
     file_size_limit,
     first_shard,
     float64_weights,
+    given_config,
     hf_config_field,
     latin1_in_row,
     link,
@@ -244,6 +245,32 @@ CASES = [
         "tie_word_embeddings",
     ),
     _c("info-layers-zero", hf_config_field(num_hidden_layers=0), "mcore_rl_model.json", "num_hidden_layers"),
+    # --hf-config-from another model than the checkpoint's: each took rows silently (the vocab "padding" allowed
+    # any stored rows >= the config's), or dropped a stored tensor (nothing checked each one was used).
+    _c(
+        "given-config-classifier",  # the LM head's row 0 became score.weight
+        given_config(architectures=["LlamaForSequenceClassification"], num_labels=1),
+        "output_layer.weight has shape [256, 64], the config implies [1, 64]",
+        "score head",
+    ),
+    _c(
+        "given-config-smaller-vocab",  # 50 real rows dropped
+        given_config(vocab_size=200),
+        "given/config.json: vocab_size=200",
+        "mcore_rl_model.json records vocab_size=250",
+    ),
+    _c(
+        "given-config-tied",  # the trained output layer dropped
+        given_config(tie_word_embeddings=True),
+        "tensor output_layer.weight has no place in the model",
+        "tie_word_embeddings=true",
+    ),
+    _c(
+        "given-config-vocab-not-padding",  # no record to check against: rows must be the padding of the vocab
+        given_config(keep_info=False, vocab_size=100, num_key_value_heads=1),
+        "embedding.word_embeddings.weight has shape [256, 64]",
+        "one of [100, 128]",
+    ),
     # --- config.json fields ----------------------------------------------------------------------------------
     _c(
         "tie-string",

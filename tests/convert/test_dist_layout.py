@@ -2,7 +2,8 @@
 
 A random model saved by megatron at TP2 x PP2 (4 ranks) and the same architecture converted from HF with
 ``--tp 2 --pp 2`` on the same 4 ranks must have identical DCP metadata (tensor keys, global shapes, dtypes,
-chunk boxes) and identical ``_extra_state`` objects.
+chunk boxes) and identical ``_extra_state`` objects. The vocab rows a checkpoint can hold are megatron's
+padding at a TP the model admits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from mcore_rl.convert.dist_layout import stored_vocab_rows
 from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import save_model
@@ -20,6 +22,7 @@ from mcore_rl.engine.model import build_model_chunks
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from tests.convert.hf_models import save_hf_model
+from tests.models import tiny_arch
 
 LAYOUT = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
 
@@ -78,3 +81,12 @@ def test_converted_checkpoint_has_megatrons_layout(run_distributed, tmp_path):
         assert torch.load(tmp_path / f"converted{i}" / "common.pt") == torch.load(
             tmp_path / f"megatron{i}" / "common.pt"
         )
+
+
+def test_stored_vocab_rows_are_the_vocab_padded_at_a_tp_the_model_admits():
+    # Llama 3 8B: 128256 = 1002 x 128 (TP1, 2); 129024 = 126 x 1024 (TP4: 128512; TP8). 8 kv heads: TP <= 8.
+    heads = {"num_attention_heads": 32, "num_key_value_heads": 8}
+    assert stored_vocab_rows(tiny_arch("llama", vocab_size=128256, **heads)) == [128256, 128512, 129024]
+    # A config with a smaller vocab no longer fits the checkpoint's rows (the old rule took any rows >= vocab).
+    assert stored_vocab_rows(tiny_arch("llama", vocab_size=128000, **heads)) == [128000]
+    assert stored_vocab_rows(tiny_arch("llama")) == [250, 256]  # 2 kv heads: TP1 and TP2 both pad to 256

@@ -1,15 +1,19 @@
 """PEFT adapter folders (``engine/hf/peft.py``): our names <-> peft's, a written folder reads back tensor for
 tensor, and what our adapters cannot carry, or a folder that is not the model's, is refused in one line naming
-the file and the field or tensor. A resume with LoRA from a checkpoint saved without it names its file."""
+the file and the field or tensor. A resume with LoRA from a checkpoint saved without it names its file.
+``mcore-to-hf`` of LoRA checkpoints (``convert/peft.py``): ``--merge-lora`` refuses NaN/Inf and merges in fp32
+straight to ``--dtype``; a run checkpoint's PEFT export honours ``--dtype``."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mcore_rl.cli import main
 from mcore_rl.engine.hf.peft import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -22,6 +26,7 @@ from mcore_rl.engine.hf.peft import (
 from mcore_rl.engine.lora_spec import LoRASpec, resolve_targets
 from mcore_rl.engine.trainer_checkpoint import TRAINER_STATE_FILE, check_lora_matches
 from mcore_rl.io.errors import InputError
+from tests.convert.hf_models import save_hf_model
 from tests.models import tiny_arch
 
 SPEC = LoRASpec(rank=4, alpha=8.0, targets=resolve_targets(["q_proj", "v_proj", "down_proj"]))
@@ -123,3 +128,77 @@ def test_a_resume_needs_the_adapters_the_checkpoint_was_saved_with(tmp_path) -> 
         check_lora_matches(str(tmp_path), other)
     with pytest.raises(InputError, match=r"saved with LoRA \(model\.lora_rank=4\), this run has none"):
         check_lora_matches(str(tmp_path), None)
+
+
+# --- mcore-to-hf of LoRA checkpoints (convert/peft.py) ------------------------------------------------------
+def _merge(tmp_path, adapter: str, base: str, *flags: str) -> int:
+    out = str(tmp_path / "merged")
+    return main(
+        ["convert", "mcore-to-hf", "--ckpt", adapter, "--merge-lora", "--base", base, "--out", out, *flags]
+    )
+
+
+def test_merge_lora_refuses_a_nonfinite_adapter_naming_tensor_and_file(tmp_path, capsys) -> None:
+    # --merge-lora wrote NaN weights with exit 0, where every other conversion refuses them.
+    base = save_hf_model(str(tmp_path / "hf"), "llama")
+    folder, adapters = _written(tmp_path)
+    key = "decoder.layers.1.self_attention.linear_qkv.lora_B.v_proj.weight"
+    adapters[key][0, 0] = float("nan")
+    write_peft_adapter(folder, SPEC, adapters, None)
+    assert _merge(tmp_path, folder, base) == 1
+    err = capsys.readouterr().err
+    assert f"{os.path.join(folder, WEIGHTS_FILE)}: tensor {peft_name(key)} holds 1 NaN/Inf value(s)" in err
+    assert "--allow-nonfinite" in err and not (tmp_path / "merged").exists()
+    assert _merge(tmp_path, folder, base, "--allow-nonfinite") == 0
+    assert "warning:" in capsys.readouterr().err
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged["model.layers.1.self_attn.v_proj.weight"][0].isnan().all()
+
+
+def test_merge_lora_of_a_bf16_base_to_fp32_is_not_rounded_to_bf16(tmp_path) -> None:
+    # W + scale * B A was rounded to bf16 (the base's dtype) before the cast to the fp32 asked for.
+    base = save_hf_model(str(tmp_path / "hf"), "llama", dtype=torch.bfloat16)
+    folder, adapters = _written(tmp_path)
+    assert _merge(tmp_path, folder, base, "--dtype", "fp32") == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    name, prefix = "model.layers.0.mlp.down_proj.weight", "decoder.layers.0.mlp.linear_fc2"
+    weight = load_file(os.path.join(base, "model.safetensors"))[name]
+    delta = adapters[f"{prefix}.lora_B.down_proj.weight"] @ adapters[f"{prefix}.lora_A.down_proj.weight"]
+    expected = weight.float() + SPEC.scale * delta
+    assert merged[name].dtype == torch.float32
+    torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-5)
+    assert merged["model.embed_tokens.weight"].dtype == torch.float32  # not adapted: cast alone
+
+
+def _lora_run_checkpoint(directory: str) -> dict[str, torch.Tensor]:
+    """A LoRA run checkpoint (fp32 adapters, the layout ``checkpoint_adapters`` reads); returns its adapters."""
+    import torch.distributed.checkpoint as dcp
+
+    from mcore_rl.convert.dist_layout import checkpoint_location
+    from mcore_rl.engine.checkpoint import ModelCheckpointInfo
+
+    arch, adapters = tiny_arch("llama"), _adapters(SPEC)
+    stacked: dict[str, torch.Tensor] = {}
+    for key, tensor in adapters.items():
+        where = checkpoint_location(arch, key)
+        stacked.setdefault(where.key, torch.zeros(*where.prefix_shape, *tensor.shape))
+        stacked[where.key][where.prefix_offsets] = tensor
+    os.mkdir(directory)
+    dcp.save(stacked, checkpoint_id=directory, no_dist=True)
+    ModelCheckpointInfo.for_arch(arch, torch.float32).write(directory)
+    with open(os.path.join(directory, TRAINER_STATE_FILE), "w") as f:
+        json.dump({"step": 1, "lora": SPEC.to_json()}, f)
+    return adapters
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_run_checkpoints_peft_export_takes_dtype(tmp_path) -> None:
+    # --dtype was accepted and ignored: the adapters kept the checkpoint's fp32.
+    ckpt, out = str(tmp_path / "global_step_1"), str(tmp_path / "peft")
+    adapters = _lora_run_checkpoint(ckpt)
+    assert main(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out, "--dtype", "bf16"]) == 0
+    written = load_file(os.path.join(out, WEIGHTS_FILE))
+    assert written.keys() == {peft_name(k) for k in adapters}
+    for key, tensor in adapters.items():
+        assert written[peft_name(key)].dtype == torch.bfloat16
+        assert torch.equal(written[peft_name(key)], tensor.to(torch.bfloat16))

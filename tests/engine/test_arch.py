@@ -163,3 +163,35 @@ def test_moe_fields_read_from_qwen3_moe_and_mixtral():
 def test_bad_moe_configs_name_the_field(family, overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelArch.from_hf_config(tiny_hf_config(family, **overrides))
+
+
+_LEFT_OUT = ("rms_norm_eps", "rope_theta", "head_dim", "sliding_window")
+
+
+def _transformers_reads(cfg):
+    """(rms_norm_eps, rope_theta, head_dim, sliding_window) of the model transformers builds from ``cfg``."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    rope = getattr(hf, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))  # transformers 5 / 4
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # as attention does
+    window = getattr(hf, "sliding_window", None) if cfg["model_type"] in ("mistral", "mixtral") else None
+    return hf.rms_norm_eps, theta, head_dim, window
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"])
+def test_fields_a_config_leaves_out_take_transformers_defaults(family):
+    # Mixtral's eps 1e-5 and theta 1e6, Mistral's window 4096, Qwen3's head_dim 128: we used 1e-6, 1e4, no
+    # window and hidden // heads, building another model than transformers from the same config.json.
+    cfg = {k: v for k, v in tiny_hf_config(family).items() if k not in _LEFT_OUT}
+    arch = ModelArch.from_hf_config(cfg)
+    assert (arch.norm_eps, arch.rope_theta, arch.head_dim, arch.sliding_window) == _transformers_reads(cfg)
+
+
+def test_a_null_sliding_window_is_no_window():
+    # Mistral v0.2+ configs say "sliding_window": null: full attention, not the 4096 of a left-out field.
+    cfg = tiny_hf_config("mistral", sliding_window=None)
+    arch = ModelArch.from_hf_config(cfg)
+    assert arch.sliding_window is None
+    assert (arch.norm_eps, arch.rope_theta, arch.head_dim, arch.sliding_window) == _transformers_reads(cfg)
