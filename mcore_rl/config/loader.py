@@ -152,7 +152,8 @@ def _find_recipe(path: Path, folder: Path | None) -> Path:
     Returned unresolved when missing, so the error names what was written."""
 
     def with_suffix(p: Path) -> Path:
-        return p if p.suffix in (".yaml", ".yml") or p.is_file() else p.with_suffix(".yaml")
+        # a name's own dots stay (``llama3.1_8b``: Path.with_suffix would make it llama3.yaml)
+        return p if p.suffix in (".yaml", ".yml") or p.is_file() else p.with_name(p.name + ".yaml")
 
     local = with_suffix(path if folder is None else folder / path)
     own = project_recipes()

@@ -93,14 +93,14 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     from mcore_rl.parallel.layout import LayoutError
 
     par, world = cfg.parallel, cfg.world_size
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     problems = []
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         return [
-            f"parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size = {tp * pp} does "
-            f"not divide the world size {world} (trainer.nnodes * trainer.n_gpus_per_node)"
+            "parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * "
+            f"parallel.context_parallel_size = {tp} * {pp} * {cp} = {tp * pp * cp} does not divide the world "
+            f"size {world} (trainer.nnodes * trainer.n_gpus_per_node)"
         ]
-    cp = par.context_parallel_size
     if par.data_parallel_size is not None and par.data_parallel_size != world // (tp * pp * cp):
         problems.append(
             f"parallel.data_parallel_size={par.data_parallel_size} but world size {world} / (TP*PP*CP="

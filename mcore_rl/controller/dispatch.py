@@ -74,15 +74,15 @@ def concat_records(records: Sequence[R]) -> R:
 
 def data_owners(infos: Sequence[RankInfo]) -> list[int]:
     """Index in ``infos`` of the owner of each training DP shard, in dp order: last stage, TP and CP rank 0."""
-    owners = {
-        i.dp_rank: n for n, i in enumerate(infos) if i.is_last_stage and i.tp_rank == 0 and i.cp_rank == 0
-    }
+    owners = [
+        (i.dp_rank, n) for n, i in enumerate(infos) if i.is_last_stage and i.tp_rank == 0 and i.cp_rank == 0
+    ]
     return _dense(owners, "training dp shard")
 
 
 def rollout_owners(infos: Sequence[RankInfo]) -> list[int]:
     """Index in ``infos`` of the owner of each rollout replica's samples, in replica order."""
-    owners = {i.rollout_replica: n for n, i in enumerate(infos) if i.rollout_tp_rank == 0}
+    owners = [(i.rollout_replica, n) for n, i in enumerate(infos) if i.rollout_tp_rank == 0]
     return _dense(owners, "rollout replica")
 
 
@@ -94,10 +94,13 @@ def num_rollout_shards(infos: Sequence[RankInfo]) -> int:
     return len(rollout_owners(infos))
 
 
-def _dense(owners: dict[int, int], what: str) -> list[int]:
-    if sorted(owners) != list(range(len(owners))):
-        raise ValueError(f"every {what} needs exactly one owner rank, got owners of {sorted(owners)}")
-    return [owners[k] for k in range(len(owners))]
+def _dense(owners: list[tuple[int, int]], what: str) -> list[int]:
+    """(shard, rank) pairs -> each shard's rank in shard order; two ranks claiming one shard (both would
+    compute it, their results merged into one) or a shard without a rank is refused."""
+    shards = sorted(shard for shard, _ in owners)
+    if shards != list(range(len(owners))):
+        raise ValueError(f"every {what} needs exactly one owner rank, got owners of {shards}")
+    return [rank for _, rank in sorted(owners)]
 
 
 def shard_of_rank(infos: Sequence[RankInfo], by: str) -> list[int]:

@@ -5,9 +5,10 @@ collective inside them). Each rank arms :func:`faulthandler.dump_traceback_later
 cancels it when the call returns, so a rank still inside a call after ``phase_timeout_s`` writes the Python
 stack of every thread to ``<stacks_dir>/<Class>_rank<k>.txt`` from faulthandler's own C thread (no GIL
 needed: it works while the rank is stuck in a collective or in native code). The driver waits for the phase
-``phase_timeout_s`` + :data:`GRACE_S` and then fails naming the phase, the ranks that did not finish and where
-each was stuck (:func:`hang_message`); the process group's own timeout (30 minutes by default) no longer
-decides how long a user waits.
+``phase_timeout_s`` + :data:`GRACE_S` from when the phase can start, after the calls queued before it on the
+same ranks (each waited for under its own limit), and then fails naming the phase, the ranks that did not
+finish and where each was stuck (:func:`hang_message`); the process group's own timeout (30 minutes by
+default) no longer decides how long a user waits.
 
 Start-up and teardown (:data:`UNWATCHED`: forming the world, building the engines, which may load a large
 model for a long time) are not phases.
@@ -33,6 +34,8 @@ UNWATCHED = frozenset(
         "init_parallel",
         "keep_freed_host_memory",
         "build",
+        "build_critic",
+        "build_reward_model",
         "pid",
         "shutdown",
     }

@@ -158,6 +158,9 @@ class WorkerGroup:
         """A phase (any call but start-up's) still running after this long is a hang; None: no limit."""
         self.stack_files: dict[int, str] = {}
         """rank -> where its stacks go when one of its phases hangs."""
+        self._queued: list[Pending] = []
+        """Calls submitted and not yet seen finished, in submission order: a rank runs them one after another,
+        so a call's time limit starts when those before it have finished (``_wait_for_earlier``)."""
 
     @property
     def world_size(self) -> int:
@@ -264,7 +267,20 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Pending:
         """``method(*args, **kwargs)`` on every rank, without waiting."""
         self._check_alive()
-        return Pending(method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self._queue(Pending(method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors]))
+
+    def _queue(self, pending: Pending) -> Pending:
+        if self.phase_timeout_s is not None and pending.method not in watchdog.UNWATCHED:
+            self._queued.append(pending)
+        return pending
+
+    def _take_queued(self, pending: Pending) -> list[Pending]:
+        """The calls queued before ``pending`` (``pending`` itself leaves the queue)."""
+        for i, queued in enumerate(self._queued):
+            if queued is pending:
+                earlier, self._queued = self._queued[:i], self._queued[i + 1 :]
+                return earlier
+        return []
 
     def call_sharded(self, method: str, shards: Sequence[Any], by: str, *args: Any) -> Pending:
         """``method(shard, *args)`` on every rank, with shard ``d`` going to the ranks whose ``by`` coordinate
@@ -282,7 +298,35 @@ class WorkerGroup:
         readers = [which.count(d) for d in range(len(shards))]
         refs = [ray.put(s) if readers[d] > 1 else s for d, s in enumerate(shards)]
         calls = [getattr(a, method).remote(refs[d], *args) for a, d in zip(self.actors, which, strict=True)]
-        return Pending(method, calls)
+        return self._queue(Pending(method, calls))
+
+    def _wait_for_earlier(self, earlier: list[Pending]) -> None:
+        """Wait, each under the phase limit, for the calls submitted before this one to finish on every rank
+        (their results stay for their own ``get``): they run first, and their time is not this call's. PPO
+        awaits the actor's update queued behind the critic's on the same ranks."""
+        import ray
+
+        assert self.phase_timeout_s is not None
+        limit = self.phase_timeout_s + watchdog.GRACE_S
+        for call in earlier:
+            _, waiting = ray.wait(call.refs, num_returns=len(call.refs), timeout=limit)
+            if waiting:
+                self._late(call.method, call.refs, waiting, watched=True, timeout_s=limit)
+
+    def _late(
+        self, method: str, refs: list[Any], waiting: list[Any], watched: bool, timeout_s: float | None
+    ) -> None:
+        """Raise for the ranks of ``method`` that did not answer in time, killing the group."""
+        self.shutdown()
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        late = sorted(rank_of[r] for r in waiting)
+        if watched:
+            assert self.phase_timeout_s is not None
+            done = sorted(set(range(len(refs))) - set(late))
+            files = {r: self.stack_files[r] for r in late}
+            detail = watchdog.hang_message(method, self.phase_timeout_s, late, done, files)
+            raise WorkerError(late[0], method, detail, kind=WorkerError.HUNG)
+        raise WorkerError(late[0], method, f"ranks {late} did not answer within {timeout_s} s")
 
     def get(self, pending: Pending, timeout_s: float | None = None) -> list[Any]:
         """Every rank's result (rank order), failing fast on the first error; see the module docstring."""
@@ -294,23 +338,17 @@ class WorkerGroup:
         results: list[Any] = [None] * len(refs)
         waiting = list(refs)
         watched = timeout_s is None and self.phase_timeout_s is not None and method not in watchdog.UNWATCHED
+        earlier = self._take_queued(pending)
         if watched:
             assert self.phase_timeout_s is not None
+            self._wait_for_earlier(earlier)
             timeout_s = self.phase_timeout_s + watchdog.GRACE_S  # the late ranks' stacks are written by then
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=remaining)
             if not ready:
-                self.shutdown()
-                late = sorted(rank_of[r] for r in waiting)
-                if watched:
-                    assert self.phase_timeout_s is not None
-                    done = sorted(set(range(len(refs))) - set(late))
-                    files = {r: self.stack_files[r] for r in late}
-                    detail = watchdog.hang_message(method, self.phase_timeout_s, late, done, files)
-                    raise WorkerError(late[0], method, detail, kind=WorkerError.HUNG)
-                raise WorkerError(late[0], method, f"ranks {late} did not answer within {timeout_s} s")
+                self._late(method, refs, waiting, watched, timeout_s)
             for ref in ready:
                 try:
                     results[rank_of[ref]] = ray.get(ref)

@@ -176,14 +176,7 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
         weights_dtype=rollout.hybrid.rollout_dtype,  # the colocated reshard's cast, then a float32 engine
         vllm=vllm_rollout_config(cfg),
     )  # the default pad id, as the actor's WorkerSpec: pool and colocated rollouts pad alike
-    parallel = dataclasses.replace(  # replicas are the pool's data-parallel ranks
-        cfg.parallel,
-        tensor_model_parallel_size=rollout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        sequence_parallel=False,
-    )
-    group = _spawn_group(cfg, RolloutWorker, rollout.num_ranks, parallel)
+    group = _spawn_group(cfg, RolloutWorker, rollout.num_ranks, rollout_pool_parallel(cfg))
     try:
         group.infos = group.run("build", spec)
         rollouts = RolloutGroup(RayBackend(group))
@@ -192,6 +185,23 @@ def build_rollout_group(cfg: RunConfig, actors: ActorGroup) -> RolloutGroup:
         group.shutdown()
         raise
     return rollouts
+
+
+def rollout_pool_parallel(cfg: RunConfig) -> ParallelConfig:
+    """A rollout pool's layout: ``rollout.num_ranks`` ranks in replicas of ``rollout.tensor_model_parallel_size``
+    (its data-parallel ranks); none of the actor's pipeline, context or expert meshes, which would fold ranks
+    into one replica (two ranks of a CP2 actor's pool both sampled replica 0)."""
+    return dataclasses.replace(
+        cfg.parallel,
+        tensor_model_parallel_size=cfg.rollout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
+        data_parallel_size=None,
+    )
 
 
 def _spawn_group(cfg: RunConfig, worker: type, ranks: int, parallel: ParallelConfig) -> WorkerGroup:

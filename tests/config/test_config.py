@@ -89,6 +89,15 @@ def test_defaults_chain_and_overrides_apply_in_order(tmp_path: Path) -> None:
     assert load_config(DEMO, ["data.train_batch_size=32"]).algorithm.ppo_mini_batch_size == 32
 
 
+def test_a_parent_named_with_a_dot_is_that_file(tmp_path: Path) -> None:
+    # "llama3.1_8b" with .yaml added, not its last dot replaced (which loaded llama3.yaml)
+    (tmp_path / "llama3.yaml").write_text(f"defaults: [{DEMO}]\nrollout:\n  top_k: 2\n")
+    (tmp_path / "llama3.1_8b.yaml").write_text(f"defaults: [{DEMO}]\nrollout:\n  top_k: 3\n")
+    (tmp_path / "child.yaml").write_text("defaults: [llama3.1_8b]\n")
+    assert load_config(tmp_path / "child.yaml").rollout.top_k == 3
+    assert load_config(tmp_path / "llama3.1_8b").rollout.top_k == 3
+
+
 def test_self_marker_puts_the_recipe_before_its_parents(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text(f"defaults: [_self_, {DEMO}]\nrollout:\n  n: 2\n")
     assert load_config(tmp_path / "a.yaml").rollout.n == 8  # the parent, merged after, wins
@@ -192,6 +201,10 @@ BAD_CONFIGS = [
         "rollout.tensor_model_parallel_size=3",
     ),
     (["parallel.data_parallel_size=2"], "parallel.data_parallel_size=2"),
+    (  # a model folder not here: the world-size rule alone (the batch rules divided by a DP size of 0)
+        ["trainer.n_gpus_per_node=2", "parallel.context_parallel_size=4", "model.path=/not/here"],
+        "= 1 * 1 * 4 = 4 does not divide the world size 2",
+    ),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["parallel.virtual_pipeline_model_parallel_size=2"], "parallel.virtual_pipeline_model_parallel_size"),
     (["parallel.pipeline_model_parallel_size=4", "trainer.n_gpus_per_node=4"], "num_layers=2"),

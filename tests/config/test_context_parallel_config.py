@@ -14,7 +14,11 @@ MOE = str(RECIPES / "moe_demo_cpu.yaml")
 TWO = ["trainer.n_gpus_per_node=2"]
 
 BAD = [
-    (DENSE, [*TWO, "parallel.context_parallel_size=4"], "context_parallel_size=4 does not divide world_size"),
+    (
+        DENSE,
+        [*TWO, "parallel.context_parallel_size=4"],
+        "context_parallel_size = 1 * 1 * 4 = 4 does not divide the world size 2",
+    ),
     (
         DENSE,
         [
@@ -22,7 +26,7 @@ BAD = [
             "parallel.tensor_model_parallel_size=2",
             "parallel.context_parallel_size=4",
         ],
-        "context_parallel_size=4 does not divide world_size / (tp*pp) = 4/(2*1) = 2",
+        "context_parallel_size = 2 * 1 * 4 = 8 does not divide the world size 4",
     ),
     (DENSE, [*TWO, "parallel.context_parallel_size=0"], "parallel.context_parallel_size"),
     (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from mcore_rl.controller.dispatch import (
 )
 from mcore_rl.controller.resources import available_cpus
 from mcore_rl.parallel.layout import ParallelLayout
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,32 @@ def test_owners_need_one_owner_per_shard() -> None:
     broken = [RankInfo(0, 0, 0, 0, True), RankInfo(1, 2, 0, 0, True)]  # dp rank 1 has no owner
     with pytest.raises(ValueError, match="training dp shard needs exactly one owner"):
         data_owners(broken)
+
+
+def test_two_ranks_claiming_one_shard_are_refused() -> None:
+    # both would compute the shard and one result would silently replace the other
+    twice = [RankInfo(0, 0, 0, 0, True, rollout_replica=0), RankInfo(1, 0, 0, 0, True, rollout_replica=0)]
+    with pytest.raises(
+        ValueError, match=r"rollout replica needs exactly one owner rank, got owners of \[0, 0\]"
+    ):
+        rollout_owners(twice)
+    with pytest.raises(
+        ValueError, match=r"training dp shard needs exactly one owner rank, got owners of \[0, 0\]"
+    ):
+        data_owners(twice)
+
+
+def test_a_rollout_pool_is_replicas_of_rollout_tp_whatever_the_actors_meshes() -> None:
+    """A CP2 (or EP2) actor's pool of two TP1 ranks is two replicas: the pool kept the actor's CP, which made
+    both ranks one replica, each sampling the whole batch."""
+    from mcore_rl.config import load_config
+    from mcore_rl.trainer.build import rollout_pool_parallel
+
+    recipe = str(REPO / "recipes" / "demo_cpu.yaml")
+    overrides = ["parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=1"]
+    cfg = load_config(recipe, [*overrides, "rollout.colocate=false", "rollout.num_ranks=2"], rules=False)
+    layout = rollout_pool_parallel(cfg).layout(2)
+    assert [layout.coords(rank).dp for rank in range(2)] == [0, 1]
 
 
 def test_available_cpus_prefers_slurm_then_affinity() -> None:

@@ -83,6 +83,10 @@ def test_exception_on_one_rank_ends_the_call_fast_with_its_rank_and_traceback() 
 
     group = WorkerGroup.spawn(Worker, 2)
     assert group.run("run", _sum_of_ranks) == [(3, 0), (3, 1)]
+    # three phases of 1.8 s queued on the same ranks, awaited last first (as PPO awaits the actor's update queued
+    # behind the critic's): each is within its 2 s, so no hang, though the last ends 5.4 s after it was sent
+    queued = [group.call("run", _a_phase_of_1_8_s) for _ in range(3)]
+    assert [group.get(p) for p in reversed(queued)] == [[0, 1]] * 3
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed in run") as info:
         group.run("run", _fail_on_rank_1)
@@ -138,6 +142,11 @@ def test_kill_9_of_one_actor_ends_the_call_fast_with_its_rank() -> None:
     _assert_cleaned_up(ray, group)
 
 
+def _a_phase_of_1_8_s(ctx: ParallelContext) -> int:
+    time.sleep(1.8)
+    return ctx.rank
+
+
 def _stuck_on_rank_1(ctx: ParallelContext) -> int:
     if ctx.rank == 1:
         time.sleep(120)
@@ -158,6 +167,10 @@ def test_a_hung_phase_fails_within_seconds_naming_it_the_ranks_and_where_they_ar
     stacks = str(tmp_path / "stacks")
     group = WorkerGroup.spawn(Worker, 2, phase_timeout_s=2.0, stacks_dir=stacks)
     assert group.run("run", _sum_of_ranks) == [(3, 0), (3, 1)]
+    # three phases of 1.8 s queued on the same ranks, awaited last first (as PPO awaits the actor's update queued
+    # behind the critic's): each is within its 2 s, so no hang, though the last ends 5.4 s after it was sent
+    queued = [group.call("run", _a_phase_of_1_8_s) for _ in range(3)]
+    assert [group.get(p) for p in reversed(queued)] == [[0, 1]] * 3
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         group.run("run", _stuck_on_rank_1)
