@@ -44,8 +44,9 @@ class DPOConfig:
     """Compare against a uniform reference (no reference model, reference log-probs 0)."""
     precompute_ref_log_probs: bool = False
     """Compute the reference log-probs of every pair once, before training, and cache them next to the run
-    (``<trainer.default_local_dir>/ref_log_probs.pt``); False keeps a frozen reference model in the same
-    processes and scores each batch as it comes."""
+    (``<trainer.default_local_dir>/ref_log_probs_train.pt``, and ``ref_log_probs_val.pt`` for
+    ``dpo.val_files``); False keeps a frozen reference model in the same processes and scores each batch as
+    it comes."""
     sft_loss_weight: float = 0.0
     """Add this times the chosen completion's per-token negative log-likelihood (RPO; NeMo-RL's
     ``sft_loss_weight``, TRL's ``sft`` loss term)."""

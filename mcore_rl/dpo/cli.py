@@ -49,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.recipe, args.overrides)
     summary = run_dpo(cfg)
+    if "already_complete" in summary:  # a finished run run again: nothing loaded, trained or logged
+        print(
+            f"already complete at step {summary['already_complete']} ({summary['checkpoint']}); nothing to train"
+        )
+        return 0
     before, after = summary.get("before") or {}, summary.get("after") or {}
     for key, name in (
         ("eval_logps/accuracies", "held-out preference accuracy (policy prefers chosen)"),

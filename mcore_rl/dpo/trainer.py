@@ -11,7 +11,9 @@ Data flow of one step (no rollout: the data is already the preference)::
         metrics (TRL names) summed over micro-batches and DP ranks --> rank 0: JSONL / TensorBoard / bar / PNG
 
 ``fit()``: evaluate (held-out pairs' reward accuracy, greedy exact match on ``data.test_files``) -> steps
-(evaluation every ``dpo.test_freq``, a resumable checkpoint every ``trainer.save_freq``) -> evaluate -> plot.
+(evaluation every ``dpo.test_freq``, a resumable checkpoint every ``trainer.save_freq``) -> evaluate -> plot
+(a resumed run's earlier records read back: it covers the whole run). A finished run run again (its checkpoint
+at the last step) builds, loads, trains and writes nothing, as in RL.
 Checkpoints are ``<trainer.default_local_dir>/checkpoints/global_step_<N>`` (the TrainEngine's resumable
 checkpoint + LR schedule + data position + ``config.yaml``; ``latest`` written last), readable by
 ``mcore-rl convert mcore-to-hf``. The reference is rebuilt from the same start on resume (precomputed
@@ -35,7 +37,13 @@ import torch.distributed as dist
 from mcore_rl.algo import DPOSettings
 from mcore_rl.config import ConfigError, RunConfig, check_paths, claim_run_folders, load_config, save_config
 from mcore_rl.config.fast_paths import keep_logits_setting
-from mcore_rl.config.run_folder import checkpoint_name, checkpoint_root, publish_checkpoint, resume_checkpoint
+from mcore_rl.config.run_folder import (
+    check_run_folders,
+    checkpoint_name,
+    checkpoint_root,
+    publish_checkpoint,
+    resume_checkpoint,
+)
 from mcore_rl.convert.export import MODEL_DIR, check_export_folder, export_hf_model
 from mcore_rl.data.preference import PreferenceDataset, prepare_preference_data
 from mcore_rl.data.prompts import PromptDataset
@@ -45,6 +53,7 @@ from mcore_rl.dpo.greedy import GreedyScorer
 from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
 from mcore_rl.engine.hf.peft import ADAPTER_DIR, save_peft_adapter
+from mcore_rl.engine.trainer_checkpoint import read_trainer_state
 from mcore_rl.logs.plots import dpo_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
@@ -85,11 +94,13 @@ class DPOTrainer:
     """One rank's driver; build with :meth:`from_config`, run with :meth:`fit`, read ``records`` after."""
 
     def __init__(
-        self, cfg: RunConfig, ctx: ParallelContext, policy: DPOPolicy, data: DPOData, total_steps: int
+        self, cfg: RunConfig, ctx: ParallelContext, policy: DPOPolicy | None, data: DPOData, total_steps: int
     ) -> None:
+        """``policy`` is None only for a run whose checkpoint is at ``total_steps`` already (``complete``): it
+        has nothing to train, so :meth:`from_config` builds no model for it."""
         self.cfg = cfg
         self.ctx = ctx
-        self.policy = policy
+        self._policy = policy
         self.data = data
         self.total_steps = total_steps
         self.sampler = EpochSampler(
@@ -100,11 +111,26 @@ class DPOTrainer:
             True,
             _fingerprint(data.train),
         )
-        self.greedy = GreedyScorer(cfg, policy.engine, data.tokenizer)
+        self._greedy: GreedyScorer | None = None
         self.reference_cache: dict[str, torch.Tensor] = {}
         self.global_step = 0
         self.records: list[dict[str, Any]] = []
+        self.complete: str | None = None
+        """The checkpoint to resume when it is at ``total_steps`` already: :meth:`fit` loads, trains and logs
+        nothing then."""
         self.owns_world = False
+
+    @property
+    def policy(self) -> DPOPolicy:
+        if self._policy is None:
+            raise RuntimeError("this run is complete already: no model was built for it")
+        return self._policy
+
+    @property
+    def greedy(self) -> GreedyScorer:
+        if self._greedy is None:
+            self._greedy = GreedyScorer(self.cfg, self.policy.engine, self.data.tokenizer)
+        return self._greedy
 
     @classmethod
     def from_config(
@@ -119,11 +145,10 @@ class DPOTrainer:
         try:
             with ctx.guard("preparing the run folder"):  # rank 0's refusal stops its peers, naming it
                 if ctx.rank == 0:
-                    claim_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
+                    check_run_folders(cfg)  # first: a refused run writes nothing, not even generated data
                     prepare_preference_data(
                         cfg.data, cfg.dpo.train_files, cfg.dpo.val_files, cfg.model.tokenizer_path
                     )
-                    save_config(cfg, cfg.trainer.default_local_dir)
                 dist.barrier()
             data = load_dpo_data(cfg)
             batches = len(data.train) // cfg.dpo.train_batch_size
@@ -133,20 +158,35 @@ class DPOTrainer:
                     "usable pairs of dpo.train_files"
                 )
             total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches
-            policy = DPOPolicy.build(
-                ctx, policy_spec(cfg, total, data.tokenizer.pad_token_id), initial_weights(cfg)
-            )
+            trainer = cls(cfg, ctx, None, data, total)
+            trainer.owns_world = owns_world
+            trainer.complete = trainer.complete_checkpoint()
+            if trainer.complete is None:  # a finished run run again builds, loads and writes nothing
+                trainer.start()
         except BaseException:
             ctx.destroy(destroy_process_group=owns_world)
             raise
-        trainer = cls(cfg, ctx, policy, data, total)
-        trainer.owns_world = owns_world
         return trainer
+
+    def start(self) -> None:
+        """Collective, once every check passed: the run folder and its ``config.yaml`` (rank 0), the policy."""
+        cfg, ctx = self.cfg, self.ctx
+        with ctx.guard("preparing the run folder"):
+            if ctx.rank == 0:
+                claim_run_folders(cfg)
+                save_config(cfg, cfg.trainer.default_local_dir)
+            dist.barrier()
+        spec = policy_spec(cfg, self.total_steps, self.data.tokenizer.pad_token_id)
+        self._policy = DPOPolicy.build(ctx, spec, initial_weights(cfg))
 
     # --- the run --------------------------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
-        """Run to ``total_steps`` (or stop after ``stop_after`` steps: a simulated interruption)."""
+        """Run to ``total_steps`` (or stop after ``stop_after`` steps: a simulated interruption). The summary
+        holds the evaluations ``before`` / ``after``, ``plot`` and ``model``, or only ``already_complete`` (the
+        step) and ``checkpoint`` when the checkpoint resumed is at ``total_steps`` already, as in RL."""
         cfg, summary = self.cfg, dict[str, Any]()
+        if self.complete is not None:  # nothing is loaded, trained or logged
+            return {"already_complete": self.global_step, "checkpoint": self.complete}
         if cfg.dpo.precompute_ref_log_probs and not cfg.dpo.reference_free:
             self.precompute_reference()  # with the initial policy, before a checkpoint can replace it
         resumed = self.resume()
@@ -302,16 +342,34 @@ class DPOTrainer:
         if path is None:
             return False
         step, state = self.policy.load_checkpoint(path)
+        self._check_resumable(path, state)
+        self.global_step = step
+        return True
+
+    def complete_checkpoint(self) -> str | None:
+        """The checkpoint to resume when it is at ``total_steps`` already, read from its driver state alone and
+        refused as a resume would be (a changed model or data); None: there are steps to train."""
+        path = self.resume_path()
+        if path is None:
+            return None
+        step, _, state = read_trainer_state(path)
+        if step < self.total_steps:
+            return None
+        self._check_resumable(path, state)
+        self.global_step = step
+        return path
+
+    def _check_resumable(self, path: str, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint saved for another model or other data (the sampler takes its data position)."""
         if state["model"] != self.cfg.model.hf_config_dict():
             raise ValueError(
                 f"{path}: saved for another model (model.hf_config / config.json differ); not resuming"
             )
         self.sampler.load_state_dict(state["sampler"])  # refuses other data, naming why
-        self.global_step = step
-        return True
 
     def close(self) -> None:
-        self.greedy.close()
+        if self._greedy is not None:
+            self._greedy.close()
         self.ctx.destroy(destroy_process_group=self.owns_world)
 
     def __enter__(self) -> DPOTrainer:

@@ -1,5 +1,6 @@
 """Where a run's metrics go (RL, SFT and DPO alike): one JSON object per record in ``metrics.jsonl``,
-TensorBoard scalars, a live progress bar, and at the end a PNG drawn from the records (``plots.py``)."""
+TensorBoard scalars, a live progress bar, and at the end a PNG drawn from the records (``plots.py``), those of
+a resumed run's earlier processes read back so that it covers the whole run."""
 
 from __future__ import annotations
 
@@ -39,6 +40,58 @@ def keep_aside(path: str) -> str:
 Plot = Callable[[list[dict[str, Any]], str], str | None]
 """(records, log folder) -> the PNG written, or None (nothing to draw, or matplotlib missing)."""
 
+Kept = Callable[[list[dict[str, Any]], int], list[dict[str, Any]]]
+"""(records, step) -> those that still stand when the run's steps start again after ``step`` (a resume or a
+recovery): the records of later steps are superseded by the steps run again."""
+
+
+def records_up_to(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """The default :data:`Kept`, for a run whose every stage is on its step axis (DPO's ``train`` and
+    ``eval``): the records at steps up to ``step``. RL's SFT warm start counts its own steps: RL passes
+    :func:`mcore_rl.trainer.recovery.kept_records`."""
+    return [r for r in records if r["step"] <= step]
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of the ``metrics.jsonl`` at ``path`` ([] without one); a line cut short by a crash
+    mid-write, or anything else that is not a record, is skipped."""
+    if not os.path.isfile(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if (
+                isinstance(record, dict)
+                and isinstance(record.get("stage"), str)
+                and isinstance(record.get("step"), int)
+            ):
+                records.append(record)
+    return records
+
+
+def standing_records(records: list[dict[str, Any]], progress_stage: str, kept: Kept) -> list[dict[str, Any]]:
+    """The records of an append-only ``metrics.jsonl`` (in the order written) that still stand at its end.
+    Where the run's steps started again, ``kept`` drops those they superseded: at a ``recovery`` record (step
+    s: the run continued after s, ``mcore_rl/trainer/recovery.py``), and where a resumed run's first
+    ``progress_stage`` record is at a step not after the last one (it continued after that step - 1). Without
+    the second, a run resumed twice, interrupted past its checkpoint each time, would draw steps twice."""
+    standing: list[dict[str, Any]] = []
+    last = -1
+    for record in records:
+        stage, step = record.get("stage"), record["step"]
+        if stage == "recovery":
+            standing, last = kept(standing, step), -1
+        elif stage == progress_stage:
+            if step <= last:
+                standing = kept(standing, step - 1)
+            last = step
+        standing.append(record)
+    return standing
+
 
 def emit_record(jsonl: Any, tb: Any, stage: str, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     """``{"stage", "step", **metrics, "time/timestamp"}`` appended to the open JSONL file (flushed, so a crash
@@ -67,11 +120,14 @@ class RunLog:
     ``progress_stage``: the stage whose ``total_steps`` a progress bar counts; ``stage_steps`` gives other
     stages (stage -> its most steps, e.g. the SFT warm start before RL) a bar of their own. Each bar opens at
     its stage's first record and the one before it closes there, so the console shows one line per stage
-    finished and a live one, each with the ``bar_metrics`` (label -> record key) its records have. ``start_step`` > 0 continues a resumed run: the JSONL is appended to and the bar starts
-    there; a fresh run (``start_step`` 0) never writes over an earlier run's JSONL: the drivers refuse it before
-    they start, and a caller that did not is told the old file was kept aside (``metrics.<k>.jsonl``), as
-    raising here, on rank 0 alone mid-run, would leave its peers waiting. ``enabled=False`` (ranks other than 0
-    of a run they share) writes nothing."""
+    finished and a live one, each with the ``bar_metrics`` (label -> record key) its records have.
+
+    ``start_step`` > 0 continues a resumed run: the JSONL is appended to, the bar starts there and the plot
+    draws the earlier records that still stand (:attr:`earlier`, by the driver's rule ``kept``) before this
+    process's. A fresh run (``start_step`` 0) never writes over an earlier run's JSONL: the drivers refuse it
+    before they start, and a caller that did not is told the old file was kept aside (``metrics.<k>.jsonl``),
+    as raising here, on rank 0 alone mid-run, would leave its peers waiting. ``enabled=False`` (ranks other
+    than 0 of a run they share) writes nothing."""
 
     def __init__(
         self,
@@ -85,6 +141,7 @@ class RunLog:
         start_step: int = 0,
         enabled: bool = True,
         samples: Callable[[], list[dict[str, Any]]] | None = None,
+        kept: Kept = records_up_to,
     ) -> None:
         self.cfg = cfg
         self.samples = samples
@@ -99,6 +156,10 @@ class RunLog:
         self.draw = plot
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
+        """This process's records."""
+        self.earlier: list[dict[str, Any]] = []
+        """A resumed run's records from before ``start_step`` that still stand, read back from ``metrics.jsonl``
+        (``kept``): the plot draws them with :attr:`records`, so that it covers the whole run."""
         self._jsonl: Any = None
         self._tb: Any = None
         self._bar: Any = None
@@ -106,6 +167,9 @@ class RunLog:
             return
         os.makedirs(cfg.log_dir, exist_ok=True)
         self.jsonl_path = os.path.join(cfg.log_dir, METRICS_FILE)
+        if start_step:
+            earlier = standing_records(read_records(self.jsonl_path), progress_stage, kept)
+            self.earlier = kept(earlier, start_step)  # those after it were lost with the interruption
         if not start_step and previous_log(cfg) is not None:
             note(f"kept the earlier run's {self.jsonl_path} as {keep_aside(self.jsonl_path)}")
         if cfg.jsonl:
@@ -154,4 +218,4 @@ class RunLog:
                 handle.close()
         if not (self.enabled and self.cfg.plot and self.draw is not None):
             return None
-        return self.draw(self.records, self.cfg.log_dir)
+        return self.draw(self.earlier + self.records, self.cfg.log_dir)

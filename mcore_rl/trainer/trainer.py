@@ -195,6 +195,7 @@ class Trainer:
             plot=reward_plot,
             stage_steps={"sft": cfg.sft.total_steps} if cfg.sft.enable and not resumed else None,
             start_step=self.global_step,
+            kept=_kept,  # a resumed run's plot: the earlier records that still stand
             samples=lambda: (
                 self.step.take_val_samples()
             ),  # logging.log_val_generations; a recovery's step too
@@ -461,6 +462,12 @@ def actor_optimizer_steps(cfg: RunConfig, total_steps: int) -> int:
     plan = update_plan(cfg)
     frozen = min(cfg.critic.warmup_steps, total_steps) if cfg.algorithm.adv_estimator == "gae" else 0
     return (total_steps - frozen) * plan.num_mini_batches * plan.ppo_epochs
+
+
+def _kept(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """:func:`kept_records` as the run log's rule (``RunLog(kept=)``): every checkpoint is at an RL step >= 1,
+    so a restart after step 0 is one from the start."""
+    return kept_records(records, step, from_checkpoint=step > 0)
 
 
 def _every(freq: int, step: int, last: bool) -> bool:

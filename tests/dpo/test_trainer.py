@@ -1,6 +1,7 @@
 """The DPO trainer at DP2 on the 2-rank pool: TRL metrics and run logs; an interrupted run resumed from its
 checkpoint continues exactly as the uninterrupted one; precomputed reference log-probs give the same step as
-the frozen reference model; the checkpoint converts to HF; ``mcore-rl dpo`` refuses a recipe without pairs."""
+the frozen reference model; the checkpoint converts to HF; ``mcore-rl dpo`` refuses a recipe without pairs; a
+finished run run again is complete and does nothing."""
 
 from __future__ import annotations
 
@@ -207,3 +208,45 @@ def test_batch_larger_than_the_data_is_named(run_distributed, folder: str) -> No
         DistributedTestError, match=r"dpo\.train_batch_size=128: more than the 64 usable pairs"
     ):
         run_distributed(_build, cfg, world_size=2, timeout_s=300)
+
+
+def _run_again(cfg: RunConfig, recipe: str) -> dict[str, Any]:
+    """The finished run run again, as a trainer and as ``mcore-rl dpo``: its summary, whether it built a model,
+    and the command's exit code and output."""
+    import contextlib
+    import io
+
+    from mcore_rl.cli import main
+    from mcore_rl.dpo.trainer import DPOTrainer
+
+    with DPOTrainer.from_config(cfg) as trainer:
+        summary = trainer.fit()
+        built = getattr(trainer, "_policy", vars(trainer).get("policy")) is not None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["dpo", recipe])
+    return {"summary": summary, "built": built, "code": code, "out": out.getvalue()}
+
+
+def test_a_finished_run_run_again_is_complete(run_distributed, folder: str, tmp_path: Path) -> None:
+    """As an RL run: it says so and exits 0, building no model and loading, evaluating, logging, exporting and
+    plotting nothing."""
+    from mcore_rl.config import save_config
+
+    run = tmp_path / "run"
+    overrides = ["trainer.n_gpus_per_node=1", "trainer.total_training_steps=1", "trainer.save_freq=1"]
+    cfg = tiny_dpo_config(
+        folder,
+        [*overrides, "dpo.train_batch_size=8", "data.test_files=[]", f"trainer.default_local_dir={run}"],
+    )
+    run_distributed(_fit, cfg, world_size=1, timeout_s=600)
+    written = ["logs/metrics.jsonl", "logs/dpo.png", "model/model.safetensors", "config.yaml"]
+    before = {name: (run / name).stat().st_mtime_ns for name in written}
+    recipe = str(save_config(cfg, tmp_path / "recipe"))
+    again = run_distributed(_run_again, cfg, recipe, world_size=1, timeout_s=600)[0]
+    checkpoint = run / "checkpoints" / "global_step_1"
+    assert again["summary"] == {"already_complete": 1, "checkpoint": str(checkpoint)}
+    assert not again["built"]
+    assert again["code"] == 0
+    assert f"already complete at step 1 ({checkpoint}); nothing to train" in again["out"]
+    assert {name: (run / name).stat().st_mtime_ns for name in written} == before

@@ -1,6 +1,6 @@
 """``RunLog`` never writes over an earlier run's ``metrics.jsonl``: a resume appends to it; a fresh run that
 reached it unchecked (the drivers refuse one before they start) keeps it aside as ``metrics.<k>.jsonl`` and
-says so in one line."""
+says so in one line. A resumed run's plot draws the whole run."""
 
 from __future__ import annotations
 
@@ -111,3 +111,33 @@ def test_each_record_carries_the_wall_clock_it_was_written_at(tmp_path: Path) ->
     stamps = [r["time/timestamp"] for r in _lines(tmp_path / "metrics.jsonl")]
     assert before - 1e-3 <= stamps[0] < stamps[1] <= after + 1e-3
     assert stamps[1] - stamps[0] >= 0.045
+
+
+def test_a_resumed_run_plots_the_whole_run(tmp_path: Path) -> None:
+    """The plot at the end of a run resumed twice, each time interrupted past its checkpoint: the evaluation
+    before step 1 and every step once, from the process that ran it last (the records after each resumed step
+    were superseded by the steps run again)."""
+    cfg = LoggingConfig(log_dir=str(tmp_path), progress_bar=False, plot=True)
+    drawn: list[list[tuple[str, int, int]]] = []
+
+    def draw(records: list[dict], log_dir: str) -> None:
+        drawn.append([(r["stage"], r["step"], r["process"]) for r in records])
+
+    def process(number: int, start_step: int, steps: list[int]) -> None:  # as DPOTrainer.fit logs
+        log = RunLog(cfg, 6, progress_stage="train", plot=draw, start_step=start_step)
+        if not start_step:
+            log.write("eval", 0, {"process": number})
+        for step in steps:
+            log.write("train", step, {"process": number})
+            if step % 2 == 0:  # an evaluation, then a checkpoint
+                log.write("eval", step, {"process": number})
+        log.close()
+
+    process(1, 0, [1, 2, 3])  # checkpoint at 2, interrupted after step 3
+    process(2, 2, [3, 4, 5])  # resumed at 2; checkpoint at 4, interrupted after step 5
+    process(3, 4, [5, 6])  # resumed at 4
+    before_step_3 = [("eval", 0, 1), ("train", 1, 1), ("train", 2, 1), ("eval", 2, 1)]
+    before_step_5 = [*before_step_3, ("train", 3, 2), ("train", 4, 2), ("eval", 4, 2)]
+    assert drawn[1] == [*before_step_5, ("train", 5, 2)]
+    assert drawn[2] == [*before_step_5, ("train", 5, 3), ("train", 6, 3), ("eval", 6, 3)]
+    assert len(_lines(tmp_path / "metrics.jsonl")) == 12  # the log itself keeps everything written
