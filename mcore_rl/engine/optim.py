@@ -80,7 +80,11 @@ class OptimConfig:
 
 
 def lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> Any:
-    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay)."""
+    """megatron's OptimizerParamScheduler over every optimizer of the engine (warmup, then decay). A resumed
+    run takes only the step count from its checkpoint and the schedule from its config (megatron's
+    ``override_opt_param_scheduler``), as verl's scheduler does: a run resumed with more steps decays over
+    them, where megatron's default took the checkpoint's warmup, horizon and style beside the config's peak
+    (the added steps all at ``min_lr``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     decay = max(optim.lr_decay_steps or total_steps, optim.lr_warmup_steps + 1)
@@ -99,6 +103,8 @@ def lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> A
         end_wd=optim.weight_decay,
         wd_incr_steps=decay,
         wd_incr_style="constant",
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
 
 

@@ -72,7 +72,7 @@ class _RowAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
         query, key, value, out, lse, source, home, starts = ctx.saved_tensors
         b, s = ctx.rows
-        grad = grad.reshape(out.shape)
+        grad = grad.reshape(out.shape).contiguous()  # the kernel reads unit-stride rows (sum() sends stride 0)
         dq, dk, dv = torch.ops.mcore_rl.row_attention_backward(
             grad, query, key, value, out, lse, source, home, starts, b, s, ctx.scale
         )

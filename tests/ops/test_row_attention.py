@@ -70,6 +70,22 @@ def test_kernel_matches_the_reference_forward_and_backward(heads, kv_heads, head
         assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("layout", ["expanded", "column-strided"])
+def test_the_backward_takes_a_gradient_of_any_layout(layout: str) -> None:
+    # out.sum().backward() sends an expanded (stride 0) gradient; the kernel wants unit-stride rows
+    params, home = _packing(groups=2, n=2, prompt=4, width=12, seed=1)
+    q, k, v = _operands(params.positions.numel(), 2, 2, 8, seed=2)
+    shape = (q.shape[0], 16)
+    dense = torch.randn(shape) * home[:, None]
+    grad = dense.t().contiguous().t() if layout == "column-strided" else torch.ones(()).expand(shape)
+    maps = (params.row_source, params.token_home)
+    _, grads = _run(row_attention, q, k, v, grad, *maps, params.cu_seqlens_q, params.rows, 8**-0.5)
+    _, want = _run(
+        row_attention, q, k, v, grad.contiguous(), *maps, params.cu_seqlens_q, params.rows, 8**-0.5
+    )
+    assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True))
+
+
 def test_the_kernel_refuses_maps_out_of_range_and_rows_outside_their_segment() -> None:
     params, _ = _packing(groups=2, n=2, prompt=3, width=8, seed=0)
     q, k, v = _operands(params.positions.numel(), 2, 2, 8, seed=0)
