@@ -31,6 +31,7 @@ Scope, narrowest first:
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import warnings
 from collections.abc import Iterator
@@ -368,6 +369,11 @@ def _silence_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
     warnings.filterwarnings("ignore", message=".*\\.grad attribute of a Tensor that is not a leaf.*")
+    # The RNG tracker's fork checks that the CPU generator is untouched inside a "GPU" stream; here the
+    # stream is the CPU generator (``_patch_rng``), so every dropout (LoRA's) logged it, wrongly.
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
 
 
 def apply() -> bool:

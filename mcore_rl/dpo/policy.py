@@ -138,6 +138,7 @@ class DPOPolicy:
         self.fill_reference(micro)
         global_pairs = self._global_pairs(micro)
         self.engine.zero_grad()
+        self.engine.seed_dropout(self.scheduler.num_steps)
         out = self.engine.forward_backward(
             list[MicroBatch](micro), dpo_pair_loss(self.spec.loss, self.ctx, global_pairs)
         )

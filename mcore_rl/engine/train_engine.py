@@ -374,6 +374,18 @@ class TrainEngine:
                     grads.append(grad)
         return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
+    def seed_dropout(self, optimizer_step: int) -> None:
+        """megatron's dropout streams (its RNG tracker: LoRA dropout, hidden and attention dropout) from the run
+        seed and ``optimizer_step``, the number of updates before this one, which a checkpoint restores (the
+        LR schedule's count): what an update draws then depends on its index alone, so a resumed or recovered
+        run draws what an uninterrupted one did, without RNG states in the checkpoint (whose layout may
+        change). Collective-free; every rank of the update calls it with the same step."""
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            (self.ctx.seed + 1_000_003 * (optimizer_step + 1)) % 2**31
+        )
+
     def zero_grad(self) -> None:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()

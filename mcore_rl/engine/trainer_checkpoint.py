@@ -157,9 +157,31 @@ def load_training_checkpoint(engine: Any, directory: str) -> tuple[int, dict[str
     with safe_dcp_loading(directory):
         loaded = dist_checkpointing.load(_state(engine, is_loading=True), directory)
     load_model_state(engine.chunks, loaded, directory, _part(engine))
+    _restore_a_zero_step(loaded["optimizer"])
     engine.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_adam_steps(engine)
     return step, extra
+
+
+def _restore_a_zero_step(state: Any) -> None:
+    """megatron saves torch Adam's per-parameter ``step`` as one ``common_step`` only when it is nonzero
+    (``if step:``): a checkpoint saved before the first optimizer step (a PPO actor frozen for the critic's
+    warm-up, a preemption then) has moments without steps, which torch's Adam refuses to load (KeyError 'step').
+    Their step was 0: each torch optimizer state (``state`` and ``param_groups``) missing it gets it back."""
+    if isinstance(state, list | tuple):
+        for part in state:
+            _restore_a_zero_step(part)
+        return
+    if not isinstance(state, dict):
+        return
+    per_param = state.get("state")
+    if "param_groups" in state and isinstance(per_param, dict) and "common_step" not in per_param:
+        moments = [v for v in per_param.values() if isinstance(v, dict) and "exp_avg" in v]
+        if moments and not any("step" in v for v in moments):
+            per_param["common_step"] = torch.tensor(0.0)
+    for value in state.values():
+        if isinstance(value, dict | list | tuple):
+            _restore_a_zero_step(value)
 
 
 def _part(engine: Any) -> StateFilter | None:

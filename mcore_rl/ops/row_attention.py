@@ -72,7 +72,8 @@ class _RowAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
         query, key, value, out, lse, source, home, starts = ctx.saved_tensors
         b, s = ctx.rows
-        grad = grad.reshape(out.shape).contiguous()  # the kernel reads unit-stride rows (sum() sends stride 0)
+        # the kernel reads unit-stride rows: out.sum().backward() sends an expanded (stride 0) gradient
+        grad = grad.reshape(out.shape).contiguous()
         dq, dk, dv = torch.ops.mcore_rl.row_attention_backward(
             grad, query, key, value, out, lse, source, home, starts, b, s, ctx.scale
         )

@@ -270,6 +270,7 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
             for t, m in zip(row_chunks(tokens, micro_batch_size), mask.split(micro_batch_size), strict=True)
         ]
         self.engine.zero_grad()
+        self.engine.seed_dropout(self.scheduler.num_steps)
         out = self.engine.forward_backward(micro, sft_loss(self.spec.arch.vocab_size, count.clamp(min=1)))
         loss = torch.tensor([sum(float(m.loss) for m in out)])
         self.engine.finite_or_skip(loss, "stop", "SFT loss")  # names the rank; the weights stay as they were

@@ -152,6 +152,7 @@ class PolicyUpdateHost:
         """One optimizer step on a mini-batch: [6] metrics (global), or None when skipped as non-finite; and
         with ``settings.on_policy`` the forward's [rows, S] log-probs on the last stage (even when skipped)."""
         ctx = self.ctx
+        self.engine.seed_dropout(self.scheduler.num_steps)
         mask = mini.response_mask
         counts = torch.stack([mask.sum(), (mask.sum(dim=1) > 0).sum().float()])
         ctx.all_reduce(counts, ctx.dp_group)  # global counts of this mini-batch
