@@ -53,9 +53,12 @@ def synced(parallel: dict, tp_g: int) -> dict:
         expected = merge_full_state(base, adapters, SPEC, ARCH)
         merge_gap = max((merged[k] - v).abs().max().item() for k, v in expected.items())
         hybrid, rollout = build_local_hybrid(engine, tp_g)
+        merges, read = [0], hybrid.local_params
+        hybrid.local_params = lambda: merges.__setitem__(0, merges[0] + 1) or read()  # type: ignore[method-assign]
         gaps = []
         for step in range(2):
             hybrid.to_rollout()
+            hybrid.received_bytes_all_ranks()  # the sync's metric: no second merge of every adapted weight
             out = rollout.generate(
                 PROMPTS, SamplingParams(temperature=TEMPERATURE, n=2, max_new_tokens=6, seed=step)
             )
@@ -64,7 +67,8 @@ def synced(parallel: dict, tp_g: int) -> dict:
             if actor is not None:
                 gaps.append(float((actor - out.log_probs)[out.response_mask()].abs().max()))
             engine.train_step(_train_batches(ctx), lambda o, mb: (o.float().logsumexp(-1).mean(), {}))
-        return {"merge_gap": merge_gap, "gaps": gaps, "keys": merged.keys() == expected.keys()}
+        keys = merged.keys() == expected.keys()
+        return {"merge_gap": merge_gap, "gaps": gaps, "keys": keys, "merges": merges[0]}
 
 
 @pytest.mark.parametrize(
@@ -78,5 +82,6 @@ def synced(parallel: dict, tp_g: int) -> dict:
 def test_rollout_gets_the_merged_weights(run_distributed, parallel, tp_g):
     results = run_distributed(synced, parallel, tp_g)
     assert all(r["keys"] and r["merge_gap"] <= 1e-6 for r in results)  # no adapter name reaches the plan
+    assert all(r["merges"] == 2 for r in results)  # one merge per sync
     gaps = [g for r in results for g in r["gaps"]]
     assert len(gaps) >= 2 and max(gaps) <= 1e-5, gaps

@@ -81,6 +81,8 @@ class HybridEngine:
         self.rollout_engine = rollout_engine
         self.plan = plan
         self.local_params = local_params
+        self._element_size: int | None = None
+        """Bytes per element of the parameters the last reshard sent (the training dtype)."""
         self.to_rollout_tensors = to_rollout_tensors
         self.config = config or HybridConfig()
         self.phase = Phase.TRAIN
@@ -94,9 +96,11 @@ class HybridEngine:
             self._offload()
         # The reshard and the load call no megatron code: outside its CPU mode, which taxes every torch call.
         with self._step(steps, "reshard"), megatron_cpu.suspended():
+            params = self.local_params()
+            self._element_size = next(iter(params.values())).element_size()
             shards, stats = execute_plan(
                 self.plan,
-                self.local_params(),
+                params,
                 dtype=getattr(torch, self.config.rollout_dtype) if self.config.rollout_dtype else None,
                 bucket_bytes=self.config.bucket_bytes,
                 max_inflight_bytes=self.config.max_inflight_bytes,
@@ -122,8 +126,9 @@ class HybridEngine:
         """Bytes every rank together receives per reshard: the plan's total at the rollout dtype."""
         if self.config.rollout_dtype:
             element = getattr(torch, self.config.rollout_dtype).itemsize
-        else:  # the training dtype travels
-            element = next(iter(self.local_params().values())).element_size()
+        else:  # the training dtype travels: as the last reshard read it (asking local_params again would
+            # merge every LoRA-adapted weight once more, in the rollout phase, for one element size)
+            element = self._element_size or next(iter(self.local_params().values())).element_size()
         return sum(self.plan.received_bytes().values()) * element // self.plan.bytes_per_element
 
     def generate(self, prompts: Any, params: Any) -> Any:
