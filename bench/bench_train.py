@@ -177,6 +177,8 @@ def run_train(folder: Path, recipe: Path, overrides: list[str], warmup: int) -> 
         "generate": [r.get("time/generate_s", float("nan")) for r in steps[warmup:]],
         "update": [r.get("time/update_s", float("nan")) for r in steps[warmup:]],
         "score": [r.get("time/score_s", float("nan")) for r in steps[warmup:]],
+        # a response may end at the stop id before new_tokens (TRL's are forced to full length)
+        "response_len": [r["response_len"] for r in steps[warmup:]],
         "notes": notes,  # type: ignore[dict-item]
     }
 
@@ -213,15 +215,18 @@ def rlstep_child(folder: Path, overrides: list[str], steps: int, warmup: int, th
     actors = build_actor_group(cfg, worker_spec(cfg, steps), use_ray=True)
     torch.set_num_threads(1)  # what a Ray driver keeps (build_actor_group): it only schedules
     times: list[float] = []
+    lengths: list[float] = []
     try:
         with RewardScorer(cfg.reward) as scorer:
             rl_step = GRPOStep(cfg, actors, tokenizer, scorer)
             for step in range(1, steps + 1):
                 prompts = dataset.batch(range((step - 1) * size, step * size))
-                times.append(rl_step.run(prompts, step).metrics()["time/step_s"])
+                metrics = rl_step.run(prompts, step).metrics()
+                times.append(metrics["time/step_s"])
+                lengths.append(metrics["response_len"])
     finally:
         actors.shutdown()
-    print(json.dumps({"step": times[warmup:]}))
+    print(json.dumps({"step": times[warmup:], "response_len": lengths[warmup:]}))
 
 
 def run_rlstep(
@@ -282,15 +287,19 @@ def gemm_probe_gflops() -> float:
 
 
 def step_limit(workload: dict[str, Any], rate: GemmRate) -> tuple[float, dict[str, float]]:
-    """The step's compute limit: its matmul FLOPs (generation at decode shapes, the update's forward and
+    """The step's compute limit: its matmul FLOPs (generation's decode steps at decode shapes and each prompt's
+    prefill, once, at training shapes, the update's forward and
     backward at training shapes, LM head included, each prompt once per group as the defaults compute it; no
     separate log-prob pass: the on-policy shortcut) over ``torch.mm``'s best rate at those shapes in this run
     (``bench/grpo_step_limits.py``). -> (seconds, the phases' GFLOP)."""
     arch = ModelArch.from_hf_config(workload["hf_config"])
     n, samples = workload["prompts"] * workload["samples"], workload["samples"]
     flops = step_flops(arch, n, PROMPT_LEN, workload["new_tokens"], samples)
-    seconds = flops["generate"] / (rate.best["decode"] * 1e9) + flops["update_shared"] / (
-        rate.best["train"] * 1e9
+    train_rate, decode_rate = rate.best["train"] * 1e9, rate.best["decode"] * 1e9
+    seconds = (
+        flops["generate_prefill"] / train_rate  # each prompt once, at training-sized shapes
+        + flops["generate_decode"] / decode_rate
+        + flops["update_shared"] / train_rate
     )
     return seconds, {"generate": flops["generate"] / 1e9, "update": flops["update_shared"] / 1e9}
 
@@ -329,14 +338,22 @@ def scoring_witness(per_run: list[dict[str, Any]]) -> tuple[list[float], list[fl
     return [s * 1e3 for s in scoring], [_median(r["step"]) / s for r, s in zip(per_run, scoring, strict=True)]
 
 
-def _print_side(side: str, per_run: list[dict[str, Any]], tokens: int, threads: int) -> float:
+def side_tokens(per_run: list[dict[str, Any]], workload: dict[str, Any]) -> float:
+    """Response tokens a side generates per step: ``mcore-rl train``'s as its records count them (a response
+    ends at the stop id), else (TRL's, forced to full length) prompts x samples x new tokens."""
+    lengths = [v for r in per_run for v in r.get("response_len", [])]
+    per_sequence = statistics.fmean(lengths) if lengths else workload["new_tokens"]
+    return workload["prompts"] * workload["samples"] * per_sequence
+
+
+def _print_side(side: str, per_run: list[dict[str, Any]], tokens: float, threads: int) -> float:
     """One side's lines of the report; returns the median over its runs' median steps."""
     run_medians = [_median(r["step"]) for r in per_run]
     median = _median(run_medians)
     cells = " ".join(f"{m:.3f}" for m in run_medians)
     print(
         f"  {side:<7} step {median:.3f} s (runs: {cells}; run-to-run spread {_spread(run_medians):.1%}), "
-        f"{tokens / median:.0f} tokens/s"
+        f"{tokens / median:.0f} tokens/s ({tokens:.0f} response tokens per step)"
     )
     # what a user's run delivers is its tokens over its time: the mean step, which a run longer than the
     # machine's spells of speed (tens of seconds, bench/bench_machine_modes.py) averages over them
@@ -383,14 +400,14 @@ def report(
     workload_name: str, runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, rate: GemmRate
 ) -> None:
     workload = WORKLOADS[workload_name]
-    tokens = workload["prompts"] * workload["samples"] * workload["new_tokens"]
+    tokens = {side: side_tokens(per_run, workload) for side, per_run in runs.items()}
     print(
         f"workload {workload_name}: {workload['prompts']} prompts x {workload['samples']} samples x "
         f"{workload['new_tokens']} new tokens; {args.rounds} rounds, each side a fresh process per round, "
         f"{args.steps} steps per run, median after {args.warmup} warm-up; {args.threads} threads"
         f"{'; overrides ' + ' '.join(args.override) if args.override else ''}"
     )
-    medians = {side: _print_side(side, per_run, tokens, args.threads) for side, per_run in runs.items()}
+    medians = {side: _print_side(side, per_run, tokens[side], args.threads) for side, per_run in runs.items()}
     limit, gflop = step_limit(workload, rate)
     print(
         f"  compute limit {limit:.3f} s per step: generate {gflop['generate']:.0f} GFLOP at "
@@ -415,9 +432,10 @@ def report(
     if "trl" in medians:
         for side in ("train", "onerank", "rlstep"):
             if side in medians:
+                per_token = (medians["trl"] / tokens["trl"]) / (medians[side] / tokens[side])
                 print(
-                    f"  TRL / {side}: {medians['trl'] / medians[side]:.2f}x (medians); per round "
-                    f"{', '.join(f'{r:.2f}x' for r in _per_round(runs, 'trl', side))}"
+                    f"  TRL / {side}: {medians['trl'] / medians[side]:.2f}x (medians), {per_token:.2f}x per "
+                    f"response token; per round {', '.join(f'{r:.2f}x' for r in _per_round(runs, 'trl', side))}"
                 )
     notes = runs.get("train", [{}])[0].get("notes")
     if notes:

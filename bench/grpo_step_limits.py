@@ -47,8 +47,11 @@ def param_count(arch: ModelArch) -> int:
 
 def step_flops(arch: ModelArch, n: int, prompt: int, new: int, samples: int = 1) -> dict[str, float]:
     """Matmul FLOPs of each phase of one step over ``n`` sequences (``samples`` per prompt): linear layers,
-    causal attention (QK^T + AV over the query heads), the LM head where it runs. ``*_shared``: what the
-    training passes compute with each prompt once per group (``model.share_prompt_prefix``)."""
+    causal attention (QK^T + AV over the query heads), the LM head where it runs. Generation as the engine
+    runs it: each prompt prefilled once (the head at its last position only: the first new token), its KV
+    rows copied to its samples, then ``new - 1`` decode steps of every sample over a growing KV length
+    (``generate_prefill`` + ``generate_decode``). ``*_shared``: what the training passes compute with each
+    prompt once per group (``model.share_prompt_prefix``)."""
     per_token = 2 * arch.num_layers * sum(k * c for k, c in linear_shapes(arch))
     q, seq = arch.num_attention_heads * arch.head_dim, prompt + new
 
@@ -56,11 +59,15 @@ def step_flops(arch: ModelArch, n: int, prompt: int, new: int, samples: int = 1)
         return 4.0 * arch.num_layers * q * length * (length + 1) / 2
 
     head = 2 * arch.hidden_size * arch.vocab_size
-    generate = n * (seq * per_token + attention(seq) + new * head)  # one head GEMM per decode step
+    steps = new - 1  # the decode step at KV length prompt + i reads i - 1 tokens sampled before it
+    prefill = (n // samples) * (prompt * per_token + attention(prompt) + head)
+    decode = n * (steps * (per_token + head) + 4.0 * arch.num_layers * q * (steps * prompt + steps * new / 2))
     forward = n * (seq * per_token + attention(seq) + new * head)  # head only at response positions
     shared = forward - (n - n // samples) * prompt * per_token  # the linears skip the prompt copies
     return {
-        "generate": generate,
+        "generate": prefill + decode,
+        "generate_prefill": prefill,
+        "generate_decode": decode,
         "log_probs": forward,
         "update": 3 * forward,  # forward + input gradients + weight gradients
         "log_probs_shared": shared,
@@ -92,9 +99,11 @@ def phase_limits(
     """Seconds each phase needs at the machine's rates: compute-bound ones at ``torch.mm``'s GFLOP/s at their
     shapes, memory-bound ones at the copy bandwidth (a copy reads and writes each byte: 2 bytes of traffic
     per byte copied, which Adam's reads and writes are counted in)."""
+    prefill = flops.get("generate_prefill", 0.0)  # the prompts' GEMMs are training-sized
     return {
         "sync": sync_bytes / copy_bytes_per_s,
-        "generate": flops["generate"] / (gflops["decode"] * 1e9),
+        "generate": prefill / (gflops["train"] * 1e9)
+        + (flops["generate"] - prefill) / (gflops["decode"] * 1e9),
         "log_probs": flops["log_probs"] / (gflops["train"] * 1e9),
         "update": flops["update"] / (gflops["train"] * 1e9),
         "optimizer": params * ADAM_BYTES_PER_PARAM / (2 * copy_bytes_per_s),

@@ -62,7 +62,13 @@ def report_record(
     n = args.prompts * args.n
     flops = step_flops(arch, n, args.prompt_len, args.new_tokens, args.n)
     copy_rate = sync["copy_bytes_per_s"]
-    limits = phase_limits(flops, gflops, copy_rate, param_count(arch), sync["bytes"])
+    # a limit counts the work the step needs: with each prompt once per group, what ours computes
+    needed = (
+        {**flops, "log_probs": flops["log_probs_shared"], "update": flops["update_shared"]}
+        if args.share_prompt_prefix
+        else flops
+    )
+    limits = phase_limits(needed, gflops, copy_rate, param_count(arch), sync["bytes"])
     compute_limit_s = limits["generate"] + limits["update"]
     sides = {
         name: {"label": labels[name], **_side_record(r, n * args.new_tokens, limits, compute_limit_s)}
@@ -140,14 +146,14 @@ def print_report(record: dict[str, Any]) -> None:
 def _print_limits(record: dict[str, Any]) -> None:
     flops, limits = record["limits"]["flops"], record["limits"]
     print(
-        f"step FLOPs: generate {flops['generate'] / 1e9:.2f} G, log-probs (forward) "
+        f"step FLOPs: generate {flops['generate'] / 1e9:.2f} G (each prompt prefilled once), log-probs (forward) "
         f"{flops['log_probs'] / 1e9:.2f} G, update (forward + backward) {flops['update'] / 1e9:.2f} G; "
         "LM head included"
     )
     if record["args"]["share_prompt_prefix"]:
         print(
             f"  ours computes update {flops['update_shared'] / 1e9:.2f} G of them (each prompt once per group, "
-            "model.share_prompt_prefix); the limits count the workload's full FLOPs"
+            "model.share_prompt_prefix), which the limits count: the work the step needs"
         )
     rates = limits["gemm_gflop_per_s"]
     print(

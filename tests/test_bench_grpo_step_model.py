@@ -53,11 +53,19 @@ def test_gemm_shapes_hold_the_step_flops_and_the_lm_head() -> None:
     assert {(responses, 512, 32000, 1), (responses, 32000, 512, 1), (512, responses, 32000, 1)} <= set(
         shapes["train"]
     )
-    # generation: one decode step's GEMMs per new token, the prompt's linears and attention besides
+    # generation as the engine runs it: each of the N / SAMPLES prompts prefilled once (its linears, causal
+    # attention and one head row), then NEW - 1 decode steps of all N rows, step i attending to PROMPT + i keys
     per_token = 2 * 8 * sum(k * c for k, c in linear_shapes(arch))
-    rest = N * (PROMPT * per_token + attention)
-    assert NEW * gemm_flops(shapes["decode"]) == pytest.approx(flops["generate"] - rest)
+    head = 2 * 512 * 32000
+    prefill = N // SAMPLES * (PROMPT * per_token + _attention(arch, PROMPT) + head)
+    decode_attention = N * sum(4.0 * 8 * 512 * (PROMPT + i) for i in range(1, NEW))
+    assert flops["generate_prefill"] == pytest.approx(prefill)
+    assert (NEW - 1) * gemm_flops(shapes["decode"]) == pytest.approx(
+        flops["generate_decode"] - decode_attention
+    )
+    assert flops["generate"] == pytest.approx(prefill + flops["generate_decode"])
     assert (N, 512, 32000, 1) in shapes["decode"]
+    assert flops["generate"] / 1e9 == pytest.approx(643.03, abs=0.01)  # the issue's workload, by hand above
 
 
 def test_shared_prefix_skips_the_prompt_copies() -> None:
@@ -76,6 +84,11 @@ def test_phase_limits() -> None:
         # Adam: 7 fp32 arrays of 1000 parameters read or written, at 2 bytes of traffic per byte copied
         {"sync": 4e-6, "generate": 0.2, "log_probs": 0.01, "update": 0.03, "optimizer": 28000 / 2e9}
     )
+    # the prompts' prefill runs at training shapes' rate, the decode steps at decode shapes'
+    prefilled = phase_limits(
+        {**flops, "generate_prefill": 1e9}, {"decode": 10.0, "train": 100.0}, 1e9, 1000, 0
+    )
+    assert prefilled["generate"] == pytest.approx(0.01 + 0.1)
 
 
 def _update_grads(micro_batch_tokens: int | None) -> dict[str, torch.Tensor]:

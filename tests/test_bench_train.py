@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench._measure import machine_cpu_jiffies, steal_share
-from bench.bench_train import PROMPT_LEN, WORKLOADS, scoring_witness, step_gemm_rate, step_limit
+from bench.bench_train import PROMPT_LEN, WORKLOADS, scoring_witness, side_tokens, step_gemm_rate, step_limit
 from bench.grpo_step_limits import step_flops
 from mcore_rl.engine.arch import ModelArch
 
@@ -22,8 +22,20 @@ def test_bench_train_limit_is_the_step_flops_over_the_rates_at_their_shapes() ->
     seconds, gflop = step_limit(workload, rate)
     flops = step_flops(ModelArch.from_hf_config(workload["hf_config"]), 32, PROMPT_LEN, 32, 4)
     assert gflop == {"generate": flops["generate"] / 1e9, "update": flops["update_shared"] / 1e9}
-    assert seconds == flops["generate"] / 50e9 + flops["update_shared"] / 100e9
+    # the prompts' prefill (once each) at training shapes' rate, the decode steps at decode shapes'
+    expected = (
+        flops["generate_prefill"] / 100e9 + flops["generate_decode"] / 50e9 + flops["update_shared"] / 100e9
+    )
+    assert seconds == pytest.approx(expected)
     assert flops["update_shared"] < 3 * flops["log_probs"]  # each prompt computed once per group of 4
+
+
+def test_our_tokens_are_the_responses_generated_trls_the_forced_full_length() -> None:
+    # a response of ours ends at the stop id (the random model samples it): 31.5 of 32 tokens on average
+    workload = WORKLOADS["tiny"]  # 8 prompts x 4 samples x 32 new tokens
+    ours = [{"step": [0.3, 0.3], "response_len": [31.0, 32.0]}, {"step": [0.3], "response_len": [31.5]}]
+    assert side_tokens(ours, workload) == 32 * 31.5
+    assert side_tokens([{"step": [0.6]}], workload) == 32 * 32  # TRL: min_new_tokens = new tokens
 
 
 def test_steal_share_is_stolen_ticks_over_all_ticks_of_the_span(tmp_path: Path) -> None:
