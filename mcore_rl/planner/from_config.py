@@ -20,7 +20,8 @@ Which key feeds which planner field (the run config stays the one schema; the pl
     rollout.tensor_model_parallel_size          rollout_tp
     rollout.gpu_memory_utilization              rollout_memory_fraction
     rollout.hybrid.*                            offload_optimizer, offload_grad_buffers, sleep_level,
-                                                reshard_inflight_bytes (max_inflight_bytes or 2 x bucket)
+                                                reshard_inflight_bytes (max_inflight_bytes or 2 x bucket),
+                                                rollout_dtype (None when it is model.dtype: no cast)
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         offload_grad_buffers=hybrid.offload_grad_buffers,
         sleep_level=hybrid.sleep_level,
         reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
+        # the rollout runs in rollout_dtype or model.dtype (trainer/build.py); the same dtype is no cast
+        rollout_dtype=hybrid.rollout_dtype if hybrid.rollout_dtype != cfg.model.dtype else None,
         **{"critic": algo.adv_estimator == "gae", **planner},
     )
 

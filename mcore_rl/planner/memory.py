@@ -21,10 +21,17 @@ The phases follow the hybrid engine's state machine (``mcore_rl.parallel.reshard
              and the rollout weights when the rollout sleeps at level 1 (level 1 frees only the KV cache);
              for MoE also the experts' activations, the routers' tensors and the dispatcher's buffers
              (``moe.py``)
-    switch   train -> rollout after offloading optimizer / grad buffers: training weights + the rollout
-             weights being filled + the reshard round's in-flight messages
+    switch   train -> rollout after offloading the actor's optimizer / grad buffers: what training keeps +
+             the rollout engine's weights being filled + the reshard's new output shards, alive until the
+             load has copied them in (:func:`reshard_output_bytes`) + the reshard round's in-flight messages
+             (freed before the engine's weights wake: the sum is an upper bound by the smaller of the two)
     rollout  what training leaves on the GPU + the rollout engine's reservation, a fixed fraction of the
              total (vLLM ``gpu_memory_utilization``): its weights, its activation peak, the KV cache
+
+Only the actor's gradients and optimizer state leave the GPU for the rollout (the hybrid engine holds the
+actor's training engine alone); a colocated critic keeps all of its state through the switch and the rollout.
+The rollout engine holds its weights, KV cache and activations in ``rollout_dtype`` (the weight sync's cast),
+else the training dtype.
 
 The rollout engine (vLLM, without expert parallelism) holds every expert on every rollout TP rank, each
 split over the rollout TP: for an MoE model its weights are not the training rank's, and the reshard moves
@@ -40,7 +47,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mcore_rl.engine.params import active_params, model_params, rank_split, stage_split
+from mcore_rl.engine.params import (
+    active_params,
+    layer_split,
+    model_params,
+    rank_split,
+    router_params,
+    stage_split,
+)
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.activations import activation_terms, logits_bytes
@@ -119,9 +133,50 @@ def merged_params(plan: PlanInput) -> int:
 
 
 def rollout_weight_bytes(plan: PlanInput) -> int:
-    """One rollout TP rank's weights in the rollout layout (training dtype: the reshard keeps it); for an
-    MoE model all experts, each split over the rollout TP (``moe.rollout_weight_numel``)."""
-    return rollout_weight_numel(plan.arch, plan.rollout_tp) * (2 if plan.bf16 else 4)
+    """One rollout TP rank's weights in the rollout layout and dtype (``rollout_dtype``, else the training
+    dtype); for an MoE model all experts, each split over the rollout TP (``moe.rollout_weight_numel``)."""
+    return rollout_weight_numel(plan.arch, plan.rollout_tp) * plan.rollout_element_bytes
+
+
+def reshard_output_bytes(plan: PlanInput) -> int:
+    """The new tensors among the rollout shards the reshard returns on one rank (``executor.execute_plan``):
+    the hybrid engine holds them, beside the rollout engine's woken weights, until ``load_weights`` has copied
+    them in. A shard is the training tensor itself only where the rank keeps it whole in the rollout's shape
+    and dtype: no ``rollout_dtype`` cast, the parameter on the rank's pipeline stage, and the same shard at
+    both TP sizes: every replicated one (norms, routers), the TP-split ones at rollout TP = training TP, the
+    experts without EP at rollout TP = expert TP, and a vocab table only without padding rows (the copy skips
+    them, so the last TP rank's padded table is never copied whole: ``128 x TP`` must divide the vocab).
+    Every other shard is allocated; the rank keeping the least is taken."""
+    total = rollout_weight_bytes(plan)
+    if plan.rollout_dtype is not None:  # a cast writes every shard anew
+        return total
+    aliased = min(_aliased_numel(plan, stage) for stage in range(plan.pp))
+    return total - aliased * plan.rollout_element_bytes
+
+
+def _aliased_numel(plan: PlanInput, stage: int) -> int:
+    """Parameters a rank of pipeline stage ``stage`` (its last TP rank) hands over as the rollout shards
+    themselves, without a cast (:func:`reshard_output_bytes`)."""
+    arch, layout = plan.arch, plan.layout
+    same_tp = plan.rollout_tp == layout.tp
+    whole_experts = layout.ep == 1 and layout.expert_tp == plan.rollout_tp
+    replicated = 2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_norm else 0)  # norms, Qwen3's q/k norms
+    numel = 0
+    for chunk in layout.stage_layers(arch.num_layers)[stage]:
+        for layer in chunk:
+            split = layer_split(arch, layer, layout)
+            router = router_params(arch) if arch.moe is not None and arch.is_moe_layer(layer) else 0
+            numel += split.dense if same_tp else replicated + router
+            numel += split.expert if whole_experts else 0
+    unpadded = padded_vocab_size(arch.vocab_size, layout.tp, VOCAB_DIVISIBLE_BY) == arch.vocab_size
+    table = arch.vocab_size * arch.hidden_size // layout.tp if same_tp and unpadded else 0
+    if stage == 0:
+        numel += table
+    if stage == layout.pp - 1:
+        numel += arch.hidden_size  # final norm
+        if not arch.tie_word_embeddings:  # a tied model's last-stage copy is not a rollout tensor
+            numel += table
+    return numel
 
 
 def kv_bytes_per_token(plan: PlanInput) -> int:
@@ -133,7 +188,7 @@ def kv_bytes_per_token(plan: PlanInput) -> int:
         * arch.num_query_groups
         // plan.rollout_tp
         * arch.head_dim
-        * (2 if plan.bf16 else 4)
+        * plan.rollout_element_bytes
     )
 
 
@@ -143,7 +198,7 @@ def rollout_activation_bytes(plan: PlanInput) -> int:
     activation, ``2h + 3f / tp`` per token (an MoE layer's fused-expert caches instead, ``moe.py``), plus the
     sampler's fp32 logits gathered to the full vocab for ``rollout_max_num_seqs`` sequences."""
     arch, rtp = plan.arch, plan.rollout_tp
-    e = 2 if plan.bf16 else 4
+    e = plan.rollout_element_bytes
     per_token = 2 * arch.hidden_size * e + rollout_mlp_token_bytes(plan)
     vocab = padded_vocab_size(arch.vocab_size, rtp, VOCAB_DIVISIBLE_BY)
     return plan.rollout_max_batched_tokens * per_token + 4 * plan.rollout_max_num_seqs * vocab
@@ -204,8 +259,11 @@ class MemoryPlan:
         return max(phase.total_bytes for phase in self.phases)
 
 
-def _training_state_terms(plan: PlanInput) -> tuple[dict[str, int], dict[str, int], TrainState]:
-    """(weights of every colocated model, their grads and optimizer state, the actor's state)."""
+def _training_state_terms(
+    plan: PlanInput,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], TrainState]:
+    """(weights of every colocated model, the actor's grads and optimizer state, the critic's, the actor's
+    state)."""
     actor = train_state(plan)
     critic = train_state(plan, value_head=True) if plan.critic else None
     weights: dict[str, int] = {"weights": actor.weights_bytes - actor.expert_weights_bytes}
@@ -218,12 +276,13 @@ def _training_state_terms(plan: PlanInput) -> tuple[dict[str, int], dict[str, in
         state.update(
             {"expert gradients": actor.expert_grads_bytes, "expert optimizer": actor.expert_optimizer_bytes}
         )
+    critic_state: dict[str, int] = {}
     if critic:
         weights["critic weights"] = critic.weights_bytes
-        state.update({"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes})
+        critic_state = {"critic gradients": critic.grads_bytes, "critic optimizer": critic.optimizer_bytes}
     if plan.reference and not plan.lora_rank:  # with LoRA the reference is the base, adapters off
         weights["reference weights"] = actor.weights_bytes
-    return weights, state, actor
+    return weights, state, critic_state, actor
 
 
 def _problems(plan: PlanInput, phases: tuple[PhaseMemory, ...], kv_tokens: int) -> list[str]:
@@ -245,27 +304,31 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
     """Validate ``plan`` (see :meth:`PlanInput.validate`) and size every phase."""
     plan.validate()
     capacity = plan.gpu_bytes - plan.reserved_bytes
-    weights, state, actor = _training_state_terms(plan)
+    weights, actor_state, critic_state, actor = _training_state_terms(plan)
     rollout_weights = rollout_weight_bytes(plan)
-    # What stays on the GPU once the hybrid engine has offloaded training state for the rollout.
+    # What stays on the GPU once the hybrid engine has offloaded training state for the rollout: it offloads
+    # the actor's alone (HybridEngine._offload), a colocated critic is a training engine of its own.
     kept = dict(weights)
-    for name, size in state.items():
+    for name, size in actor_state.items():
         offloaded = plan.offload_optimizer if "optimizer" in name else plan.offload_grad_buffers
         if not offloaded:
             kept[name] = size
+    kept.update(critic_state)
 
+    state = {**actor_state, **critic_state}
     train_terms = {**weights, **state, **activation_terms(plan), "logits": logits_bytes(plan)}
     if plan.arch.moe is not None:
         train_terms["dispatcher buffers"] = dispatcher_bytes(plan)
     if plan.sleep_level == 1:
         train_terms["rollout weights (asleep)"] = rollout_weights
-    switch_terms = {
-        **kept,
-        "rollout weights": rollout_weights,
-        # A round's messages hold real tensors: never more than this rank sends (its actor weights, experts
-        # included) plus receives (its rollout weights) in the whole sync, however large the in-flight cap.
-        "reshard buffers": min(plan.reshard_inflight_bytes, actor.weights_bytes + rollout_weights),
-    }
+    switch_terms = {**kept, "rollout weights": rollout_weights}
+    new_shards = reshard_output_bytes(plan)
+    if new_shards:  # 0 when every shard is a training tensor (same TP and dtype, no vocab padding)
+        switch_terms["reshard output"] = new_shards
+    # A round's messages hold real tensors: never more than this rank sends (its actor weights, experts
+    # included, in the rollout dtype) plus receives (its rollout weights) in the whole sync, whatever the cap.
+    sent = actor.params * plan.rollout_element_bytes
+    switch_terms["reshard buffers"] = min(plan.reshard_inflight_bytes, sent + rollout_weights)
     if plan.lora_rank:  # the sync reads the adapted weights merged, each a new tensor (engine/lora.py)
         switch_terms["merged LoRA weights"] = (2 if plan.bf16 else 4) * merged_params(plan)
     rollout_act = rollout_activation_bytes(plan)

@@ -110,7 +110,7 @@ def rollout_mlp_token_bytes(plan: PlanInput) -> int:
     """Bytes per token of the widest MLP in one rollout forward: the dense gate/up output and its activation
     ``3 f / tp``, or the fused-MoE caches and fp32 router logits of an MoE layer (module docstring)."""
     arch, rtp = plan.arch, plan.rollout_tp
-    e = 2 if plan.bf16 else 4
+    e = plan.rollout_element_bytes
     moe = arch.moe
     dense = 3 * arch.ffn_hidden_size // rtp * e
     if moe is None:

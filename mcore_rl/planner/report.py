@@ -25,9 +25,11 @@ def describe_layout(result: MemoryPlan) -> str:
     vpp = f" vpp={p.vpp}" if p.vpp else ""
     cp = f" cp={p.cp}" if p.cp > 1 else ""
     experts = f" ep={p.ep} etp={p.layout.expert_tp} edp={p.expert_dp}" if p.arch.moe else ""
+    cast = f" rollout_dtype={p.rollout_dtype}" if p.rollout_dtype else ""
     return (
         f"{p.world_size} x {p.gpu}: tp={p.tp}{cp} pp={p.pp}{vpp} dp={p.dp}{experts} sp={p.sp} "
-        f"recompute={p.recompute}, rollout_tp={p.rollout_tp} rollout_memory_fraction={p.rollout_memory_fraction}"
+        f"recompute={p.recompute}, rollout_tp={p.rollout_tp}{cast} "
+        f"rollout_memory_fraction={p.rollout_memory_fraction}"
     )
 
 

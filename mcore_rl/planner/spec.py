@@ -30,6 +30,9 @@ GPU_MEMORY_BYTES = {
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 
+ROLLOUT_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each dtype the weight sync can cast to (``HybridConfig.rollout_dtype``)."""
+
 
 class PlanError(InputError):
     """An input the run cannot start with; the message names the field."""
@@ -99,6 +102,11 @@ class PlanInput:
     rollout_memory_fraction: float = 0.5
     """Share of total GPU memory the rollout engine reserves for its weights, activations and KV cache
     (vLLM's ``gpu_memory_utilization``, a fraction of the total)."""
+    rollout_dtype: str | None = None
+    """The dtype the weight sync casts the weights to (``rollout.hybrid.rollout_dtype``), in which the rollout
+    engine then holds its weights and KV cache and computes; None: no cast, the training dtype. Any value is
+    taken as a cast, so set it only when it differs from the training dtype (a cast makes every resharded
+    shard a new tensor, ``memory.reshard_output_bytes``)."""
     rollout_max_batched_tokens: int = 8192
     """Tokens in one rollout forward pass (vLLM ``max_num_batched_tokens``); sizes its activation peak."""
     rollout_max_num_seqs: int = 256
@@ -132,6 +140,10 @@ class PlanInput:
                 raise PlanError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not 0 < self.rollout_memory_fraction < 1:
             raise PlanError(f"rollout_memory_fraction must be in (0, 1), got {self.rollout_memory_fraction}")
+        if self.rollout_dtype is not None and self.rollout_dtype not in ROLLOUT_DTYPE_BYTES:
+            raise PlanError(
+                f"rollout_dtype={self.rollout_dtype!r} must be None or one of {sorted(ROLLOUT_DTYPE_BYTES)}"
+            )
         if self.sleep_level not in (1, 2):
             raise PlanError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.reserved_bytes < 0:
@@ -186,6 +198,13 @@ class PlanInput:
     @property
     def gpu_bytes(self) -> int:
         return GPU_MEMORY_BYTES[self.gpu]
+
+    @property
+    def rollout_element_bytes(self) -> int:
+        """Bytes per element of the rollout engine's weights, KV cache and activations."""
+        if self.rollout_dtype is None:
+            return 2 if self.bf16 else 4
+        return ROLLOUT_DTYPE_BYTES[self.rollout_dtype]
 
     def with_layout(self, **changes: object) -> PlanInput:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -124,9 +124,12 @@ def test_colocated_critic_and_reference_add_their_state():
     assert both.train.terms["critic weights"] == 2 * critic_params
     assert both.train.terms["critic optimizer"] == 3 * critic_params
     assert both.train.terms["reference weights"] == plain.train.terms["weights"]
-    # During rollout the critic and reference weights stay; their gradients and optimizer are offloaded.
-    assert {"critic weights", "reference weights"} <= set(both.rollout.terms)
-    assert "critic optimizer" not in both.rollout.terms
+    # During rollout the critic and reference weights stay, and so does the critic's state: the hybrid engine
+    # offloads only the actor's gradients and optimizer.
+    assert {"critic weights", "reference weights", "critic gradients", "critic optimizer"} <= set(
+        both.rollout.terms
+    )
+    assert "optimizer" not in both.rollout.terms
 
 
 def test_optimizer_kept_on_gpu_when_not_offloaded():
