@@ -108,6 +108,36 @@ def lr_scheduler(engine: TrainEngine, optim: OptimConfig, total_steps: int) -> A
     )
 
 
+def megatron_adam(
+    chunks: list[Any], optim: OptimConfig, params_dtype: Any, distributed: bool, gloo_groups: bool
+) -> Any:
+    """megatron's Adam over the DDP-wrapped ``chunks``, distributed (ZeRO-1) when ``distributed``;
+    ``gloo_groups``: the gloo DP groups megatron asks for by default exist (ParallelContext builds them only on
+    gloo worlds: an NCCL world failed on the first GPU run, "Intra partial data parallel group is not
+    initialized")."""
+    import torch  # here, not at the top: the run config loads this module without torch
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=distributed,
+        ),
+        chunks,
+        use_gloo_process_groups=gloo_groups,
+    )
+
+
 def use_fused_torch_adam(optimizer: Any) -> None:
     """Switch torch's Adam(W), megatron's optimizer when neither TE nor apex is installed (the CPU case), to
     its fused kernel: one pass per tensor instead of ~8 (2.5x faster on CPU), same update to fp32 rounding.

@@ -50,7 +50,7 @@ from mcore_rl.engine.moe import (
     read_router_losses,
     router_loss_scope,
 )
-from mcore_rl.engine.optim import OptimConfig, use_fused_torch_adam
+from mcore_rl.engine.optim import OptimConfig, megatron_adam, use_fused_torch_adam
 from mcore_rl.engine.weights import load_full_state, unwrap
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.host_reduce import open_for_buckets
@@ -235,7 +235,9 @@ class TrainEngine:
             reduce_grads_on_host(chunks, partial(open_for_buckets, timeout_s=ctx.collective_timeout_s))
         config.finalize_model_grads_func = _finalize_without_token_scaling
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        optimizer = _megatron_adam(chunks, optim, model_options, ctx)
+        optimizer = megatron_adam(
+            chunks, optim, model_options.dtype, distributed, gloo_groups=ctx.device.type == "cpu"
+        )
         engine = cls(ctx, arch, chunks, optimizer, config, model_options)
         for megatron_optimizer in engine.optimizers:
             use_fused_torch_adam(megatron_optimizer.optimizer)
@@ -407,35 +409,6 @@ class TrainEngine:
 
 _FILLER_RECORD = object()
 """The record of a :class:`FillerMicroBatch`, dropped from what ``forward_backward`` returns."""
-
-
-def _megatron_adam(
-    chunks: list[Any], optim: OptimConfig, model_options: ModelOptions, ctx: ParallelContext
-) -> Any:
-    """megatron's Adam over the DDP-wrapped ``chunks`` (distributed where ``optim`` asks for it on this device)."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-
-    return get_megatron_optimizer(
-        MegatronOptimizerConfig(
-            optimizer="adam",
-            lr=optim.lr,
-            min_lr=optim.lr,
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1,
-            adam_beta2=optim.adam_beta2,
-            adam_eps=optim.adam_eps,
-            clip_grad=optim.clip_grad,
-            bf16=model_options.dtype == torch.bfloat16,
-            params_dtype=model_options.dtype,
-            use_distributed_optimizer=optim.distributed_on(ctx.device.type),
-        ),
-        chunks,
-        # megatron asks for gloo DP groups by default; ParallelContext builds them only on gloo worlds
-        # (an NCCL world failed here on the first GPU run: "Intra partial data parallel group is not
-        # initialized")
-        use_gloo_process_groups=ctx.device.type == "cpu",
-    )
 
 
 def _filler_loss(output: torch.Tensor) -> tuple:

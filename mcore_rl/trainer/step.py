@@ -93,10 +93,10 @@ class StepBase:
         self.loss = loss_settings(cfg)
         self.plan = update_plan(cfg)
         self._pending: _Pending | None = None
-        self._generation_s: float | None = None
-        """Wall seconds this step's rollout took to sample (None: unknown, a rollout restored on resume)."""
         """One-step-off: the next step's prompts and their rollout (a wait: on a pool it is still running),
         started before this step's update."""
+        self._generation_s: float | None = None
+        """Wall seconds this step's rollout took to sample (None: unknown, a rollout restored on resume)."""
         self.policy_lag = 0
         """Steps between the weights that generated the last rollout and the actor's when it was trained."""
         self._val_samples: list[dict[str, Any]] = []
@@ -144,10 +144,7 @@ class StepBase:
         if self.multi_turn is not None or isinstance(self.rollout, ColocatedRollout):
             sampled = time.perf_counter() - started
             return prompts, wait, lambda: sampled
-        done: list[float] = []
-
-        def seconds() -> float:
-            return done[0] if done else time.perf_counter() - started
+        done: list[float] = []  # the seconds until the samples first reached the driver
 
         def received() -> RolloutBatch:
             batch = wait()
@@ -155,7 +152,7 @@ class StepBase:
                 done.append(time.perf_counter() - started)
             return batch
 
-        return prompts, received, seconds
+        return prompts, received, lambda: done[0]  # read after ``received``
 
     def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
         """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
