@@ -87,7 +87,9 @@ class HybridConfig:
     offload_grad_buffers: bool = True
     """Free the DDP gradient buffers during rollout; they are re-allocated (zeroed) for training."""
     sleep_level: int = 1
-    """Rollout sleep between phases: 1 frees the KV cache, 2 also drops the rollout weights."""
+    """Rollout sleep between phases: 1 frees the KV cache and moves the embedded engine's weights to host
+    memory, 2 also drops the weights. The colocated vLLM engine always sleeps at 2 (every step's sync rewrites
+    all of its weights, so there is nothing to keep): on a GPU no level leaves rollout weights there."""
     bucket_bytes: int = 256 << 20
     """Largest p2p message during resharding (a single larger unit, e.g. one huge row, still goes whole)."""
     max_inflight_bytes: int | None = None

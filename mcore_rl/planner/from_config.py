@@ -19,7 +19,7 @@ Which key feeds which planner field (the run config stays the one schema; the pl
     algorithm.adv_estimator == gae              critic (PPO: a value-head critic on the actor's GPUs)
     rollout.tensor_model_parallel_size          rollout_tp
     rollout.gpu_memory_utilization              rollout_memory_fraction
-    rollout.hybrid.*                            offload_optimizer, offload_grad_buffers, sleep_level,
+    rollout.hybrid.*                            offload_optimizer, offload_grad_buffers,
                                                 reshard_inflight_bytes (max_inflight_bytes or 2 x bucket),
                                                 rollout_dtype (None when it is model.dtype: no cast)
 """
@@ -63,7 +63,6 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         rollout_memory_fraction=rollout.gpu_memory_utilization,
         offload_optimizer=hybrid.offload_optimizer,
         offload_grad_buffers=hybrid.offload_grad_buffers,
-        sleep_level=hybrid.sleep_level,
         reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
         # the rollout runs in rollout_dtype or model.dtype (trainer/build.py); the same dtype is no cast
         rollout_dtype=hybrid.rollout_dtype if hybrid.rollout_dtype != cfg.model.dtype else None,

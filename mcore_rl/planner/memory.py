@@ -17,9 +17,10 @@ MoE layer that this rank holds, each split over ETP (``params.py``).
 
 The phases follow the hybrid engine's state machine (``mcore_rl.parallel.reshard.hybrid``):
 
-    train    actor (and critic) weights + grads + optimizer, reference weights, activations, logits,
-             and the rollout weights when the rollout sleeps at level 1 (level 1 frees only the KV cache);
-             for MoE also the experts' activations, the routers' tensors and the dispatcher's buffers
+    train    actor (and critic) weights + grads + optimizer, reference weights, activations, logits;
+             never the rollout's weights: the colocated vLLM engine sleeps at level 2 (every step's sync
+             rewrites all its weights, so it keeps none), the embedded engine at level 1 moves them to host
+             memory and at level 2 drops them; for MoE also the experts' activations, the routers' tensors and the dispatcher's buffers
              (``moe.py``)
     switch   train -> rollout after offloading the actor's optimizer / grad buffers: what training keeps +
              the rollout engine's weights being filled + the reshard's new output shards, alive until the
@@ -319,8 +320,6 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
     train_terms = {**weights, **state, **activation_terms(plan), "logits": logits_bytes(plan)}
     if plan.arch.moe is not None:
         train_terms["dispatcher buffers"] = dispatcher_bytes(plan)
-    if plan.sleep_level == 1:
-        train_terms["rollout weights (asleep)"] = rollout_weights
     switch_terms = {**kept, "rollout weights": rollout_weights}
     new_shards = reshard_output_bytes(plan)
     if new_shards:  # 0 when every shard is a training tensor (same TP and dtype, no vocab padding)

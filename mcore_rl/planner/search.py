@@ -89,13 +89,10 @@ def _plan_or_none(plan: PlanInput) -> MemoryPlan | None:
 
 
 def _training_fits(plan: PlanInput) -> bool | None:
-    """Whether the train phase fits without the rollout's sleeping weights (the only term the rollout
-    settings add to it); None when the layout is not valid."""
+    """Whether the train phase fits (no rollout setting changes it: the rollout's weights are off the GPU
+    while it sleeps); None when the layout is not valid."""
     first = _plan_or_none(plan.with_layout(rollout_tp=1))
-    if first is None:
-        return None
-    training_only = first.train.total_bytes - first.train.terms.get("rollout weights (asleep)", 0)
-    return training_only <= first.train.capacity_bytes
+    return None if first is None else first.train.fits
 
 
 SPLIT_FREE_TERMS = (

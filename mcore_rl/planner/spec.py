@@ -115,8 +115,6 @@ class PlanInput:
     """Optimizer state leaves the GPU during rollout (HybridConfig.offload_optimizer)."""
     offload_grad_buffers: bool = True
     """Gradient buffers are freed during rollout (HybridConfig.offload_grad_buffers)."""
-    sleep_level: int = 1
-    """Rollout sleep while training: 1 keeps the rollout weights on the GPU, 2 drops them."""
     reshard_inflight_bytes: int = 512 * MIB
     """Most bytes one rank sends plus receives per reshard round (HybridConfig: 2 x bucket_bytes)."""
     reserved_bytes: int = 3 * GIB
@@ -144,8 +142,6 @@ class PlanInput:
             raise PlanError(
                 f"rollout_dtype={self.rollout_dtype!r} must be None or one of {sorted(ROLLOUT_DTYPE_BYTES)}"
             )
-        if self.sleep_level not in (1, 2):
-            raise PlanError(f"sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.reserved_bytes < 0:
             raise PlanError(f"reserved_bytes must be >= 0, got {self.reserved_bytes}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:

@@ -32,7 +32,6 @@ def _plan(hf_config: dict, **changes) -> PlanInput:
         global_batch_size=256,
         recompute="full",
         rollout_tp=2,
-        sleep_level=2,
     )
     fields.update(changes)
     return PlanInput(**fields)

@@ -94,7 +94,6 @@ def _qwen(**changes) -> PlanInput:
         global_batch_size=256,
         rollout_tp=4,
         reference=True,
-        sleep_level=2,
     )
     fields.update(changes)
     return PlanInput(**fields)
@@ -119,7 +118,6 @@ def test_qwen3_30b_a3b_moe_memory_terms():
     assert train["dispatcher buffers"] == 2 * 1280 * 8 * 2048 * 2
     # The dense side: 4 s b h / TP (SP) + s b (2q + 2kv) / TP, no dense MLP, 2 B; + token ids.
     assert train["activations"] == 48 * 2 * (4 * 5120 * 2048 // 4 + 5120 * (8192 + 1024) // 4) + 16 * 5120
-    assert "rollout weights (asleep)" not in train  # sleep level 2
 
     # vLLM TP4 without EP holds all 128 experts per layer, each a quarter: 128 x 3 x 192 x 2048, + the router,
     # + its attention (40 / 4 heads of 128 rows, o_proj 2048 x 1024) and norms; embedding and lm_head 38,016 rows.
