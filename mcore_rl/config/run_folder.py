@@ -8,7 +8,7 @@ import os
 import shutil
 
 from mcore_rl.config.run import ResumeMode, RunConfig
-from mcore_rl.io.errors import OutputError
+from mcore_rl.io.errors import OutputError, note
 from mcore_rl.io.output import check_run_folder, claim_run_folder, is_ours
 from mcore_rl.logs.run_log import previous_log
 
@@ -16,13 +16,14 @@ from mcore_rl.logs.run_log import previous_log
 def check_run_folders(cfg: RunConfig) -> None:
     """Refuse, writing nothing, a run folder (or a log folder outside it) that would write over what is not
     ours: the current directory, home, an input, or an existing folder another tool wrote (see
-    mcore_rl.io.claim_run_folder); and a fresh run over an earlier run's ``metrics.jsonl`` (see
-    :func:`_refuse_replacing_log`)."""
+    mcore_rl.io.claim_run_folder); and a fresh run over an earlier run's ``metrics.jsonl`` or run checkpoints
+    (see :func:`_refuse_replacing_log`, :func:`_refuse_replacing_checkpoints`)."""
     inputs = _inputs(cfg)
     run = check_run_folder(cfg.trainer.default_local_dir, flag="trainer.default_local_dir", inputs=inputs)
     if not _inside(cfg.logging.log_dir, run):
         check_run_folder(cfg.logging.log_dir, flag="logging.log_dir", inputs=inputs)
     _refuse_replacing_log(cfg)
+    _refuse_replacing_checkpoints(cfg)
 
 
 def claim_run_folders(cfg: RunConfig) -> None:
@@ -59,6 +60,30 @@ def _refuse_replacing_log(cfg: RunConfig) -> None:
     )
 
 
+def _refuse_replacing_checkpoints(cfg: RunConfig) -> None:
+    """A run that does not start from one of this folder's run checkpoints would save its own ``global_step_N``
+    over an earlier run's, point ``latest`` at them and prune the rest (all carry our marker, so the writes
+    would be allowed): refused, whatever its log folder says (the log check alone missed a run logging
+    elsewhere or without ``metrics.jsonl``)."""
+    root = checkpoint_root(cfg)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = sorted(int(n[12:]) for n in names if n.startswith("global_step_") and n[12:].isdigit())
+    ours = [f"global_step_{s}" for s in steps if is_ours(os.path.join(root, f"global_step_{s}"))]
+    start = resume_checkpoint(cfg)
+    if not ours or (start is not None and _inside(start, os.path.realpath(root))):
+        return
+    if cfg.trainer.resume_mode == ResumeMode.DISABLE.value:
+        why = "trainer.resume_mode=disable"
+    elif start is None:
+        why = f"trainer.resume_mode=auto finds no `{LATEST}` there"
+    else:
+        why = f"trainer.resume_from_path={start} is not one of them"
+    raise OutputError(
+        f"{root} holds an earlier run's checkpoints ({', '.join(ours[-3:])}), which a new run would replace "
+        f"({why}): set trainer.default_local_dir to another folder, or move {cfg.trainer.default_local_dir} away"
+    )
+
+
 def _inside(path: str, folder: str) -> bool:
     real = os.path.realpath(path)
     return real == folder or real.startswith(folder + os.sep)
@@ -91,10 +116,15 @@ def checkpoint_name(step: int) -> str:
 
 
 def publish_checkpoint(cfg: RunConfig, step: int) -> None:
-    """After a complete save: point ``latest`` at it (atomically), then keep it and the ``trainer.max_ckpt_to_keep
-    - 1`` newest of our checkpoints before it. Only folders carrying our marker are counted or dropped, never a
-    user's own ``global_step_N``, and none of a later step than this one (left by a run this one resumed from
-    an earlier checkpoint): pruning by number alone would drop the checkpoint just saved."""
+    """After a complete save: point ``latest`` at it (:func:`point_latest_at`), then drop what
+    ``trainer.max_ckpt_to_keep`` no longer keeps (:func:`prune_checkpoints`)."""
+    point_latest_at(cfg, step)
+    prune_checkpoints(cfg, step)
+
+
+def point_latest_at(cfg: RunConfig, step: int) -> None:
+    """``latest`` names the checkpoint of ``step``: written beside, then renamed over it (atomic), the folder
+    synced so the rename survives a power loss."""
     root = checkpoint_root(cfg)
     staging = os.path.join(root, f".{LATEST}.tmp")
     with open(staging, "w") as f:
@@ -102,7 +132,20 @@ def publish_checkpoint(cfg: RunConfig, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(staging, os.path.join(root, LATEST))
-    keep = cfg.trainer.max_ckpt_to_keep
+    folder = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def prune_checkpoints(cfg: RunConfig, step: int) -> None:
+    """Keep the checkpoint of ``step`` and the ``trainer.max_ckpt_to_keep - 1`` newest of ours before it. Only
+    folders carrying our marker are counted or dropped, never a user's own ``global_step_N``, and none of a
+    later step than this one (left by a run this one resumed from an earlier checkpoint): pruning by number
+    alone would drop the checkpoint just saved. A folder the filesystem will not remove (busy on NFS while
+    another job reads it, no permission) is left with a note: the save it follows has succeeded."""
+    keep, root = cfg.trainer.max_ckpt_to_keep, checkpoint_root(cfg)
     if not keep:
         return
     names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
@@ -112,7 +155,10 @@ def publish_checkpoint(cfg: RunConfig, step: int) -> None:
         if int(n[12:]) < step and is_ours(os.path.join(root, n))
     )
     for _, folder in earlier[: max(len(earlier) - (keep - 1), 0)]:
-        shutil.rmtree(folder)
+        try:
+            shutil.rmtree(folder)
+        except OSError as err:
+            note(f"{folder} not removed (trainer.max_ckpt_to_keep={keep}): {err}")
 
 
 def resume_checkpoint(cfg: RunConfig) -> str | None:

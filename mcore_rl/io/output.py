@@ -153,6 +153,10 @@ class OutputFolder:
     """(device, inode) of the existing folder this one replaces, None when there is none."""
     staging: str | None = None
     """The staging folder, once :meth:`begin` created it."""
+    overwrite: bool = False
+    """:meth:`plan`'s ``overwrite``, for the folder :meth:`begin` may put back."""
+    replace_ours: bool = False
+    """:meth:`plan`'s ``replace_ours``, likewise."""
 
     @classmethod
     def plan(
@@ -173,7 +177,7 @@ class OutputFolder:
         if len(os.fsencode(name)) > _NAME_MAX:
             raise OutputError(f"{flag} {given}: the name is longer than {_NAME_MAX} bytes")
         replaces = cls._check_existing(real, given, flag, overwrite, replace_ours)
-        return cls(path=real, given=given, flag=flag, kind=kind, replaces=replaces)
+        return cls(real, given, flag, kind, replaces, overwrite=overwrite, replace_ours=replace_ours)
 
     @staticmethod
     def _check_existing(
@@ -221,7 +225,14 @@ class OutputFolder:
 
     def begin(self) -> str:
         """Clean stale staging of ours, then create this process's staging folder exclusively; returns it."""
+        absent = not os.path.lexists(self.path)
         self.clean_stale()
+        if absent and os.path.lexists(
+            self.path
+        ):  # a killed commit's previous output, put back: what we replace
+            self.replaces = self._check_existing(
+                self.path, self.given, self.flag, self.overwrite, self.replace_ours
+            )
         staging = self._aux_name("staging", secrets.token_hex(4))
         os.mkdir(staging, 0o755)  # fails if anything has that name: never reuses a folder
         self.staging = staging

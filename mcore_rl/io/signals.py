@@ -61,11 +61,12 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_requests() -> Iterator[StopRequest]:
+def stop_requests(request: StopRequest | None = None) -> Iterator[StopRequest]:
     """Within the block, the first SIGTERM or SIGUSR1 sets the yielded :class:`StopRequest` (the caller checks
     it where stopping is safe) and a second one raises :class:`Interrupted`; outside the main thread nothing is
-    installed and the request stays unset."""
-    request = StopRequest()
+    installed and the request stays unset. Given ``request`` (one an earlier block may have set already), the
+    block records into it: a stop asked for before a lost worker's recovery still stands after it."""
+    request = StopRequest() if request is None else request
     if threading.current_thread() is not threading.main_thread():
         yield request
         return

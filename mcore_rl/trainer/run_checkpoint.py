@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.config import ConfigError, RunConfig
-from mcore_rl.config.run_folder import LATEST, checkpoint_root, publish_checkpoint, resume_checkpoint
+from mcore_rl.config.run_folder import (
+    LATEST,
+    checkpoint_root,
+    point_latest_at,
+    prune_checkpoints,
+    resume_checkpoint,
+)
 from mcore_rl.data.prompts import PromptLoader
 from mcore_rl.data.rows import DataError
 from mcore_rl.io.errors import InputError, OutputError, note
@@ -91,6 +97,7 @@ def _checked_point(cfg: RunConfig, loader: PromptLoader, path: str) -> ResumePoi
             f"{saved_tp} (data-parallel and pipeline sizes may change), or start a new run in another "
             f"trainer.default_local_dir with model.path={path} (its weights at any layout, a fresh optimizer)"
         )
+    _check_run_state(cfg, path, saved)
     model = cfg.model.hf_config_dict()
     changed = sorted(k for k in {**saved["model"], **model} if saved["model"].get(k) != model.get(k))
     if changed:
@@ -103,6 +110,32 @@ def _checked_point(cfg: RunConfig, loader: PromptLoader, path: str) -> ResumePoi
             "another trainer.default_local_dir)"
         ) from None
     return ResumePoint(path, step, saved)
+
+
+def _check_run_state(cfg: RunConfig, path: str, saved: dict[str, Any]) -> None:
+    """The driver state an RL run checkpoint carries (``Trainer.save``), and the algorithm's models and state
+    that this run will load from it: refused in one line before any worker starts (a DPO checkpoint, an edited
+    ``trainer_state.json``, PPO resumed from a GRPO run or with the KL controller switched on)."""
+    from mcore_rl.algo.settings import AdvEstimator
+    from mcore_rl.engine.trainer_checkpoint import TRAINER_STATE_FILE
+
+    state_file = os.path.join(path, TRAINER_STATE_FILE)
+    for key in ("model", "loader"):
+        if not isinstance(saved.get(key), dict):
+            raise ConfigError(f"{state_file}: extra.{key} must be an object (not an RL run checkpoint?)")
+    algorithm = saved.get("algorithm", {})
+    if not isinstance(algorithm, dict):
+        raise ConfigError(f"{state_file}: extra.algorithm must be an object, got {algorithm!r}")
+    gae = cfg.algorithm.adv_estimator == AdvEstimator.GAE
+    if gae and not os.path.isdir(os.path.join(path, CRITIC_DIR)):
+        raise ConfigError(
+            f"{path}: saved without a critic (not a PPO run), so algorithm.adv_estimator=gae cannot resume it"
+        )
+    if gae and cfg.algorithm.use_kl_in_reward and "kl_ctrl" not in algorithm:
+        raise ConfigError(
+            f"{path}: saved without algorithm.use_kl_in_reward's KL controller; resume with "
+            "algorithm.use_kl_in_reward=false, or start a new run in another trainer.default_local_dir"
+        )
 
 
 def verify_run_checkpoint(path: str) -> None:
@@ -149,9 +182,9 @@ def _previous_intact(cfg: RunConfig, damaged: str, err: InputError) -> str:
 @contextlib.contextmanager
 def staged_checkpoint(cfg: RunConfig, step: int, path: str) -> Iterator[str]:
     """A staging folder for the run checkpoint of ``step`` at ``path``; when the block ends without error its
-    manifest is written, it is renamed to ``path`` and ``latest`` points at it (older checkpoints beyond
-    ``trainer.max_ckpt_to_keep`` are then removed). An error removes the staging folder and leaves everything
-    else as it was."""
+    manifest is written, it is renamed to ``path`` and ``latest`` points at it; then older checkpoints beyond
+    ``trainer.max_ckpt_to_keep`` are removed, outside the save (a folder that will not go is a note, not a
+    failed save). An error removes the staging folder and leaves everything else as it was."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     output = OutputFolder.plan(path, flag="run checkpoint", replace_ours=True, kind="run-checkpoint")
     staging = output.begin()
@@ -160,10 +193,11 @@ def staged_checkpoint(cfg: RunConfig, step: int, path: str) -> Iterator[str]:
         write_manifest(staging)
         with signals_deferred():  # the folder and `latest` change together, or neither does
             output.commit()
-            publish_checkpoint(cfg, step)
+            point_latest_at(cfg, step)
     except BaseException:
         output.abort()
         raise
+    prune_checkpoints(cfg, step)  # signals no longer held: removing gigabytes may take a while
 
 
 def save_failure(err: BaseException, folder: str) -> str | None:

@@ -54,7 +54,7 @@ from mcore_rl.data.prompts import PromptLoader
 from mcore_rl.io.checkpoint_read import checkpoint_failure
 from mcore_rl.io.errors import CheckpointSaveError, Interrupted, Preempted, note
 from mcore_rl.io.inputs import input_file
-from mcore_rl.io.signals import stop_requests
+from mcore_rl.io.signals import StopRequest, stop_requests
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.scoring import RewardScorer
@@ -200,10 +200,11 @@ class Trainer:
                 self.step.take_val_samples()
             ),  # logging.log_val_generations; a recovery's step too
         )
+        stop = StopRequest()  # one for the whole run: a recovery keeps a stop asked for before it
         try:
             while True:
                 try:
-                    self._stages(log, summary, resumed, stop_after)
+                    self._stages(log, summary, resumed, stop_after, stop)
                     break
                 except Exception as err:
                     if not is_lost_worker(err):
@@ -214,17 +215,23 @@ class Trainer:
                                 f"not recovering again: {len(self.recoveries)} recoveries (trainer.max_restarts)"
                             )
                         raise
-                    resumed = self._recover(err, log)
+                    with stop_requests(stop):
+                        resumed = self._recover(err, log)
+                    if stop and resumed and self.resume_from is not None:  # stop where it resumed (saved)
+                        assert stop.signum is not None
+                        raise Preempted(stop.signum, self.global_step, self.resume_from.path) from None
         finally:
             summary["plot"] = log.close()
             self.records = log.records
         return summary
 
-    def _stages(self, log: RunLog, summary: dict[str, Any], resumed: bool, stop_after: int | None) -> None:
+    def _stages(
+        self, log: RunLog, summary: dict[str, Any], resumed: bool, stop_after: int | None, stop: StopRequest
+    ) -> None:
         """From where the run stands: the start (unless ``resumed``), the RL steps, the end."""
         if not resumed:
             self._before_rl(log, summary)
-        with stop_requests() as stop:  # SIGTERM / SIGUSR1: end this step, save, stop
+        with stop_requests(stop):  # SIGTERM / SIGUSR1: end this step, save, stop
             while self.global_step < self.total_steps and self.global_step != stop_after:
                 saved = self._rl_step(log)
                 if stop and self.global_step < self.total_steps:

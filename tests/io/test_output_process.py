@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from mcore_rl.io.errors import OutputError
 from mcore_rl.io.output import OutputFolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,6 +86,37 @@ def test_a_kill_between_the_two_renames_restores_the_previous_output(tmp_path, c
     output.clean_stale()
     assert "restored" in capsys.readouterr().err
     assert _payload(out) == "old" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("rules", [{"replace_ours": True}, {"overwrite": True}])
+def test_the_write_after_a_kill_between_the_two_renames_replaces_the_output_it_put_back(
+    tmp_path, capsys, rules
+):
+    """The next save of a run checkpoint after such a kill: planned while the folder was away, it finds the
+    previous output restored by its own begin() and replaces it (it used to fail its commit with "created by
+    another process")."""
+    out = str(tmp_path / "out")
+    _write(out, "old")
+    proc = _start("--out", out, "--payload", "new", "--overwrite", "--die-mid-commit")
+    proc.communicate(timeout=30)
+    assert proc.returncode == 9 and not os.path.exists(out)
+    output = OutputFolder.plan(out, kind="test", **rules)
+    with open(os.path.join(output.begin(), "payload.txt"), "w") as f:
+        f.write("newer")
+    output.commit()
+    assert "restored" in capsys.readouterr().err
+    assert _payload(out) == "newer" and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_the_folder_a_kill_left_aside_is_put_back_and_kept_without_leave_to_replace_it(tmp_path):
+    out = str(tmp_path / "out")
+    _write(out, "old")
+    proc = _start("--out", out, "--payload", "new", "--overwrite", "--die-mid-commit")
+    proc.communicate(timeout=30)
+    output = OutputFolder.plan(out, kind="test")  # no --overwrite: the restored output is not ours to replace
+    with pytest.raises(OutputError, match="exists and is not empty"):
+        output.begin()
+    assert _payload(out) == "old"
 
 
 def test_two_writers_to_one_new_folder_one_wins_the_other_fails(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from mcore_rl.config import load_config
 from mcore_rl.config.run_folder import (
+    check_run_folders,
     checkpoint_root,
     claim_run_folders,
     publish_checkpoint,
@@ -132,3 +133,75 @@ def test_keep_last_k_never_drops_the_save_just_published_nor_a_later_one(tmp_pat
     publish_checkpoint(_cfg(tmp_path, "trainer.max_ckpt_to_keep=1"), 11)
     assert sorted(os.listdir(root)) == ["global_step_11", "global_step_20", "latest"]
     assert resume_checkpoint(cfg) == str(root / "global_step_11")
+
+
+def test_an_old_checkpoint_that_will_not_go_is_a_note_not_a_failed_save(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """On NFS a folder another job still reads cannot be removed (EBUSY), nor one holding a file we may not
+    delete (EACCES): the save before it succeeded and ``latest`` names it, so the cleanup says so and goes on
+    (it used to raise from inside the save, which reported the published checkpoint as not saved)."""
+    import errno
+    import shutil
+
+    import mcore_rl.config.run_folder as run_folder
+
+    cfg = _cfg(tmp_path, "trainer.max_ckpt_to_keep=1")
+    claim_run_folders(cfg)
+    root = Path(checkpoint_root(cfg))
+    root.mkdir()
+    for step in (1, 2, 3):
+        out = OutputFolder.plan(str(root / f"global_step_{step}"), kind="checkpoint")
+        out.begin()
+        out.commit()
+    rmtree = shutil.rmtree
+
+    def busy_step_1(path, *args, **kwargs):
+        if os.path.basename(path) == "global_step_1":
+            raise OSError(errno.EBUSY, "Device or resource busy", path)
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_folder.shutil, "rmtree", busy_step_1)
+    publish_checkpoint(cfg, 3)
+    assert sorted(os.listdir(root)) == ["global_step_1", "global_step_3", "latest"]
+    assert resume_checkpoint(cfg) == str(root / "global_step_3")
+    assert "global_step_1 not removed (trainer.max_ckpt_to_keep=1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        (["trainer.resume_mode=disable"], "trainer.resume_mode=disable"),
+        ([], "finds no `latest` there"),  # auto, `latest` gone
+        (
+            ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/elsewhere/global_step_4"],
+            "not one of",
+        ),
+    ],
+)
+def test_a_fresh_run_is_refused_over_an_earlier_runs_checkpoints_wherever_it_logs(
+    tmp_path: Path, overrides: list[str], why: str
+) -> None:
+    """The earlier run logged elsewhere (or without metrics.jsonl), so no log check catches it: a run that
+    does not start from one of this folder's checkpoints would save its own global_step_N over them."""
+    cfg = _cfg(tmp_path, f"logging.log_dir={tmp_path / 'other_logs'}", *overrides)
+    claim_run_folders(_cfg(tmp_path))
+    root = Path(checkpoint_root(cfg))
+    root.mkdir()
+    for step in (2, 10):
+        out = OutputFolder.plan(str(root / f"global_step_{step}"), kind="checkpoint")
+        out.begin()
+        out.commit()
+    with pytest.raises(
+        OutputError, match=rf"global_step_2, global_step_10\), which a new run would replace .*{why}"
+    ):
+        check_run_folders(cfg)
+    publish_checkpoint(
+        cfg, 10
+    )  # `latest` names step 10: auto continues it, and resume_path may start at step 2
+    check_run_folders(_cfg(tmp_path, f"logging.log_dir={tmp_path / 'other_logs'}"))
+    check_run_folders(
+        _cfg(
+            tmp_path, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={root / 'global_step_2'}"
+        )
+    )

@@ -158,3 +158,37 @@ def test_a_recovery_continues_from_this_runs_last_save_whatever_resume_mode_says
         point = trainer._recovery_point()
     assert point is not None and point.step == 3
     assert point.path == str(tmp_path / "r" / "checkpoints" / "global_step_3")
+
+
+class _LostWorkerError(Exception):
+    """What ``is_lost_worker`` recognises: a rank that died in a method."""
+
+    kind, rank, method = "died", 0, "update"
+
+
+def test_a_stop_asked_for_in_the_step_that_loses_a_worker_stops_at_the_checkpoint_resumed(tmp_path) -> None:
+    """SIGTERM (a preemption notice) and a lost worker in the same step: the recovery loads step 2's checkpoint
+    and the run stops there with it, instead of forgetting the stop and training on until the scheduler kills
+    it."""
+    overrides = [
+        *OVERRIDES,
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=1",
+        "trainer.max_restarts=1",
+    ]
+    cfg = tiny_run_config(str(tmp_path / "data"), [*overrides, f"trainer.default_local_dir={tmp_path / 'r'}"])
+    with Trainer.from_config(cfg, use_ray=False) as trainer:
+        scores = trainer.step.training_scores  # this step object's: a recovery builds a new one
+
+        def preempted_and_lost(rollout, prompts):
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise _LostWorkerError("rank 0 died")
+            return scores(rollout, prompts)
+
+        trainer.step.training_scores = preempted_and_lost  # type: ignore[method-assign]
+        with pytest.raises(Preempted) as stopped:
+            trainer.fit()
+    assert stopped.value.step == 2 and stopped.value.signum == signal.SIGTERM
+    assert stopped.value.checkpoint == str(tmp_path / "r" / "checkpoints" / "global_step_2")
+    assert [r["step"] for r in trainer.records if r["stage"] == "rl"] == [1, 2]

@@ -291,3 +291,47 @@ def test_the_checkpoint_loader_names_what_is_wrong_before_megatron_reads(tmp_pat
         match=rf"global_step_3: missing; a save killed while replacing it left the previous checkpoint at {aside}",
     ):
         read_trainer_state(newest)
+
+
+def _fake_run_checkpoint(folder, extra: dict, critic: bool = False) -> str:  # type: ignore[no-untyped-def]
+    """A run checkpoint's driver state alone (``trainer_state.json``), as ``Trainer.save`` writes it."""
+    import json
+
+    os.makedirs(folder)
+    if critic:
+        os.makedirs(os.path.join(folder, "critic"))
+    state = {"step": 2, "layout": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}, "extra": extra}
+    with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+        json.dump(state, f)
+    return str(folder)
+
+
+PPO_KL = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true"]
+SAME = object()  # stands for the run's own model config
+
+
+@pytest.mark.parametrize(
+    "overrides, extra, critic, message",
+    [  # a DPO run's checkpoint: its data position is a sampler's, not a prompt loader's
+        ([], {"sampler": {}, "model": SAME}, False, r"extra\.loader must be an object \(not an RL run"),
+        ([], {"loader": {}}, False, r"extra\.model must be an object"),
+        ([], {"loader": {}, "model": SAME, "algorithm": [1]}, False, r"extra\.algorithm must be an object"),
+        (PPO_KL[:1], {"loader": {}, "model": SAME}, False, r"saved without a critic .*adv_estimator=gae"),
+        (PPO_KL, {"loader": {}, "model": SAME, "algorithm": {}}, True, r"use_kl_in_reward's KL controller"),
+    ],
+)
+def test_a_checkpoint_this_run_cannot_continue_is_refused_in_one_line_before_any_worker(
+    tmp_path, overrides, extra, critic, message
+) -> None:
+    from mcore_rl.io.errors import ConfigError
+    from mcore_rl.trainer.run_data import load_run_data
+
+    folder = tmp_path / "elsewhere" / "global_step_2"
+    cfg = tiny_run_config(
+        str(tmp_path / "data"),
+        [*overrides, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={folder}"],
+    )
+    extra = {key: cfg.model.hf_config_dict() if value is SAME else value for key, value in extra.items()}
+    _fake_run_checkpoint(folder, extra, critic)
+    with pytest.raises(ConfigError, match=message):
+        resume_point(cfg, load_run_data(cfg).loader)

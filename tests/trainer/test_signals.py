@@ -118,7 +118,7 @@ SAVE_POINTS = {
     "ranks-writing": "torch.distributed.checkpoint.filesystem._write_item",  # inside torch's writer
     "config": "mcore_rl.trainer.trainer.save_config",
     "manifest": "mcore_rl.trainer.run_checkpoint.write_manifest",
-    "publish": "mcore_rl.trainer.run_checkpoint.publish_checkpoint",  # signals held: lands after `latest`
+    "publish": "mcore_rl.trainer.run_checkpoint.point_latest_at",  # signals held: lands after `latest`
 }
 
 
