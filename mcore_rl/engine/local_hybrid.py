@@ -24,7 +24,8 @@ def build_local_hybrid(
         num_layers=arch.num_layers,
         tied_embeddings=arch.tie_word_embeddings,
     )
-    rollout = LocalRolloutEngine(arch, tp_group=ctx.subgroup(plan.rollout_groups()) if tp_g > 1 else None)
+    group = ctx.subgroup(plan.rollout_groups()) if tp_g > 1 else None
+    rollout = LocalRolloutEngine(arch, tp_group=group, device=ctx.device)  # the training ranks' device
     hybrid = HybridEngine(
         engine,
         rollout,

@@ -79,7 +79,8 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal(family: str) 
             for name, param in engine.models[0].named_parameters():
                 if name.endswith("router.weight"):
                     param.mul_(20.0)
-        hybrid, _ = build_local_hybrid(engine)
+        hybrid, rollout = build_local_hybrid(engine)
+        assert rollout.device.type == "cuda"  # the embedded engine samples on the training ranks' device
         before = {n: p.detach().clone() for n, p in engine.models[0].named_parameters()}
         for step in range(2):
             batch = _rollout(hybrid, engine, prompts, seed=step)

@@ -54,7 +54,10 @@ class SamplingParams:
     kept in the output and has a log-prob, like any sampled token."""
     seed: int | None = None
     """Seed of the sampling generator; the same seed, prompts, params and engine configuration give the same
-    outputs. None draws one (identical on every TP rank). Give each data-parallel replica its own seed."""
+    outputs. None draws one (identical on every TP rank). Give each data-parallel replica its own seed. The
+    embedded engine draws for the call's rows in their batch order, so a prompt's samples also depend on the
+    other prompts of the call and on the engine's waves (``max_cache_tokens``); vLLM seeds each prompt apart
+    (``vllm_args.prompt_seed``)."""
     pad_token_id: int = 0
     """Written into ``GenerationOutput.token_ids`` after each sequence's end."""
 
@@ -176,8 +179,10 @@ class ConversationEngine(Protocol):
     conversation (``params.n`` must be 1) of at most ``max_new_tokens[i]`` tokens (``params.max_new_tokens``
     is not read), ending at a stop id. What it already computed of a context is reused: the embedded engine
     keeps each conversation's KV cache between calls (``rollout/session.py``), vLLM finds it in its prefix
-    cache. Reuse never changes the result beyond fp32 rounding: a context that does not extend what was
-    cached for its id is computed from its first token.
+    cache. Reuse never changes a conversation's logits beyond fp32 rounding (a context that does not extend
+    what was cached for its id is computed from its first token); the embedded engine's sampled draws follow
+    its rows' order, which reuse changes, so a sampled turn is reproducible for the same calls, not across
+    cache states.
     """
 
     def continue_conversations(

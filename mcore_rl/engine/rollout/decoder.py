@@ -209,7 +209,7 @@ class RolloutDecoder:
         self._invalidate()
 
     def to(self, device: torch.device | str) -> None:
-        self.weights = {name: t.to(device) for name, t in self.weights.items()}
+        self.weights = moe.moved_weights(self.weights, device)
         self._invalidate()
 
     # --- tensor-parallel pieces ----------------------------------------------------------------------------

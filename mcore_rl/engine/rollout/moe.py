@@ -54,6 +54,21 @@ def allocate_experts(
     return out
 
 
+def moved_weights(weights: dict[str, Tensor], device: torch.device | str) -> dict[str, Tensor]:
+    """``weights`` on ``device``, each expert's name again a view of its layer's moved stacked tensor: a move
+    copies every tensor on its own, so moved views would no longer alias what the forward reads (the weight
+    sync would then write copies the forward never sees)."""
+    moved = {name: t.to(device) for name, t in weights.items() if not _EXPERT_NAME.match(name)}
+    for name in weights:
+        match = _EXPERT_NAME.match(name)
+        if match:
+            stacked = (
+                f"layers.{match.group(1)}.mlp.experts.{'w13' if match.group(3) == 'gate_up_proj' else 'w2'}"
+            )
+            moved[name] = moved[stacked][int(match.group(2))]
+    return moved
+
+
 def layer_experts(weights: dict[str, Tensor], layer: int) -> ExpertWeights | None:
     """Layer ``layer``'s MoE tensors from the decoder's weights; None for a dense layer."""
     router = weights.get(f"layers.{layer}.mlp.gate.weight")

@@ -172,6 +172,24 @@ def test_sleep_and_wake_up_track_state_and_weights():
         engine.sleep(level=3)
 
 
+def test_moe_weights_loaded_after_a_move_between_devices_are_the_ones_sampled_with(monkeypatch):
+    """What sleep(1) and wake_up() do on an accelerator, two moves that copy every tensor (emulated on CPU by
+    a copying ``Tensor.to``): each expert's name must stay a view of its layer's stacked weights, which the
+    forward reads, or the next weight sync writes copies the rollout never samples with."""
+    arch = tiny_arch("qwen3_moe")
+    old, new = random_full_state(arch, seed=1), random_full_state(arch, seed=2)
+    engine = make_engine(arch, old)
+    to = torch.Tensor.to
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "to", lambda self, *a, **k: to(self, *a, **k).clone())
+        engine.decoder.to("cpu")  # asleep: to host memory
+        engine.decoder.to("cpu")  # awake: back to the device
+    engine.load_weights(rollout_shards_from_full(new, arch, 1, 0).items())  # the next step's weights
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    expected = make_engine(arch, new).generate(PROMPTS, greedy)
+    assert torch.equal(engine.generate(PROMPTS, greedy).token_ids, expected.token_ids)
+
+
 def test_load_weights_rejects_unknown_names_and_shapes(engine):
     with pytest.raises(KeyError, match="not a rollout-layout parameter"):
         engine.load_weights([("layers.0.self_attn.q_proj.weight", torch.zeros(1))])
