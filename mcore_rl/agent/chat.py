@@ -4,8 +4,10 @@
 **Reading** (``rollout.multi_turn.tool_parser``): :class:`HermesParser` reads Hermes / Qwen tool calls,
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, each block one call; ``arguments`` may also be a
 JSON string of the object (as OpenAI's API writes it). A block that is not JSON, or names no tool, becomes an
-error the model reads back (a bad call), never an exception. Another format plugs in as ``module:Class``: a
-class with ``parse(text) -> ParsedTurn``.
+error the model reads back (a :class:`BadCall`), never an exception. Calls and bad calls stay in one list in
+the order the model wrote them, and are answered in that order: Hermes / Qwen templates match each
+``<tool_response>`` to a call by position. Another format plugs in as ``module:Class``: a class with
+``parse(text) -> ParsedTurn``.
 """
 
 from __future__ import annotations
@@ -20,15 +22,21 @@ from mcore_rl.agent.tools import ToolCall, ToolError, load_function
 
 
 @dataclass(frozen=True)
+class BadCall:
+    """A call block that could not be read (or one past the turn's limit): never runs, answered with
+    ``Error: <message>`` in its place among the turn's calls."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class ParsedTurn:
     """One model turn, read."""
 
     content: str
     """The text outside the tool calls."""
-    calls: list[ToolCall] = field(default_factory=list)
-    """Well-formed calls, in order."""
-    errors: list[str] = field(default_factory=list)
-    """Malformed calls, each as the message the model reads back."""
+    calls: list[ToolCall | BadCall] = field(default_factory=list)
+    """Every call block, well-formed or not, in the order written (the order of the answers)."""
 
 
 class ToolParser(Protocol):
@@ -42,30 +50,27 @@ class HermesParser:
     unclosed = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedTurn:
-        calls, errors = [], []
-        for i, block in enumerate(self.pattern.findall(text)):
-            call, error = self._read(block.strip(), i + 1)
-            if call is not None:
-                calls.append(call)
-            else:
-                errors.append(error)
+        blocks = self.pattern.findall(text)
+        calls = [self._read(block.strip(), i + 1) for i, block in enumerate(blocks)]
+        # an unclosed <tool_call> is always the last block: an earlier one would have matched up to the
+        # next </tool_call> (and been read as bad JSON)
         if self.unclosed.search(self.pattern.sub("", text)):
-            errors.append("a <tool_call> was not closed with </tool_call>")
-        return ParsedTurn(self.pattern.sub("", text).strip(), calls, errors)
+            calls.append(BadCall("a <tool_call> was not closed with </tool_call>"))
+        return ParsedTurn(self.pattern.sub("", text).strip(), calls)
 
     @staticmethod
-    def _read(block: str, number: int) -> tuple[ToolCall | None, str]:
+    def _read(block: str, number: int) -> ToolCall | BadCall:
         try:
             value = json.loads(block)
         except json.JSONDecodeError as err:
-            return None, f"tool call {number} is not valid JSON ({err.msg} at character {err.pos})"
+            return BadCall(f"tool call {number} is not valid JSON ({err.msg} at character {err.pos})")
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None, f'tool call {number} must be a JSON object with a "name" (and "arguments")'
+            return BadCall(f'tool call {number} must be a JSON object with a "name" (and "arguments")')
         arguments: Any = value.get("arguments", {})
         if isinstance(arguments, str):  # OpenAI writes the arguments as a JSON string
             with contextlib.suppress(json.JSONDecodeError):  # else kept as text: the schema check answers it
                 arguments = json.loads(arguments)
-        return ToolCall(value["name"], arguments), ""
+        return ToolCall(value["name"], arguments)
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser}

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import ClassVar
 
 from mcore_rl.io.fields import NON_NEGATIVE, OPTIONAL_POSITIVE, POSITIVE, Rule, check_section, choice
+from mcore_rl.scoring.config import TIME_LIMIT
 
 
 class ScoreText(str, Enum):
@@ -76,7 +77,7 @@ class MultiTurnConfig:
                 "max_tool_response_length": POSITIVE,
                 "max_tool_calls_per_turn": POSITIVE,
                 "num_workers": NON_NEGATIVE,
-                "timeout_s": POSITIVE,
+                "timeout_s": TIME_LIMIT,
                 "memory_limit_bytes": OPTIONAL_POSITIVE,
                 "score_text": choice(ScoreText),
                 "log_conversation_freq": NON_NEGATIVE,

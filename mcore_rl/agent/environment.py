@@ -16,6 +16,7 @@ turn (``user`` by default, ``tool`` to read as a tool's answer); rewards add up 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,11 +53,16 @@ def as_step(value: Any) -> EnvStep:
         raise TypeError(f"step returned {value!r:.80}: expected EnvStep or (observation, reward, done)")
     if step.observation is not None and not isinstance(step.observation, str):
         raise TypeError(f"step returned the observation {step.observation!r:.60}, not text or None")
-    if isinstance(step.reward, bool) or not isinstance(step.reward, int | float):
-        raise TypeError(f"step returned the reward {step.reward!r:.60}, not a number")
+    reward = step.reward
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        raise TypeError(f"step returned the reward {reward!r:.60}, not a number")
+    if not math.isfinite(reward):  # an environment error (reward 0), not a NaN loss for the sample's group
+        raise TypeError(f"step returned the reward {reward}, not a finite number")
     if step.role not in ("user", "tool"):
         raise TypeError(f"step returned role {step.role!r}: user or tool")
-    return EnvStep(step.observation, float(step.reward), bool(step.done), step.role)
+    # plain str / float / bool: a subclass from the user's module would not unpickle in the driver
+    observation = None if step.observation is None else str(step.observation)
+    return EnvStep(observation, float(reward), bool(step.done), str(step.role))
 
 
 def load_environment(spec: str) -> Environment:

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.agent.chat import ToolParser
+from mcore_rl.agent.chat import BadCall, ToolParser
 from mcore_rl.agent.config import MultiTurnConfig, ScoreText
 from mcore_rl.agent.executor import EnvAnswer, EnvTask, ToolExecutor, ToolTask
 from mcore_rl.agent.records import Conversation, Segment, rollout_records, turn_metrics
-from mcore_rl.agent.tools import ToolAnswer
+from mcore_rl.agent.tools import ToolAnswer, ToolCall
 from mcore_rl.data.chat_format import ChatFormat
 from mcore_rl.engine.rollout.base import FINISH_LENGTH, ConversationEngine, SamplingParams
 from mcore_rl.types import PromptBatch, RolloutBatch
@@ -149,44 +149,54 @@ class MultiTurnRollout:
         tool calls it asked for are not run, but the environment still judges a turn without one (its reward
         counts; an answer given on the last turn is scored like any other)."""
         tasks: list[ToolTask | EnvTask] = []
-        owners: list[tuple[Conversation, list[str]]] = []  # conversation, its parse errors
+        owners: list[tuple[Conversation, list[ToolCall | BadCall]]] = []  # conversation, its calls in order
         spans: list[tuple[int, int]] = []
         for c in active:
             if c.done:
                 continue
-            parsed = self.parser.parse(c.messages[-1]["content"])
-            errors = list(parsed.errors)
-            calls = parsed.calls[: self.cfg.max_tool_calls_per_turn]
-            for extra in parsed.calls[len(calls) :]:
-                errors.append(
-                    f"{extra.name}: more than {self.cfg.max_tool_calls_per_turn} tool calls in one turn"
-                )
-            c.bad_calls += len(errors)
+            calls = self._calls(c.messages[-1]["content"])
+            c.bad_calls += sum(isinstance(call, BadCall) for call in calls)
             new: list[ToolTask | EnvTask]
-            if not calls and not errors:
+            if not calls:
                 if self.executor.environment is None:
                     c.finish = "answered"
                     continue
                 new = [EnvTask(list(c.messages), c.extra_info, c.where)]
             else:
-                c.tool_calls += len(calls) + len(errors)
+                c.tool_calls += len(calls)
                 if last_turn:
                     c.finish = "max_turns"
                     continue
-                new = [ToolTask(call, c.where) for call in calls]
-            owners.append((c, errors))
+                new = [ToolTask(call, c.where) for call in calls if isinstance(call, ToolCall)]
+            owners.append((c, calls))
             spans.append((len(tasks), len(tasks) + len(new)))
             tasks += new
         if not owners:
             return
         answers = self.executor.run(tasks)
-        for (c, errors), (first, last) in zip(owners, spans, strict=True):
+        for (c, calls), (first, last) in zip(owners, spans, strict=True):
             if last_turn:
                 answer = answers[first]
                 assert isinstance(answer, EnvAnswer)  # a last turn runs environment steps only
                 self._judge_last(c, answer)
+            elif not calls:
+                self._append(c, answers[first:last])
             else:
-                self._append(c, errors, answers[first:last])
+                self._append(c, _in_call_order(calls, answers[first:last]))
+
+    def _calls(self, text: str) -> list[ToolCall | BadCall]:
+        """A model turn's call blocks in the order written; the well-formed ones past
+        ``max_tool_calls_per_turn`` become bad calls in their place."""
+        calls: list[ToolCall | BadCall] = []
+        runnable = 0
+        for call in self.parser.parse(text).calls:
+            if isinstance(call, ToolCall):
+                runnable += 1
+                if runnable > self.cfg.max_tool_calls_per_turn:
+                    limit = self.cfg.max_tool_calls_per_turn
+                    call = BadCall(f"{call.name}: more than {limit} tool calls in one turn")
+            calls.append(call)
+        return calls
 
     @staticmethod
     def _judge_last(c: Conversation, answer: EnvAnswer) -> None:
@@ -201,10 +211,14 @@ class MultiTurnRollout:
         else:
             c.finish = "max_turns"
 
-    def _append(self, c: Conversation, errors: list[str], answers: Sequence[ToolAnswer | EnvAnswer]) -> None:
-        """The answers of one conversation's turn as the template's next turn(s), within the budgets."""
+    def _append(self, c: Conversation, answers: Sequence[ToolAnswer | EnvAnswer | BadCall]) -> None:
+        """The answers of one conversation's turn (its calls' in call order, or its environment step) as the
+        template's next turn(s), within the budgets."""
         messages: list[dict[str, str]] = []
         for answer in answers:
+            if isinstance(answer, BadCall):  # counted when the turn was read
+                messages.append({"role": "tool", "content": f"Error: {answer.message}"})
+                continue
             if isinstance(answer, EnvAnswer):
                 c.reward += answer.step.reward
                 if answer.status != "ok":
@@ -221,7 +235,6 @@ class MultiTurnRollout:
             c.tool_timeouts += answer.status == "timeout"
             c.bad_calls += answer.status == "bad_call"
             messages.append({"role": "tool", "content": self._cut(c, answer.text)})
-        messages += [{"role": "tool", "content": f"Error: {e}"} for e in errors]
         turn = c.last_model_turn()
         ids = self.chat.next_turn_ids(messages, ended_by=turn[-1] if turn else None)
         room = self.response_length - c.response_len - len(ids)
@@ -243,3 +256,14 @@ class MultiTurnRollout:
             return text
         c.tool_truncations += 1
         return tokenizer.decode(ids[: self.cfg.max_tool_response_length]) + "..."
+
+
+def _in_call_order(
+    calls: Sequence[ToolCall | BadCall], answers: Sequence[ToolAnswer | EnvAnswer]
+) -> list[ToolAnswer | EnvAnswer | BadCall]:
+    """A turn's answers in the order of its call blocks (Hermes / Qwen templates match each
+    ``<tool_response>`` to a call by position): each call's answer, a bad call in its own place."""
+    ran = iter(answers)
+    ordered = [call if isinstance(call, BadCall) else next(ran) for call in calls]
+    assert next(ran, None) is None, "one answer per call that ran"
+    return ordered

@@ -17,9 +17,9 @@ Registered from the recipe (``rollout.multi_turn.tools``), each entry one of:
             function: {name: search, description: ..., parameters: {type: object, properties: ..., required: [...]}}
 
 The function runs in a tool worker process (``executor.py``), called with the model's arguments as keywords;
-it returns text, ``(text, reward)`` or ``{"text": ..., "reward": ...}`` (numbers become text). Arguments are
-checked against the schema (``jsonschema``) before the call; a call that breaks it is answered with the
-validation error and never runs.
+it returns text, ``(text, reward)`` or ``{"text": ..., "reward": ...}`` (numbers become text; a reward that is
+not a finite number makes the call a tool error). Arguments are checked against the schema (``jsonschema``)
+before the call; a call that breaks it is answered with the validation error and never runs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import re
 import sys
@@ -253,4 +254,8 @@ def as_answer(value: Any, name: str) -> tuple[str, float]:
         )
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         raise TypeError(f"{name} returned the reward {reward!r:.60}, not a number")
+    # a NaN or infinite reward (0/0 in numpy raises nothing) would make its whole GRPO group's advantages
+    # and the loss non-finite: refused like any other non-answer (a tool error), as a scorer's NaN is
+    if not math.isfinite(reward):
+        raise TypeError(f"{name} returned the reward {reward}, not a finite number")
     return str(value), float(reward)

@@ -62,13 +62,29 @@ class ChatFormat:
         close where it is not (the stop token then stays as written)."""
         full = self.tokenizer.chat_text([*self._opening, *messages], add_generation_prompt=True)
         if not full.startswith(self._base):
+            role = messages[0]["role"] if messages else "tool"
             raise TokenizerError(
-                f"{self._where}: its chat template renders an assistant turn differently when a tool turn follows "
-                "it; a tool turn cannot be appended to a conversation token by token"
+                f"{self._where}: its chat template renders an assistant turn differently when a {role} turn "
+                f"follows it; a {role} turn cannot be appended to a conversation token by token"
             )
         stop = self._closing_text(self.tokenizer.eos_token_id if ended_by is None else ended_by)
         close = self._close[len(stop) :] if stop and self._close.startswith(stop) else self._close
         return self.tokenizer.encode(close + full[len(self._base) :])
+
+    def check_appendable(self, roles: Sequence[str] = ("tool",)) -> None:
+        """Raise, now, the :class:`TokenizerError` the first turn of each of ``roles`` appended after a model
+        turn would raise mid-rollout (a template that renders the last assistant turn differently, as Qwen3's
+        adds an empty ``<think>`` block to it only, or one that refuses the role)."""
+        for role in roles:
+            try:
+                self.next_turn_ids([{"role": role, "content": "x"}])
+            except TokenizerError:
+                raise
+            except Exception as err:  # the template itself refuses (jinja's raise_exception, a bad role)
+                raise TokenizerError(
+                    f"{self._where}: its chat template cannot render a {role} turn after an assistant turn "
+                    f"({type(err).__name__}: {err})"
+                ) from None
 
     def turn_text(self, ids: list[int]) -> str:
         """A model turn's text as the parser reads it: special tokens kept (``<tool_call>`` may be one), the

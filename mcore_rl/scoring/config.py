@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
 
-from mcore_rl.io.fields import NON_NEGATIVE, POSITIVE, check_section, choice
+from mcore_rl.io.fields import NON_NEGATIVE, Rule, check_section, choice
+
+MAX_TIMEOUT_S = 1e9
+TIME_LIMIT = Rule("a finite number of seconds > 0 (at most 1e9)", lambda v: 0 < v <= MAX_TIMEOUT_S)
+"""A per-call limit (``reward.timeout_s``, ``rollout.multi_turn.timeout_s``). Not infinite: the in-process
+alarm (``setitimer``) overflows past ~9.2e9 s, which scored every answer 0, and the workers' wait for a
+deadline crashed the step; a limit of ~31 years is no limit in practice."""
 
 
 class OnScorerError(str, Enum):
@@ -58,7 +64,7 @@ class RewardConfig:
             {
                 "on_error": choice(OnScorerError),
                 "num_workers": NON_NEGATIVE,
-                "timeout_s": POSITIVE,
+                "timeout_s": TIME_LIMIT,
                 "gsm8k_method": choice(GSM8KMethod),
             },
         )

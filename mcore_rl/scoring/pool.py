@@ -68,15 +68,21 @@ class RewardOutput:
     seconds: float = 0.0
 
 
-def _scorer(cfg: RewardConfig, in_worker: bool) -> Callable[[ScoreRequest], Any]:
+Reduced = tuple[str, Any, dict[str, float]]
+"""A scorer's return value as plain data: ``("ok", score, metrics)`` or ``(failure kind, message, {})``."""
+
+
+def _scorer(cfg: RewardConfig, in_worker: bool) -> Callable[[ScoreRequest], Reduced]:
     """Built once where requests are scored (a worker process, or the caller): the dispatch; a worker warms
     math-verify before it says it is ready, so its seconds of import never time out an answer."""
     dispatch = ScoreDispatch(cfg)
     if in_worker:
         import math_verify  # noqa: F401
 
-    def score(req: ScoreRequest) -> Any:
-        return dispatch(req.data_source, req.solution_str, req.ground_truth, req.extra_info)
+    def score(req: ScoreRequest) -> Reduced:
+        # reduced where it is computed: a value of the user's own class (a file.py scorer's module exists in
+        # the worker only) could not be unpickled by the driver, and both modes read the same plain floats
+        return _reduce(dispatch(req.data_source, req.solution_str, req.ground_truth, req.extra_info))
 
     return score
 
@@ -122,7 +128,9 @@ class RewardScorer:
         failures: dict[str, list[str]] = {"error": [], "nonfinite": [], "timeout": []}
         for i, ((status, value), req) in enumerate(zip(raw, requests, strict=True)):
             if status == "ok":
-                status, value = _unpack(value, extra, i, len(requests))
+                status, value, metrics = value
+                for name, metric in metrics.items():
+                    extra.setdefault(name, torch.full((len(requests),), math.nan))[i] = metric
             if status != "ok":
                 label = f"row {i} ({req.where or 'data_source ' + repr(req.data_source)}): {value}"
                 if self.cfg.on_error == "raise":
@@ -145,21 +153,21 @@ class RewardScorer:
         )
 
 
-def _unpack(value: Any, extra: dict[str, torch.Tensor], index: int, num: int) -> tuple[str, Any]:
-    """A scorer's float or dict -> ("ok", float) or a failure; numeric dict entries go to ``extra``."""
-    import torch
-
+def _reduce(value: Any) -> Reduced:
+    """A scorer's float or dict -> ``("ok" or a failure kind, the score or what went wrong, the dict's
+    numeric entries as floats)``."""
+    metrics: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
-            return "error", f"returned a dict without 'score' (keys: {', '.join(map(str, value))})"
+            return "error", f"returned a dict without 'score' (keys: {', '.join(map(str, value))})", {}
         for name, metric in value.items():
             if name != "score" and isinstance(metric, (int, float)) and not isinstance(metric, bool):
-                extra.setdefault(name, torch.full((num,), math.nan))[index] = float(metric)
+                metrics[str(name)] = float(metric)
         value = value["score"]
     try:
         score = float(value)
     except (TypeError, ValueError):
-        return "error", f"returned {value!r:.60}, not a number"
+        return "error", f"returned {value!r:.60}, not a number", metrics
     if not math.isfinite(score):
-        return "nonfinite", f"returned {score}"
-    return "ok", score
+        return "nonfinite", f"returned {score}", metrics
+    return "ok", score, metrics

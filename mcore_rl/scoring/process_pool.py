@@ -8,8 +8,9 @@ say when they are ready, one task each at a time, a deadline per task, kill and 
 ``handler_factory`` is a picklable callable (a module-level function, or a ``functools.partial`` of one): each
 worker calls it once after it starts, before it says it is ready (so imports never count against a task), and
 then ``handler(task) -> value`` for each task it gets. A handler that raises reports ``("error", "Type:
-message")``; the worker goes on. With ``num_workers == 0`` tasks run in the calling process: no memory cap,
-and the time limit is an alarm signal that interrupts the handler (main thread only; code stuck in native
+message")``; the worker goes on. A value the calling process cannot unpickle (return plain data) is reported
+the same way, and its worker replaced. With ``num_workers == 0`` tasks run in the calling process: no memory
+cap, and the time limit is an alarm signal that interrupts the handler (main thread only; code stuck in native
 calls that ignore signals is only stopped by a worker's kill).
 
 The memory cap is ``RLIMIT_AS`` set to what the worker's address space holds once ready plus
@@ -203,12 +204,24 @@ class TaskPool:
             self._workers.append(self._spawn())
         results: list[Outcome | None] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
-        while pending or any(w.task for w in self._workers):
-            for worker in list(self._workers):
-                if worker.ready and worker.task is None and pending:
-                    self._hand_out(worker, pending, tasks, results)
-            self._wait_and_receive(results)
+        try:
+            while pending or any(w.task for w in self._workers):
+                for worker in list(self._workers):
+                    if worker.ready and worker.task is None and pending:
+                        self._hand_out(worker, pending, tasks, results)
+                self._wait_and_receive(results)
+        except BaseException:  # a failed start, an interrupt
+            self._drop_busy()
+            raise
         return [r if r is not None else ("error", "no result") for r in results]
+
+    def _drop_busy(self) -> None:
+        """Kill the workers still holding a task of a run that ends early: a late answer would otherwise be
+        read by the next run and written into its slot of that index, another request's (the next run
+        starts fresh workers in their place)."""
+        for worker in [w for w in self._workers if w.task is not None]:
+            worker.kill()
+            self._workers.remove(worker)
 
     def _hand_out(
         self, worker: _Worker, pending: deque[int], tasks: Sequence[Any], results: list[Outcome | None]
@@ -245,6 +258,11 @@ class TaskPool:
                 if not worker.ready:  # it never took work: replacing it would loop forever
                     raise WorkerStartError(f"a {self.limits.what} worker failed to start: {died}") from None
                 self._replace(worker, results, died)
+                continue
+            except Exception as err:  # e.g. a result of a class only the worker imported cannot be unpickled
+                # here: its task's error, and the worker replaced, so nothing more of it is ever read
+                unread = f"its result could not be read here ({type(err).__name__}: {err})"
+                self._replace(worker, results, unread)
                 continue
             if message == "ready":
                 worker.ready = True

@@ -25,7 +25,7 @@ from mcore_rl.agent.tools import load_tools
 from mcore_rl.config import RunConfig
 from mcore_rl.controller.backend import Backend
 from mcore_rl.controller.dispatch import rollout_owners
-from mcore_rl.data.chat_format import ChatFormat, WithTools
+from mcore_rl.data.chat_format import WithTools, chat_format_of
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
 from mcore_rl.scoring.process_pool import TaskLimits
@@ -98,13 +98,17 @@ def _joined(
 
 def check_multi_turn(cfg: RunConfig, tokenizer: Tokenizer) -> None:
     """What refuses a multi-turn run before any worker starts: tools that do not load or have no schema, an
-    environment or parser that does not load, a chat template that cannot append tool turns."""
+    environment or parser that does not load, a chat template that cannot append tool turns (probed: else
+    the run dies at the first tool call, after every worker started and sampled a turn). ``tokenizer``: the
+    one the rollout renders with (:func:`prompt_tokenizer`'s)."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return
     load_tools(mt.tools)
     load_parser(mt.tool_parser)
-    ChatFormat(tokenizer)
+    # tool answers are tool turns; an environment's observations are user turns unless it says tool
+    roles = [*(["tool"] if mt.tools else []), *(["user"] if mt.environment else [])]
+    chat_format_of(tokenizer).check_appendable(roles)
     if mt.environment:
         from mcore_rl.agent.environment import load_environment
 
@@ -128,7 +132,7 @@ def build_multi_turn(cfg: RunConfig, tokenizer: Tokenizer) -> MultiTurnRollout |
     limits = TaskLimits(mt.num_workers, mt.timeout_s, mt.memory_limit_bytes, what="tool")
     executor = ToolExecutor(load_tools(mt.tools), mt.environment, limits)
     return MultiTurnRollout(
-        mt, ChatFormat(tokenizer), load_parser(mt.tool_parser), executor, cfg.rollout.response_length
+        mt, chat_format_of(tokenizer), load_parser(mt.tool_parser), executor, cfg.rollout.response_length
     )
 
 

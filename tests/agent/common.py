@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
+from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer, write_tokenizer_config
 from mcore_rl.data.tool_task import write_tokenizer
 from mcore_rl.engine.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, SamplingParams
 from mcore_rl.types import PromptBatch
@@ -18,6 +18,30 @@ from mcore_rl.types import PromptBatch
 def chatml_tokenizer(folder: str) -> Tokenizer:
     write_tokenizer(folder)
     return load_tokenizer(folder)
+
+
+QWEN3_LIKE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen3's way: only the *last* assistant turn gets an empty ``<think>`` block, so an assistant turn renders
+differently once a tool turn follows it and no tool turn can be appended token by token."""
+
+
+def write_qwen3_like_tokenizer(folder: str) -> None:
+    """The demo's ChatML tokenizer with :data:`QWEN3_LIKE_TEMPLATE`."""
+    write_tokenizer(folder)
+    write_tokenizer_config(
+        folder, eos_token="<|im_end|>", pad_token="<pad>", chat_template=QWEN3_LIKE_TEMPLATE
+    )
 
 
 def prompts(tokenizer: Tokenizer, texts: Sequence[str], truths: Sequence[str]) -> PromptBatch:

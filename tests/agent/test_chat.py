@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.agent.chat import HermesParser, load_parser
+from mcore_rl.agent.chat import BadCall, HermesParser, load_parser
 from mcore_rl.agent.tools import ToolCall, ToolError
 from mcore_rl.data.chat_format import ChatFormat, conversation_ids
 from mcore_rl.data.tokenizer import TokenizerError, load_tokenizer, write_tokenizer_config
 from mcore_rl.data.tool_task import Product
-from tests.agent.common import chatml_tokenizer
+from tests.agent.common import chatml_tokenizer, write_qwen3_like_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,7 @@ def test_hermes_calls_and_malformed_ones() -> None:
     turn = parse(
         'Let me.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "g"}</tool_call>'
     )
-    assert (
-        turn.content == "Let me."
-        and turn.calls == [ToolCall("f", {"x": 1}), ToolCall("g", {})]
-        and not turn.errors
-    )
+    assert turn.content == "Let me." and turn.calls == [ToolCall("f", {"x": 1}), ToolCall("g", {})]
     assert parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>').calls == [
         ToolCall("f", {"x": 2})
     ]
@@ -35,11 +31,14 @@ def test_hermes_calls_and_malformed_ones() -> None:
     bad = parse(
         '<tool_call>{"name": </tool_call><tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "f"}'
     )
-    assert bad.errors == [
-        "tool call 1 is not valid JSON (Expecting value at character 8)",
-        'tool call 2 must be a JSON object with a "name" (and "arguments")',
-        "a <tool_call> was not closed with </tool_call>",
+    assert bad.calls == [
+        BadCall("tool call 1 is not valid JSON (Expecting value at character 8)"),
+        BadCall('tool call 2 must be a JSON object with a "name" (and "arguments")'),
+        BadCall("a <tool_call> was not closed with </tool_call>"),
     ]
+    # one list in the order written: Hermes / Qwen match the <tool_response>s to the calls by position
+    mixed = parse('<tool_call>{bad</tool_call><tool_call>{"name": "g"}</tool_call><tool_call>[]</tool_call>')
+    assert [type(c).__name__ for c in mixed.calls] == ["BadCall", "ToolCall", "BadCall"]
     assert isinstance(load_parser("hermes"), HermesParser)
     with pytest.raises(ToolError, match="choose one of hermes or module:Class"):
         load_parser("mistral")
@@ -118,3 +117,14 @@ def test_a_turn_ended_by_the_templates_close_token_is_not_closed_twice(tmp_path)
     assert chat.turn_text(turn) == "ok"
     eos_ended = base.decode(chat.next_turn_ids(answer, ended_by=base.eos_token_id), skip_special_tokens=False)
     assert eos_ended == "<|im_end|>" + after  # an eos the close does not begin with stays, the close follows
+
+
+def test_the_probe_refuses_a_template_that_cannot_append_tool_turns(tokenizer, tmp_path) -> None:
+    """Qwen3's template adds an empty ``<think>`` block to the last assistant turn only: a ChatFormat builds,
+    and the first tool turn of a rollout would fail; the probe fails the same way, at once."""
+    write_qwen3_like_tokenizer(str(tmp_path))
+    chat = ChatFormat(load_tokenizer(str(tmp_path)))
+    for role in ("tool", "user"):
+        with pytest.raises(TokenizerError, match=f"differently when a {role} turn follows it"):
+            chat.check_appendable([role])
+    ChatFormat(tokenizer).check_appendable(["tool", "user"])  # ChatML appends either

@@ -3,9 +3,15 @@ not answers, environments that fail; the workers are reused across batches."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
+from mcore_rl.agent.config import MultiTurnConfig
 from mcore_rl.agent.environment import EnvStep
 from mcore_rl.agent.executor import EnvAnswer, EnvTask, ToolExecutor, ToolTask
 from mcore_rl.agent.tools import ToolCall, load_tools
+from mcore_rl.io.fields import FieldError
 from mcore_rl.scoring.process_pool import TaskLimits
 
 TOOLS = ["tests.agent.user_tools:hog", "tests.agent.user_tools:not_an_answer", "tests.agent.user_tools:add"]
@@ -42,6 +48,10 @@ def test_environment_steps_and_failures() -> None:
         (broken,) = executor.run([EnvTask(conversation, {}, "sample 1")])
     assert isinstance(broken, EnvAnswer) and broken.status == "error" and broken.step.done
     assert "RuntimeError: the environment broke" in broken.error
+    with ToolExecutor([], "tests.agent.user_tools:InfiniteEnv", limits) as executor:
+        (infinite,) = executor.run([EnvTask(conversation, {}, "sample 2")])
+    assert isinstance(infinite, EnvAnswer) and infinite.status == "error" and infinite.step.reward == 0.0
+    assert "the reward inf, not a finite number" in infinite.error
 
 
 def test_in_the_driver_a_hanging_tool_is_interrupted_at_its_limit() -> None:
@@ -49,3 +59,9 @@ def test_in_the_driver_a_hanging_tool_is_interrupted_at_its_limit() -> None:
     with ToolExecutor(load_tools(["tests.agent.user_tools:hang"]), None, limits) as executor:
         (answer,) = executor.run([ToolTask(ToolCall("hang", {"seconds": 30}), "sample 0")])
     assert answer.status == "timeout" and "over 0.5 s" in answer.text
+
+
+def test_an_infinite_tool_time_limit_is_refused_by_the_config() -> None:
+    """An infinite limit overflows the driver's alarm (every call an error) and crashes the workers' wait."""
+    with pytest.raises(FieldError, match=r"^rollout\.multi_turn\.timeout_s=inf must be a finite number"):
+        MultiTurnConfig(timeout_s=math.inf)

@@ -109,6 +109,29 @@ def test_tool_calls_bad_calls_and_raising_tools_in_one_batched_rollout(tokenizer
     assert metrics["multi_turn/model_tokens_mean"] == pytest.approx(out.batch.response_mask.sum().item() / 8)
 
 
+def test_tool_responses_follow_the_order_of_the_calls(tokenizer) -> None:
+    """Hermes / Qwen match each <tool_response> to a <tool_call> by position: a malformed call, a good one, an
+    unknown tool and one past ``max_tool_calls_per_turn`` are answered in the order written."""
+    cfg = MultiTurnConfig(enable=True, tools=[CALC], num_workers=0, max_tool_calls_per_turn=2)
+    first = (
+        "<tool_call>{bad json</tool_call>"
+        + _call("calculator", expression="2*3")
+        + _call("calc", expression="1")
+        + _call("calculator", expression="7*7")
+    )
+    out = _rollout(tokenizer, cfg, response_length=400).run(
+        ScriptedTurns(tokenizer, {0: [first, "6"]}),
+        prompts(tokenizer, ["q"], ["6"]),
+        SamplingParams(pad_token_id=tokenizer.pad_token_id),
+    )
+    answers = [m["content"] for m in out.conversations[0].messages if m["role"] == "tool"]
+    assert len(answers) == 4 and answers[1] == "6"
+    assert answers[0].startswith("Error: tool call 1 is not valid JSON")
+    assert answers[2].startswith("Error: unknown tool 'calc'")
+    assert answers[3] == "Error: calculator: more than 2 tool calls in one turn"
+    assert out.metrics()["multi_turn/bad_calls"] == 3 and out.metrics()["multi_turn/tool_calls_max"] == 4
+
+
 def test_timeouts_max_turns_and_truncation(tokenizer, caplog) -> None:
     cfg = MultiTurnConfig(
         enable=True,
@@ -165,6 +188,26 @@ def test_the_environment_judges_the_last_turn_too(tokenizer, turns, finish, rewa
     assert out.tool_rewards.tolist() == [pytest.approx(reward)]
     context = _model_and_context_text(tokenizer, out.batch, 0)[1]
     assert context.count("go on 7") == turns - 1  # no observation after the last turn
+
+
+def test_non_finite_tool_and_environment_rewards_are_counted_errors(tokenizer) -> None:
+    """A NaN or infinite reward never reaches the training reward (a NaN advantage for the whole group): it
+    is a tool (environment) error, answered (ended) and counted, as a scorer's NaN scores 0 and is counted."""
+    tools = MultiTurnConfig(enable=True, tools=["tests.agent.user_tools:nan_reward"], num_workers=0)
+    engine = ScriptedTurns(tokenizer, {0: [_call("nan_reward", key="x"), "42"], 1: ["42"]})
+    out = _rollout(tokenizer, tools).run(
+        engine, prompts(tokenizer, ["q"], ["42"]), SamplingParams(n=2, pad_token_id=tokenizer.pad_token_id)
+    )
+    assert out.tool_rewards.tolist() == [0.0, 0.0] and out.metrics()["multi_turn/tool_errors"] == 1
+    assert "the reward nan, not a finite number" in _model_and_context_text(tokenizer, out.batch, 0)[1]
+    env = MultiTurnConfig(enable=True, environment="tests.agent.user_tools:InfiniteEnv", num_workers=0)
+    out = _rollout(tokenizer, env).run(
+        ScriptedTurns(tokenizer, {0: ["a"]}),
+        prompts(tokenizer, ["q"], ["7"]),
+        SamplingParams(pad_token_id=tokenizer.pad_token_id),
+    )
+    assert out.tool_rewards.tolist() == [0.0] and out.conversations[0].finish == "env_error"
+    assert out.metrics()["multi_turn/env_errors"] == 1
 
 
 def test_a_model_turn_that_reaches_the_budget_ends_its_conversation(tokenizer) -> None:

@@ -100,6 +100,9 @@ def test_answers_and_the_calculator() -> None:
         as_answer(None, "t")
     with pytest.raises(TypeError, match="not a number"):
         as_answer(("x", "high"), "t")
+    for reward in (float("nan"), float("inf"), -float("inf")):  # a tool error, as a scorer's NaN is refused
+        with pytest.raises(TypeError, match="not a finite number"):
+            as_answer({"text": "x", "reward": reward}, "t")
     assert calculator("123*45") == "5535" and calculator("(1+2)/4") == "0.75" and calculator("-2**3") == "-8"
     for bad in ("__import__('os')", "2**100000", "1 +", "[1]"):
         with pytest.raises(ValueError):

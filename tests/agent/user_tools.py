@@ -26,6 +26,11 @@ def scored_lookup(key: str) -> tuple[str, float]:
     return (table[key], 1.0) if key in table else ("unknown", -0.5)
 
 
+def nan_reward(key: str) -> tuple[str, float]:
+    """Answer with a reward gone wrong (numpy's 0/0 is NaN, no exception)."""
+    return ("42", float("nan"))
+
+
 def explode(reason: str) -> str:
     """Raise, always."""
     raise ZeroDivisionError(f"exploded on {reason}")
@@ -79,6 +84,11 @@ class CountdownEnv:
 class BrokenEnv:
     def step(self, conversation: list[dict[str, Any]], extra_info: dict[str, Any]) -> Any:
         raise RuntimeError("the environment broke")
+
+
+class InfiniteEnv:
+    def step(self, conversation: list[dict[str, Any]], extra_info: dict[str, Any]) -> EnvStep:
+        return EnvStep(None, reward=float("inf"), done=True)
 
 
 class BracketParser:

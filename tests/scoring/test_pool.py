@@ -9,6 +9,7 @@ import time
 import pytest
 
 from mcore_rl.config import RewardConfig
+from mcore_rl.io.fields import FieldError
 from mcore_rl.scoring import RewardError, RewardScorer, ScoreRequest
 
 USER = "tests.scoring.user_scorers:with_metrics"
@@ -95,3 +96,61 @@ def test_a_worker_killed_while_idle_is_replaced_at_the_next_batch() -> None:
         out = scorer.score(requests("ok", "ok", "ok", "ok"))
         assert out.scores.tolist() == [1.0] * 4 and out.num_errors == 0
         assert victim not in [w.process for w in scorer._workers] and len(scorer._workers) == 2
+
+
+@pytest.mark.parametrize("limit", [math.inf, math.nan, 1e12])
+def test_a_time_limit_that_is_no_limit_is_refused_by_the_config(limit: float) -> None:
+    """In this process an infinite (or huge) ``timeout_s`` overflowed the alarm and scored every answer 0; in
+    workers it crashed the step: refused where the config is read, naming the field."""
+    with pytest.raises(FieldError, match=r"^reward\.timeout_s=.* must be a finite number of seconds > 0"):
+        RewardConfig(timeout_s=limit)
+
+
+def test_worker_scores_of_a_scorers_own_class_equal_the_in_process_scores(tmp_path) -> None:
+    """A ``file.py`` scorer returning its own class (with ``__float__``): its module exists in the worker
+    only, so the score is made a float there; the driver once failed to unpickle it and the step crashed."""
+    scorer_file = tmp_path / "own_class.py"
+    scorer_file.write_text(
+        "class Score(float):\n    pass\n\n\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return {'score': Score(solution_str == ground_truth), 'length': Score(len(solution_str))}\n"
+    )
+    spec = f"{scorer_file}:score"
+    for workers in (0, 1):
+        with RewardScorer(RewardConfig(custom_function=spec, num_workers=workers)) as scorer:
+            out = scorer.score(requests("ok", "no"))
+        assert out.scores.tolist() == [1.0, 0.0] and out.num_errors == 0, workers
+        assert out.extra["length"].tolist() == [2.0, 2.0]
+
+
+def test_a_result_the_driver_cannot_read_is_that_tasks_error() -> None:
+    from mcore_rl.scoring.process_pool import TaskLimits, TaskPool
+    from tests.scoring.user_scorers import pool_handler
+
+    with TaskPool(pool_handler, TaskLimits(num_workers=1, timeout_s=10, what="scorer")) as pool:
+        out = pool.run(["a", "unreadable", "b"])
+        assert out[0] == ("ok", "a") and out[2] == ("ok", "b")
+        assert out[1][0] == "error" and "RuntimeError: cannot be rebuilt here" in out[1][1]
+        assert pool.run(["c"]) == [("ok", "c")] and len(pool._workers) == 1  # replaced, not stopped
+
+
+def test_a_run_that_stops_early_leaves_no_answer_for_the_next_run(monkeypatch) -> None:
+    """A run interrupted while a worker holds a task: that worker's late answer must not land in the next
+    run's slot of the same index (another request's)."""
+    from mcore_rl.scoring.process_pool import TaskLimits, TaskPool
+    from tests.scoring.user_scorers import pool_handler
+
+    with TaskPool(pool_handler, TaskLimits(num_workers=2, timeout_s=10, what="scorer")) as pool:
+        pool.run(["warm", "up"])
+        receive = pool._wait_and_receive
+
+        def interrupted(results: list) -> None:
+            if any(w.task for w in pool._workers):
+                raise RuntimeError("interrupted")
+            receive(results)
+
+        monkeypatch.setattr(pool, "_wait_and_receive", interrupted)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            pool.run([("sleep", 0.5)])
+        monkeypatch.undo()
+        assert pool.run(["x", "y"]) == [("ok", "x"), ("ok", "y")]

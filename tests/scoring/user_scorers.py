@@ -1,4 +1,5 @@
-"""User scorers for the tests, loaded as ``tests.scoring.user_scorers:NAME`` (also inside spawned workers)."""
+"""User scorers for the tests, loaded as ``tests.scoring.user_scorers:NAME`` (also inside spawned workers), and
+task handlers for the process pool's own tests."""
 
 from __future__ import annotations
 
@@ -22,3 +23,30 @@ def with_metrics(data_source: str, solution_str: str, ground_truth: Any, extra_i
     if solution_str == "text":
         return "seven"
     return {"score": float(solution_str == ground_truth), "length": len(solution_str), "note": "text"}
+
+
+class Unreadable:
+    """A result the worker can pickle and the driver cannot rebuild (as an object of a class defined in a
+    ``file.py`` module the worker alone imported)."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise RuntimeError("cannot be rebuilt here")
+
+
+def pool_handler() -> Any:
+    """A TaskPool handler factory: ``"unreadable"`` -> :class:`Unreadable`, ``("sleep", s)`` -> sleeps ``s``
+    seconds, anything else comes back as it is."""
+
+    def handle(task: Any) -> Any:
+        if task == "unreadable":
+            return Unreadable()
+        if isinstance(task, tuple) and task[0] == "sleep":
+            time.sleep(task[1])
+            return "slept"
+        return task
+
+    return handle

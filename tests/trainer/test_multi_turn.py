@@ -129,6 +129,41 @@ def test_multi_turn_refuses_one_step_off(tmp_path) -> None:
         tool_run_config(str(tmp_path / "data"), ["trainer.one_step_off=true"])
 
 
+def test_a_template_that_cannot_append_tool_turns_is_refused_before_any_rank_starts(
+    tmp_path, monkeypatch
+) -> None:
+    """The start check (a run's, and ``mcore-rl eval``'s) probes a tool turn: a Qwen3-like template, which
+    renders the last assistant turn differently, is refused in one line instead of at the first tool call."""
+    import types
+
+    from mcore_rl.agent.config import MultiTurnConfig
+    from mcore_rl.data.tokenizer import TokenizerError, load_tokenizer
+    from mcore_rl.trainer import build
+    from mcore_rl.trainer.evaluate import evaluate_model
+    from mcore_rl.trainer.multi_turn import check_multi_turn
+    from tests.agent.common import write_qwen3_like_tokenizer
+
+    assets = tmp_path / "ckpt" / "hf_assets"
+    write_qwen3_like_tokenizer(str(assets))
+    mt = MultiTurnConfig(enable=True, tools=["mcore_rl.agent.calculator:calculator"])
+    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(multi_turn=mt))
+    refused = "renders an assistant turn differently when a tool turn follows it"
+    with pytest.raises(TokenizerError, match=refused):
+        check_multi_turn(cfg, load_tokenizer(str(assets)))  # type: ignore[arg-type]
+    (tmp_path / "ckpt" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    hf = tiny_hf_config("llama", vocab_size=128, max_position_embeddings=1024)
+    info = {"hf_config": hf, "dtype": "float32", "format_version": 1, "extra": {}}
+    (tmp_path / "ckpt" / "mcore_rl_model.json").write_text(json.dumps(info))
+    (tmp_path / "x.jsonl").write_text("")
+    monkeypatch.setattr(build, "build_actor_group", lambda *a, **k: pytest.fail("the ranks started"))
+    overrides = [
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tools=[mcore_rl.agent.calculator:calculator]",
+    ]
+    with pytest.raises(TokenizerError, match=refused):
+        evaluate_model(str(tmp_path / "ckpt"), [str(tmp_path / "x.jsonl")], overrides, use_ray=False)
+
+
 def test_the_tool_demo_recipe_runs_end_to_end(tmp_path, capsys) -> None:
     """``mcore-rl train recipes/tool_demo_cpu.yaml`` shrunk: SFT on its tool traces, RL steps whose calculator
     calls run in a sandboxed worker process, multi_turn/* in metrics.jsonl and TensorBoard, a conversation
