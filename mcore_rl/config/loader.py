@@ -49,8 +49,8 @@ def load_config(
     applied in order, resolved and validated (see :func:`validate`; ``check_paths`` also requires files).
     ``rules=False`` checks each field (unknown keys, types, ranges) but not the rules that span sections
     (:func:`~mcore_rl.config.validate.config_problems`): ``config show`` prints a config that cannot run.
-    ``max_ranks`` bounds an automatic ``trainer.n_gpus_per_node`` (:mod:`mcore_rl.config.machine`): 1 for a run
-    in this process."""
+    ``max_ranks`` bounds an automatic ``trainer.n_gpus_per_node`` (:mod:`mcore_rl.config.machine`) and refuses
+    a larger world: 1 for a run in this process."""
     merged = OmegaConf.structured(RunConfig)
     layers = _recipe_chain(_find_recipe(Path(path), None), ()) if path is not None else []
     layers.append(("overrides", _parse_overrides(overrides)))
@@ -82,6 +82,11 @@ def check_config(
         raise ConfigError(problems_message(problems))
     assert isinstance(resolved, RunConfig)
     resolved = resolve_ranks_per_node(resolved, max_ranks)
+    if max_ranks is not None and resolved.world_size > max_ranks:  # before the run folder is claimed
+        raise ConfigError(
+            f"trainer.n_gpus_per_node x trainer.nnodes = {resolved.world_size} ranks, but a run in this process "
+            f"(--in-process) has {max_ranks}: drop --in-process, or set trainer.n_gpus_per_node={max_ranks}"
+        )
     if rules:
         validate(resolved, check_paths=check_paths)
         resolved = resolve_fast_paths(resolved)  # the run logs what they do (describe_fast_paths)

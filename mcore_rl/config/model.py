@@ -236,6 +236,10 @@ class ActorConfig:
     ``engine/rollout/vllm_outputs.py``)."""
 
 
+TOP_K = Rule("-1 (off) or >= 0", lambda v: v >= -1)
+"""``top_k`` of rollout sampling and of validation (0 is off too, as vLLM reads it)."""
+
+
 @dataclass
 class ValSampling:
     """Sampling for validation and held-out tests (verl's ``rollout.val_kwargs``); greedy by default."""
@@ -250,7 +254,9 @@ class ValSampling:
     """Samples per prompt; accuracy averages over them."""
 
     def __post_init__(self) -> None:
-        check_section(self, {"temperature": NON_NEGATIVE, "top_p": PROBABILITY, "n": POSITIVE})
+        check_section(
+            self, {"temperature": NON_NEGATIVE, "top_p": PROBABILITY, "top_k": TOP_K, "n": POSITIVE}
+        )
 
 
 class RolloutEngineName(str, Enum):
@@ -315,7 +321,7 @@ class RolloutConfig:
                 "n": POSITIVE,
                 "temperature": NON_NEGATIVE,
                 "top_p": PROBABILITY,
-                "top_k": Rule("-1 (off) or >= 0", lambda v: v >= -1),
+                "top_k": TOP_K,
                 "response_length": POSITIVE,
                 "stop_token_ids": Rule("a list of ids >= 0", lambda v: all(t >= 0 for t in v)),
                 "gpu_memory_utilization": PROBABILITY,

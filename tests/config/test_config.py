@@ -171,6 +171,8 @@ def test_config_show_prints_the_resolved_config() -> None:
 BAD_CONFIGS = [
     (["data.trian_files=[a]"], "data.trian_files"),
     (["rollout.temprature=1"], "rollout.temprature"),
+    (["rollout.val_kwargs.top_k=-5"], "rollout.val_kwargs.top_k"),
+    (["rollout.top_k=-2"], "rollout.top_k"),
     (["algorithm.kl_ctrl.kind=fixed"], "algorithm.kl_ctrl.kind"),
     (["data.train_batch_size=abc"], "data.train_batch_size"),
     (["trainer.save_freq=often"], "trainer.save_freq"),
@@ -301,3 +303,13 @@ def test_yaml_text_is_the_schema_order() -> None:
     text = config_to_yaml(load_config(DEMO))
     tops = [line.split(":")[0] for line in text.splitlines() if line and not line.startswith(" ")]
     assert tops == [f.name for f in dataclasses.fields(RunConfig)]
+
+
+def test_a_run_in_this_process_refuses_more_than_one_rank_naming_the_keys() -> None:
+    """``mcore-rl train demo_cpu_tp2 --in-process`` used to pass the config, claim the run folder and then fail
+    as an internal error; an automatic rank count stops at one instead."""
+    with pytest.raises(
+        ConfigError, match=r"trainer.n_gpus_per_node x trainer.nnodes = 4 ranks.*--in-process"
+    ):
+        load_config("recipes/demo_cpu_tp2.yaml", max_ranks=1)
+    assert load_config("recipes/demo_cpu.yaml", ["trainer.n_gpus_per_node=null"], max_ranks=1).world_size == 1
