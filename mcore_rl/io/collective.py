@@ -29,15 +29,19 @@ def begin_collective(plan: Callable[[], OutputFolder], rank: int) -> tuple[Outpu
     """Rank 0 plans the output (checks) and creates its staging folder; every rank gets the staging path,
     or rank 0's error. Returns ``(output on rank 0 else None, staging path)``."""
     shared: list[str | None] = [None, None]
-    output = None
+    output, unexpected = None, None
     if rank == 0:
         try:
             output = plan()
             shared[0] = output.begin()
         except (OSError, InputError) as err:
             shared[1] = _describe(err)
+        except BaseException as err:  # a bug, an interrupt: its peers must not wait in the broadcast for it
+            unexpected, shared[1] = err, f"rank 0 could not begin the output: {_describe(err)}"
     if dist.is_initialized():
         dist.broadcast_object_list(shared, src=0)
+    if unexpected is not None:
+        raise unexpected
     if shared[1] is not None:
         raise OutputError(shared[1])
     return output, str(shared[0])
