@@ -35,7 +35,7 @@ from mcore_rl.agent.executor import EnvAnswer, EnvTask, ToolExecutor, ToolTask
 from mcore_rl.agent.records import Conversation, Segment, rollout_records, turn_metrics
 from mcore_rl.agent.tools import ToolAnswer, ToolCall
 from mcore_rl.data.chat_format import ChatFormat
-from mcore_rl.engine.rollout.base import FINISH_LENGTH, ConversationEngine, SamplingParams
+from mcore_rl.engine.rollout.base import FINISH_LENGTH, ConversationEngine, SamplingParams, derived_seed
 from mcore_rl.types import PromptBatch, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class MultiTurnRollout:
         """One turn of every open conversation, in one engine call; a turn that used up the response budget
         ends its conversation."""
         if params.seed is not None:  # each turn its own draws, reproducible from the step's seed
-            params = dataclasses.replace(params, seed=params.seed + 7919 * turn)
+            params = dataclasses.replace(params, seed=derived_seed(params.seed, turn))
         budgets = [self.response_length - c.response_len for c in active]
         out = engine.continue_conversations(
             [c.row for c in active], [c.context for c in active], params, budgets

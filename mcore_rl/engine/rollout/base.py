@@ -57,7 +57,7 @@ class SamplingParams:
     outputs. None draws one (identical on every TP rank). Give each data-parallel replica its own seed. The
     embedded engine draws for the call's rows in their batch order, so a prompt's samples also depend on the
     other prompts of the call and on the engine's waves (``max_cache_tokens``); vLLM seeds each prompt apart
-    (``vllm_args.prompt_seed``)."""
+    (:func:`derived_seed`)."""
     pad_token_id: int = 0
     """Written into ``GenerationOutput.token_ids`` after each sequence's end."""
 
@@ -199,6 +199,18 @@ class ConversationEngine(Protocol):
     def end_conversations(self) -> None:
         """Forget every conversation (frees the embedded engine's cache; a no-op for vLLM)."""
         ...
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th part of what ``seed`` draws for (a call's prompt, a conversation, a turn):
+    splitmix64 of the pair. vLLM draws sample j of a request from its seed + j, so one seed for every prompt of
+    a call gave sample j of each prompt the same draws (a group copied), and ``seed + index`` gave the next
+    step's part i the draws of this step's part i + 1 (the step seeds are consecutive); mixed seeds meet
+    neither way."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) % 2**63
 
 
 def check_turn_request(

@@ -105,16 +105,6 @@ def check_free_memory(free: int, total: int, utilization: float) -> None:
         )
 
 
-def prompt_seed(seed: int, prompt: int) -> int:
-    """The seed of a call's ``prompt``-th request (splitmix64 of the pair): vLLM draws sample j of a request
-    from its seed + j, so one seed for every prompt of a call gave sample j of each prompt the same draws
-    (identical prompts identical responses, a group copied); seeds spread this way never meet in a call."""
-    z = (seed + (prompt + 1) * 0x9E3779B97F4A7C15) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return (z ^ (z >> 31)) % 2**63
-
-
 def sampling_kwargs(params: SamplingParams, seed: int, whole_prompts: bool = False) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments for ours (also round-tripped by tests_vllm/); ``whole_prompts``:
     computed from the first token, never read from the prefix cache."""

@@ -63,12 +63,12 @@ from mcore_rl.engine.rollout.base import (
     SamplingParams,
     SamplingParamsError,
     check_turn_request,
+    derived_seed,
 )
 from mcore_rl.engine.rollout.vllm_args import (
     VLLMRolloutConfig,
     check_free_memory,
     engine_args,
-    prompt_seed,
     sampling_kwargs,
     set_launcher_env,
 )
@@ -313,7 +313,7 @@ class VLLMRolloutEngine:
         seed, recorder = shared_seed(params.seed, self.tp_group), self._recorder
         whole = recorder is not None
         vllm_params = [
-            VLLMSamplingParams(**sampling_kwargs(params, prompt_seed(seed, i), whole_prompts=whole))
+            VLLMSamplingParams(**sampling_kwargs(params, derived_seed(seed, i), whole_prompts=whole))
             for i in range(len(prompts))
         ]
         with contextlib.nullcontext(None) if recorder is None else recorder.recording() as steps:
@@ -332,8 +332,8 @@ class VLLMRolloutEngine:
     ) -> GenerationOutput:
         """Token in, token out: one turn of each conversation from its whole context
         (``base.ConversationEngine``); vLLM's prefix cache holds what earlier turns computed, so a next turn
-        computes the appended tokens only. Each request draws from its own seed: the call's plus its
-        conversation id."""
+        computes the appended tokens only. Each request draws from its own seed: the call's mixed with its
+        conversation id (:func:`derived_seed`)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -346,7 +346,7 @@ class VLLMRolloutEngine:
         self._check_sampling(contexts, widest, max_new_tokens)
         seed = shared_seed(params.seed, self.tp_group)
         requests = [
-            VLLMSamplingParams(**sampling_kwargs(replace(params, max_new_tokens=n), (seed + c) % 2**63))
+            VLLMSamplingParams(**sampling_kwargs(replace(params, max_new_tokens=n), derived_seed(seed, c)))
             for c, n in zip(conversations, max_new_tokens, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]

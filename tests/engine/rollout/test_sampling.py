@@ -153,3 +153,14 @@ def test_generation_output_checks_shapes_and_helpers():
         GenerationOutput(torch.tensor([0]), torch.zeros(1, 3), torch.zeros(2, 3), torch.tensor([1]), ["stop"])
     with pytest.raises(ValueError, match="finish_reasons"):
         GenerationOutput(torch.tensor([0]), torch.zeros(1, 3), torch.zeros(1, 3), torch.tensor([1]), [])
+
+
+def test_derived_seeds_of_consecutive_step_seeds_never_meet():
+    """Step seeds are consecutive (base + step): ``seed + index`` gave step s + 1's conversation c the draws of
+    step s's conversation c + 1 (vLLM's continued conversations), and ``seed + 7919 * turn`` step s + 7919's
+    first turn the draws of step s's second; mixed, no two (step, index) pairs share a seed."""
+    from mcore_rl.engine.rollout.base import derived_seed
+
+    seeds = [derived_seed(step, index) for step in range(600) for index in range(300)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
+    assert derived_seed(5, 0) != derived_seed(5, 1) != derived_seed(6, 0)
