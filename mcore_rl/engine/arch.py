@@ -211,7 +211,7 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
     heads = _int(cfg, "num_attention_heads")
     hidden = _int(cfg, "hidden_size")
     defaults = HF_CONFIG_DEFAULTS[family]
-    rope, rope_theta, partial = _rope(cfg, defaults["rope_theta"])
+    rope, rope_theta, partial = _rope(cfg, family, defaults["rope_theta"])
     # An absent field takes the family's default; an explicit null means hidden // heads for head_dim (as
     # transformers' attention reads it) and no window for sliding_window (Mistral v0.2+ configs say so).
     head_dim = _int(cfg, "head_dim", None) if "head_dim" in cfg else defaults["head_dim"]
@@ -238,7 +238,9 @@ def _arch_from_dict(cfg: dict[str, Any]) -> ModelArch:
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         partial_rotary_factor=partial,
         tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
-        qkv_bias=family == "qwen2" or _bool(cfg, "attention_bias", False),
+        # transformers' Mistral and Mixtral attention has no bias, whatever a stray attention_bias says
+        qkv_bias=family == "qwen2"
+        or (family not in ("mistral", "mixtral") and _bool(cfg, "attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         sliding_window=window,
         initializer_range=_float(cfg, "initializer_range", 0.02, positive=False),
@@ -301,20 +303,20 @@ _ROPE_FIELDS = {
 }
 
 
-def _rope(cfg: dict[str, Any], default_theta: float) -> tuple[dict[str, Any], float, float]:
+def _rope(cfg: dict[str, Any], family: str, default_theta: float) -> tuple[dict[str, Any], float, float]:
     """(rope parameters besides theta, rope_theta, partial_rotary_factor), every field type-checked;
     ``default_theta`` where the config gives no rope_theta."""
-    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
-    raw = cfg.get(key) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{key} must be an object, got {raw!r}")
-    rope = dict(raw)
+    key, rope = _rope_source(cfg)
     rope_theta = _float(
         rope, "rope_theta", _float(cfg, "rope_theta", default_theta), field=f"{key}.rope_theta"
     )
     rope.pop("rope_theta", None)
-    if "type" in rope and "rope_type" not in rope:  # transformers < 4.45 spelling
-        rope["rope_type"] = rope.pop("type")
+    dropped = (cfg.get("rope_parameters") or {}).get("rope_theta") if key == "rope_scaling" else None
+    if dropped is not None and dropped != rope_theta:  # transformers would build it at rope_theta silently
+        raise ConfigError(
+            f"rope_scaling replaces rope_parameters (as transformers reads them), whose rope_theta={dropped} "
+            f"would give way to {rope_theta}: put rope_theta in rope_scaling, or keep one of the two"
+        )
     rope_type = rope.get("rope_type", "default")
     if not isinstance(rope_type, str):
         raise ConfigError(f"{key}.rope_type must be a name, got {rope_type!r}")
@@ -324,9 +326,31 @@ def _rope(cfg: dict[str, Any], default_theta: float) -> tuple[dict[str, Any], fl
         raise ConfigError(f"{key}.high_freq_factor must exceed {key}.low_freq_factor")
     partial = _float(rope, "partial_rotary_factor", _float(cfg, "partial_rotary_factor", 1.0))
     rope.pop("partial_rotary_factor", None)
-    if partial > 1.0:
-        raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
+    if partial != 1.0:  # transformers' attention for these families rotates the whole head, whatever it says
+        raise ConfigError(
+            f"partial_rotary_factor={partial} is not supported for {family} (1.0: the whole head)"
+        )
     return rope, rope_theta, partial
+
+
+def _rope_source(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the key read, a copy of its rope object in the current spelling): ``rope_scaling`` when it is set, else
+    ``rope_parameters``, as transformers reads them (its rope_scaling replaces rope_parameters whole: a
+    transformers 5 config carries rope_parameters, and a user adds rope_scaling as a model card says)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{key} must be an object, got {value!r}")
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    return key, _spelled(cfg.get(key) or {})
+
+
+def _spelled(rope: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a rope object in transformers' current spelling (``type``, before 4.45, -> ``rope_type``)."""
+    rope = dict(rope)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return rope
 
 
 def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:

@@ -137,3 +137,43 @@ def test_cli_value_parsing():
     for bad in ("lots", "0", "0.1B"):
         with pytest.raises(UsageError, match="--max-shard-size"):
             parse_size(bad)
+
+
+def test_a_run_reading_an_hf_folder_names_attention_bias(tmp_path):
+    """The run's own load (actor, critic, DPO) refuses Llama's and Qwen3-MoE's o_proj bias naming the config
+    field, as conversion does (it named a stray o_proj.bias tensor, and passed Qwen3-MoE to that check)."""
+    from mcore_rl.engine.arch import ModelArch
+    from mcore_rl.engine.hf.mapping import ConvertError, check_convertible
+    from mcore_rl.engine.hf.state import load_hf_full_state
+    from tests.convert.hf_models import save_hf_model
+    from tests.models import tiny_hf_config
+
+    folder = save_hf_model(str(tmp_path / "llama"), "llama", attention_bias=True)
+    with pytest.raises(ConvertError, match="attention_bias=true is not supported for Llama"):
+        load_hf_full_state(folder, ModelArch.from_hf_config(folder))
+    with pytest.raises(ConvertError, match="attention_bias=true is not supported for Qwen3_moe"):
+        check_convertible(ModelArch.from_hf_config(tiny_hf_config("qwen3_moe", attention_bias=True)))
+
+
+def test_a_tied_config_refuses_a_stored_head_that_is_not_the_embedding(tmp_path):
+    """transformers loads such a head apart (a fine-tune saved untied but labelled tied); a tied model would
+    drop it. A copy of the embedding, as some tied checkpoints store, still loads."""
+    from safetensors.torch import save_file
+
+    from mcore_rl.engine.arch import ModelArch
+    from mcore_rl.engine.hf.mapping import ConvertError
+    from mcore_rl.engine.hf.state import load_hf_full_state
+    from tests.convert.hf_models import save_hf_model
+
+    folder = save_hf_model(str(tmp_path / "qwen2"), "qwen2")  # tie_word_embeddings: true
+    arch = ModelArch.from_hf_config(folder)
+    assert arch.tie_word_embeddings
+    path = str(tmp_path / "qwen2" / "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    load_hf_full_state(folder, arch)
+    tensors["lm_head.weight"] = torch.randn_like(tensors["lm_head.weight"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConvertError, match=r"lm_head.weight differs from model.embed_tokens.weight.*tie_word"):
+        load_hf_full_state(folder, arch)

@@ -195,3 +195,36 @@ def test_a_null_sliding_window_is_no_window():
     arch = ModelArch.from_hf_config(cfg)
     assert arch.sliding_window is None
     assert (arch.norm_eps, arch.rope_theta, arch.head_dim, arch.sliding_window) == _transformers_reads(cfg)
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it():
+    """A transformers 5 config carries rope_parameters; a user adds rope_scaling as a model card says:
+    transformers then reads rope_scaling whole (we read rope_parameters: plain rope, or a yarn left unseen)."""
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    linear = {"rope_type": "linear", "factor": 4.0}
+    cfg = tiny_hf_config("llama", rope_parameters=default, rope_scaling=linear)
+    arch = ModelArch.from_hf_config(cfg)
+    assert (arch.rope_scaling, arch.rope_theta) == ({"rope_type": "linear", "factor": 4.0}, 10000.0)
+    assert arch.rope_theta == _transformers_reads(cfg)[1]
+    with pytest.raises(ConfigError, match="rope_type='yarn' is not supported"):
+        ModelArch.from_hf_config(
+            tiny_hf_config(
+                "llama", rope_parameters=default, rope_scaling={"rope_type": "yarn", "factor": 2.0}
+            )
+        )
+    # transformers would drop rope_parameters' theta for its default (Llama 3's 500000 -> 10000): refused
+    with pytest.raises(ConfigError, match=r"rope_theta=500000.0 would give way to 10000.0"):
+        ModelArch.from_hf_config(
+            tiny_hf_config("llama", rope_parameters={**default, "rope_theta": 500000.0}, rope_scaling=linear)
+        )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_partial_rotary_is_refused_where_transformers_rotates_the_whole_head(family):
+    with pytest.raises(ConfigError, match=f"partial_rotary_factor=0.5 is not supported for {family}"):
+        ModelArch.from_hf_config(tiny_hf_config(family, partial_rotary_factor=0.5))
+
+
+def test_a_stray_attention_bias_gives_mistral_no_bias_as_in_transformers():
+    assert not ModelArch.from_hf_config(tiny_hf_config("mistral", attention_bias=True)).qkv_bias
+    assert not ModelArch.from_hf_config(tiny_hf_config("mixtral", attention_bias=True)).qkv_bias

@@ -138,8 +138,8 @@ def _moe_maps(arch: ModelArch, i: int) -> list[TensorMap]:
 def check_convertible(arch: ModelArch) -> None:
     """Raise :class:`ConvertError` for configs ``ModelArch`` accepts but the weight mapping cannot carry."""
     cfg = arch.extra
-    if arch.family in ("llama", "qwen3") and cfg.get("attention_bias"):
-        # HF Llama and Qwen3 then also have an o_proj bias, which megatron's add_qkv_bias does not model.
+    if arch.family in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
+        # HF Llama and Qwen3 (MoE too) then also have an o_proj bias, which megatron's add_qkv_bias does not model.
         raise ConvertError(
             f"attention_bias=true is not supported for {arch.family.capitalize()} (o_proj bias has no "
             "megatron slot)"

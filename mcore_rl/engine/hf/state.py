@@ -13,7 +13,14 @@ import torch
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import STORABLE_DTYPES
-from mcore_rl.engine.hf.mapping import ConvertError, hf_shapes, optional_hf_names, tensor_maps, to_full
+from mcore_rl.engine.hf.mapping import (
+    ConvertError,
+    check_convertible,
+    hf_shapes,
+    optional_hf_names,
+    tensor_maps,
+    to_full,
+)
 from mcore_rl.engine.hf.safetensors_io import SafetensorsReader
 
 
@@ -30,6 +37,7 @@ def load_hf_full_state(
 
 def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dtype | None) -> torch.dtype:
     """Every tensor the config implies is present with that shape; returns the dtype to store."""
+    check_convertible(arch)  # a run's own HF load too: the config's field named, not a stray tensor
     expected: dict[str, tuple[int, ...]] = {}
     for tensor_map in tensor_maps(arch):
         expected.update(zip(tensor_map.hf_names, hf_shapes(arch, tensor_map), strict=True))
@@ -43,6 +51,8 @@ def check_hf_weights(arch: ModelArch, reader: SafetensorsReader, dtype: torch.dt
                 f"{os.path.join(reader.directory, info.file)}: {name} has shape {list(info.shape)}, "
                 f"but {config} implies {list(shape)} ({_shape_fields(arch)})"
             )
+    if arch.tie_word_embeddings and "lm_head.weight" in reader.infos:
+        _check_tied_copy(reader, config)
     unexpected = sorted(set(reader.infos) - set(expected) - optional_hf_names(arch))
     if unexpected:
         file = os.path.join(reader.directory, reader.infos[unexpected[0]].file)
@@ -74,3 +84,15 @@ def _shape_fields(arch: ModelArch) -> str:
     if arch.moe is not None:
         fields += f", num_experts={arch.moe.num_experts}, moe_intermediate_size={arch.moe.ffn_hidden_size}"
     return fields
+
+
+def _check_tied_copy(reader: SafetensorsReader, config: str) -> None:
+    """A tied config whose folder also stores ``lm_head.weight``: a copy of the embedding is fine, another
+    tensor is a trained head transformers would load apart (untying the two) where the tied model drops it."""
+    head, embedding = reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")
+    if head.shape != embedding.shape or not torch.equal(head, embedding):
+        file = os.path.join(reader.directory, reader.infos["lm_head.weight"].file)
+        raise ConvertError(
+            f"{file}: lm_head.weight differs from model.embed_tokens.weight, but {config} says "
+            "tie_word_embeddings=true (transformers loads the head apart): set it to false, or save the model tied"
+        )
