@@ -169,18 +169,21 @@ class EvalSource:
     model_path: str
     """``model.path``: an HF folder or a megatron model checkpoint (a run checkpoint is one)."""
     recipe: str | None
-    """The run's saved ``config.yaml`` when the model is a run checkpoint (its tokenizer, lengths,
-    sampling and layout), else None."""
+    """The run's saved ``config.yaml`` when the model is a run checkpoint or a run folder's ``model/`` (its
+    tokenizer, lengths, sampling and layout), else None."""
 
 
 def eval_source(given: str) -> EvalSource:
-    """``given`` as a model: a run folder (its ``checkpoints/latest``), a run checkpoint
-    (``global_step_N``, with its ``config.yaml``), a megatron model checkpoint or an HF folder."""
+    """``given`` as a model: a run folder (:func:`run_folder_model`), a run checkpoint (``global_step_N``,
+    with its ``config.yaml``), a megatron model checkpoint or an HF folder."""
     from mcore_rl.config.loader import CONFIG_FILE
     from mcore_rl.io.errors import InputError
 
     if not os.path.isdir(given):
         raise InputError(f"{given}: no such model folder or checkpoint (local folders only)")
+    exported = run_folder_model(given)
+    if exported is not None:
+        return exported
     latest = os.path.join(given, "checkpoints", "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -189,6 +192,27 @@ def eval_source(given: str) -> EvalSource:
     if os.path.isfile(saved) and os.path.isfile(os.path.join(given, "trainer_state.json")):
         return EvalSource(given, saved)
     return EvalSource(given, None)
+
+
+def run_folder_model(run: str) -> EvalSource | None:
+    """A run folder's ``model/`` (the HF export every finished SFT, RL or DPO run ends with) with the run's
+    ``config.yaml`` as the recipe; None when ``run`` has none, or when its ``checkpoints/latest`` was written
+    after it: a run resumed past its export and stopped before its new end, whose newest weights are that
+    checkpoint. A finished run's last checkpoint holds the weights ``model/`` was converted from, so
+    ``model/`` loses nothing; it is also a LoRA run's merged model (its run checkpoints hold the
+    adapters only) and what a run with ``trainer.save_freq=-1`` (no checkpoints) leaves."""
+    from mcore_rl.config.loader import CONFIG_FILE
+    from mcore_rl.convert.export import MODEL_DIR
+
+    exported, saved = os.path.join(run, MODEL_DIR), os.path.join(run, CONFIG_FILE)
+    hf_config = os.path.join(exported, "config.json")
+    if not (os.path.isfile(hf_config) and os.path.isfile(saved)):
+        return None
+    latest = os.path.join(run, "checkpoints", "latest")
+    # the export follows the last checkpoint's save; a checkpoint written after it is a later step's
+    if os.path.isfile(latest) and os.path.getmtime(latest) > os.path.getmtime(hf_config):
+        return None
+    return EvalSource(exported, saved)
 
 
 def eval_config(
@@ -207,8 +231,8 @@ def eval_config(
     base = recipe or source.recipe
     keys = [
         *EVAL_KEYS,
-        f"model.path={source.model_path}",
-        f"data.train_files=[{','.join(data_files)}]",
+        f"model.path={yaml_str(source.model_path)}",
+        f"data.train_files=[{','.join(yaml_str(f) for f in data_files)}]",
         *overrides,
     ]
     if base is not None:
@@ -220,6 +244,13 @@ def eval_config(
             f"{err} (eval read the schema's defaults: pass the recipe the model was trained with, "
             "--recipe RECIPE, or set the keys named, e.g. data.max_response_length=N)"
         ) from None
+
+
+def yaml_str(path: str) -> str:
+    """``path`` as one quoted YAML string of an override's value: unquoted, a ``,`` split a flow list in two,
+    ``#`` started a comment, ``: `` made a mapping and ``123`` or ``null`` were not strings. JSON's double
+    quotes are YAML's; ``${`` is escaped so that OmegaConf does not read an interpolation."""
+    return json.dumps(path.replace("${", "\\${"))
 
 
 def evaluate_model(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
 
 from mcore_rl.trainer.cli import add_arguments as add_train_arguments
 
@@ -15,6 +17,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
+
+
+RUN_KEYS = ("model.path", "sft.enable", "trainer.default_local_dir", "logging.log_dir")
+"""Overrides of the SFT run that the RL command sets itself (a repeated one would name the SFT run folder,
+which holds the RL run's input and is refused as its output)."""
+
+
+def rl_command(args: argparse.Namespace, model_dir: str, log_dir: str) -> str:
+    """The ``mcore-rl train`` line that starts RL from the SFT model, as a shell reads it back (shlex): the
+    recipe and the user's other overrides repeated, ``model.path`` the model, and a run folder of its own
+    beside the SFT run's (``<run>_rl``, ``<run>_rl2``.. : the first that does not exist)."""
+    run = os.path.dirname(os.path.normpath(model_dir))
+    rl_dir, n = f"{run}_rl", 2
+    while os.path.lexists(rl_dir):  # an earlier RL run from this model: its folder is left to it
+        rl_dir, n = f"{run}_rl{n}", n + 1
+    kept = [o for o in args.overrides if o.split("=", 1)[0].strip() not in RUN_KEYS]
+    keys = [*kept, f"model.path={model_dir}", "sft.enable=false", f"trainer.default_local_dir={rl_dir}"]
+    if not _inside(log_dir, run):  # the recipe logs outside its run folder: the RL run's logs go in its own
+        keys.append(f"logging.log_dir={os.path.join(rl_dir, 'logs')}")
+    flags = ["--in-process"] if args.in_process else []
+    return shlex.join(["mcore-rl", "train", args.recipe, *keys, *flags])
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder + os.sep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +61,6 @@ def run(args: argparse.Namespace) -> int:
             f"{summary.steps} SFT steps ({loss})"
         )
     print(f"model: {summary.model_dir} (megatron checkpoint: {summary.checkpoint_dir})")
-    print(f"start RL from it: mcore-rl train {args.recipe} model.path={summary.model_dir} sft.enable=false")
+    print(f"start RL from it: {rl_command(args, summary.model_dir, summary.log_dir)}")
     print(f"logs: {summary.log_dir} (metrics.jsonl{', reward.png' if summary.plot else ''})")
     return 0

@@ -175,5 +175,7 @@ def test_a_tied_config_refuses_a_stored_head_that_is_not_the_embedding(tmp_path)
     load_hf_full_state(folder, arch)
     tensors["lm_head.weight"] = torch.randn_like(tensors["lm_head.weight"])
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ConvertError, match=r"lm_head.weight differs from model.embed_tokens.weight.*tie_word"):
+    with pytest.raises(
+        ConvertError, match=r"lm_head.weight differs from model.embed_tokens.weight.*tie_word"
+    ):
         load_hf_full_state(folder, arch)

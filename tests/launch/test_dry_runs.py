@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import shlex
+
 import pytest
 
 from tests.launch.conftest import REPO, run_script
@@ -117,7 +120,49 @@ def test_torchrun_sbatch_commands_per_node(nodes):
 def test_torchrun_sbatch_needs_a_tool():
     result = run_script("launch/torchrun.sbatch", env={**SLURM, "SLURM_JOB_NODELIST": "n1"})
     assert result.returncode == 1
-    assert "set MCORE_RL_ARGS to the mcore-rl subcommand to run" in result.stderr
+    assert "give the mcore-rl subcommand to run as arguments (or MCORE_RL_ARGS)" in result.stderr
+
+
+def _node_words(result, host: str) -> list[str]:
+    """The command a node runs, as the words its shell reads from the printed line."""
+    lines = [line for line in _lines(result) if line.startswith(f"{host}$ ")]
+    assert len(lines) >= 1, result.stdout
+    return shlex.split(lines[-1].removeprefix(f"{host}$ "))
+
+
+def test_ray_on_slurm_overrides_with_spaces_reach_the_driver_whole():
+    env = {**SLURM, "DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu[01-02]", "HEAD_IP": "10.1.2.3"}
+    env["OVERRIDES"] = "model.path='/models/Llama 3' trainer.total_training_steps=5\nrollout.n=4"
+    args = ["data.train_files=[/data/my set/train.parquet]", "rollout.n=8"]
+    words = _node_words(run_script("launch/ray_on_slurm.sbatch", *args, env=env), "gpu01")
+    assert words[-5:] == [  # OVERRIDES by the shell's quoting, then the arguments word for word
+        "model.path=/models/Llama 3",
+        "trainer.total_training_steps=5",
+        "rollout.n=4",
+        *args,
+    ]
+    refused = run_script("launch/ray_on_slurm.sbatch", env={**env, "OVERRIDES": "model.path=/it's"})
+    assert refused.returncode == 1 and "OVERRIDES has an unmatched quote" in refused.stderr
+
+
+def test_torchrun_sbatch_takes_the_subcommand_as_arguments():
+    env = {**SLURM, "DRY_RUN": "1", "SLURM_JOB_NODELIST": "a100-[01-02]"}
+    tool = ["convert", "hf-to-mcore", "--hf-dir", "/models/Llama 3.1 8B", "--out", "/ckpt/l8b"]
+    result = run_script("launch/torchrun.sbatch", *tool, env=env)
+    for host in ("a100-01", "a100-02"):
+        assert _node_words(result, host)[-len(tool) :] == tool
+    assert _node_words(result, "slurm")[-len(tool) :] == tool
+    quoted = {**env, "MCORE_RL_ARGS": "convert hf-to-mcore --hf-dir '/models/Llama 3.1 8B' --out /ckpt/l8b"}
+    assert _node_words(run_script("launch/torchrun.sbatch", env=quoted), "a100-02")[-len(tool) :] == tool
+    both = run_script("launch/torchrun.sbatch", *tool, env=quoted)
+    assert both.returncode == 1 and "both the arguments" in both.stderr
+
+
+@pytest.mark.parametrize("script", ["ray_on_slurm.sbatch", "torchrun.sbatch"])
+def test_sbatch_output_is_written_where_a_folder_exists(script, launch_dir):
+    # Slurm does not create --output's folder: a job naming a missing one fails with no log at all.
+    (output,) = re.findall(r"^#SBATCH --output=(\S+)$", (launch_dir / script).read_text(), re.M)
+    assert "/" not in output  # the submit directory, where sbatch ran
 
 
 def test_torchrun_sh_resolves_rendezvous_from_slurm_and_flags():

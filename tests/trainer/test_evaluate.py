@@ -165,3 +165,48 @@ def test_schema_defaults_too_long_for_the_model_point_to_the_recipe(tmp_path: Pa
     assert "--recipe RECIPE" in str(refused.value) and "data.max_response_length" in str(refused.value)
     short = ["data.max_prompt_length=32", "data.max_response_length=32"]
     assert eval_config(str(ckpt), ["x.jsonl"], short).data.max_response_length == 32
+
+
+def _run_folder_with_model(run: Path) -> Path:
+    """A finished run written with trainer.save_freq=-1: config.yaml, logs/ and model/, no checkpoints/."""
+    (run / "logs").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    model = run / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_hf_config("llama", max_position_embeddings=1024)))
+    return model
+
+
+def test_a_run_folder_is_evaluated_from_its_model_unless_a_later_checkpoint_exists(tmp_path: Path) -> None:
+    import os
+
+    run = tmp_path / "rl"
+    model = _run_folder_with_model(run)
+    # README's `mcore-rl eval runs/rl DATA`: the run folder was read as an HF folder
+    source = eval_source(str(run))
+    assert (source.model_path, source.recipe) == (str(model), str(run / "config.yaml"))
+    step = _megatron_checkpoint(run / "checkpoints" / "global_step_4", {})
+    (step / "config.yaml").write_text("{}")
+    (step / "trainer_state.json").write_text("{}")
+    latest = run / "checkpoints" / "latest"
+    latest.write_text("global_step_4\n")
+    os.utime(latest, (1000, 1000))  # the last checkpoint, then the export at the run's end
+    assert eval_source(str(run)).model_path == str(model)
+    os.utime(latest)  # resumed past the export and stopped: the checkpoint holds the newest weights
+    source = eval_source(str(run))
+    assert (source.model_path, source.recipe) == (str(step), str(step / "config.yaml"))
+    (run / "config.yaml").unlink()  # not a run's model/: the folder's checkpoint as before
+    os.utime(latest, (1000, 1000))
+    assert eval_source(str(run)).model_path == str(step)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [["data/gsm8k,v2.parquet"], ["a#b.jsonl", "c: d.parquet", "123", "null"], ["x=1.parquet", "${y}/z"]],
+)
+def test_eval_data_and_model_paths_are_taken_as_written(tmp_path: Path, files: list[str]) -> None:
+    hf = tiny_hf_config("llama", vocab_size=14, max_position_embeddings=1024)
+    ckpt = _megatron_checkpoint(tmp_path / "ckpt, #1: x", hf, assets=True)
+    cfg = eval_config(str(ckpt), files, ["data.max_prompt_length=8", "data.max_response_length=8"])
+    assert cfg.data.train_files == files  # one file per path: a comma split gsm8k,v2 in two
+    assert cfg.model.path == str(ckpt)

@@ -89,8 +89,9 @@ def test_eval_of_the_model_checkpoint_and_conversion_equals_the_runs_test(
     hf = evaluate_model(summary["model"], [test], EVAL_KEYS, use_ray=False)
     assert hf.by_source[ALL].greedy_accuracy == pytest.approx(summary["test_after_rl"])
     assert hf.by_source[ALL].num_prompts == 16 and hf.num_samples == 0
-    # the run folder: its latest run checkpoint with the run's saved config as the recipe; the eval writes
-    # nothing into the run (its ranks' output goes to a folder of its own, removed when the eval succeeds)
+    # the run folder: its model/ (the export of the last checkpoint's weights) with the run's saved config as
+    # the recipe; the eval writes nothing into the run (its ranks' output goes to a folder of its own, removed
+    # when the eval succeeds)
     before = sorted(str(p.relative_to(run)) for p in Path(run).rglob("*"))
     scratch = tmp_path / "scratch"
     scratch.mkdir()
