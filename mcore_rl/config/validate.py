@@ -332,6 +332,13 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"trainer.test_freq={trainer.test_freq} needs data.val_files")
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")
+    kl = [k for k in ("use_kl_loss", "use_kl_in_reward") if getattr(cfg.algorithm, k)]
+    if cfg.sft.enable and cfg.model.lora_rank and kl:
+        problems.append(
+            f"sft.enable=true with model.lora_rank={cfg.model.lora_rank} and algorithm.{kl[0]}=true: the KL "
+            "reference of a LoRA run is its frozen base, not the SFT warm start RL begins from; run `mcore-rl sft` "
+            "first and start RL from its model (recipes/demo_lora_cpu.yaml), or turn the KL term off"
+        )
     problems += _critic_problems(cfg)
     if cfg.model.share_prompt_prefix and cfg.parallel.context_parallel_size > 1:
         problems.append(

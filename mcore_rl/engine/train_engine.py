@@ -280,8 +280,10 @@ class TrainEngine:
         """Collective: model weights saved at any layout (``save_model``, HF conversion) into this engine; the
         optimizer's main params follow (its moments are kept). With LoRA, the base (the adapters stay)."""
         load_model(self.chunks, self.ctx, directory, without_adapters if self.options.lora else None)
-        # bf16 keeps separate fp32 main params; without this the first step would undo the load.
-        self.optimizer.reload_model_params()
+        if (
+            self.optimizer is not None
+        ):  # bf16 keeps separate fp32 main params: else the first step undoes the load
+            self.optimizer.reload_model_params()
 
     def forward_backward(
         self, micro_batches: list[MicroBatch], loss_fn: LossFn[M] | HeadLoss[M], forward_only: bool = False

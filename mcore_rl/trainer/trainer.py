@@ -314,6 +314,7 @@ class Trainer:
             summary["sft_steps"] = self.sft(log)
             summary["test_after_sft"] = self.test(log, "after_sft")
             self.actors.set_optim(cfg.optim, actor_optimizer_steps(cfg, self.total_steps))
+            self.actors.reset_reference()  # KL terms measure against where RL starts, not the pre-SFT model
             self.step.warm_started()
         if cfg.trainer.val_before_train and self.data.val is not None:
             summary["val_before"] = self.step.evaluate(self.data.val)

@@ -14,6 +14,7 @@ for samples); the others return None. The policy update's methods come from
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,9 @@ from mcore_rl.engine.workers.reward_model import RewardModelHost
 from mcore_rl.parallel.config import HybridConfig
 from mcore_rl.parallel.reshard.hybrid import Phase
 from mcore_rl.types import LogProbBatch, RankInfo, RolloutBatch, RolloutRequest, SFTBatch, TurnRequest
+
+REFERENCE_DIR = "reference"
+"""A run checkpoint's copy of the reference policy, where it is not the run's starting model (SFT warm start)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         if spec.lora_adapter_path is not None:
             load_peft_adapter(self.engine, spec.lora_adapter_path)
         self.reference = self.engine.frozen_copy() if spec.with_reference else None
+        self.reference_is_actor_start = True  # until the SFT warm start moves it (reset_reference)
         self.scheduler = lr_scheduler(self.engine, spec.optim, spec.total_optimizer_steps)
         self.rollout: LocalRolloutEngine | VLLMRolloutEngine
         self.hybrid, self.rollout = (
@@ -324,13 +329,27 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         return self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0
 
     # --- checkpoints ----------------------------------------------------------------------------------------
+    def reset_reference(self) -> None:
+        """Collective: the reference policy becomes a copy of the actor as it is now (the SFT warm start's
+        result, where RL starts: what a KL term must measure against), saved with each run checkpoint from
+        then on. LoRA's reference (the base, adapters off) cannot follow: ``config/validate.py`` refuses it."""
+        if self.reference is None:
+            return
+        if self.engine.options.lora is not None:
+            raise RuntimeError("reset_reference(): a LoRA run's reference is the frozen base")
+        self.reference = self.engine.frozen_copy()
+        self.reference_is_actor_start = False
+
     def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:
-        """Collective: actor weights + optimizer + LR schedule + ``extra`` (driver state), atomically."""
+        """Collective: actor weights + optimizer + LR schedule + ``extra`` (driver state), atomically; the
+        reference's weights beside them (``reference/``) when they are no longer the run's starting model."""
         from mcore_rl.engine.trainer_checkpoint import save_training_checkpoint
 
         self._to_train()
         state = {**extra, "lr_scheduler": self.scheduler.state_dict()}
         save_training_checkpoint(self.engine, directory, step, state)
+        if self.reference is not None and not self.reference_is_actor_start:
+            self.reference.save_model(os.path.join(directory, REFERENCE_DIR))
 
     def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:
         """Collective: restore what :meth:`save_checkpoint` wrote; returns (step, extra)."""
@@ -339,6 +358,10 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         self._to_train()
         step, extra = load_training_checkpoint(self.engine, directory)
         self.scheduler.load_state_dict(extra.pop("lr_scheduler"))
+        reference = os.path.join(directory, REFERENCE_DIR)
+        if self.reference is not None and os.path.isdir(reference):  # the SFT warm start's, not model.path's
+            self.reference.load_model(reference)
+            self.reference_is_actor_start = False
         return step, extra
 
 

@@ -214,6 +214,10 @@ class ActorGroup:
         """New optimizer hyper-parameters and LR schedule, same optimizer state (SFT -> RL)."""
         self.backend.submit("set_optim", None, "", optim, total_optimizer_steps)()
 
+    def reset_reference(self) -> None:
+        """The reference policy (KL terms) becomes the actor as it is now: where RL starts after SFT."""
+        self.backend.submit("reset_reference", None, "")()
+
     def sft_update(self, batch: SFTBatch, micro_batch_size: int) -> dict[str, float]:
         """One supervised step on ``batch`` split over data-parallel ranks; DP-global loss and grad norm."""
         shards = list(split_record(batch, self.num_dp_shards))
