@@ -241,14 +241,43 @@ def last_batch_problem(cfg: RunConfig, num_prompts: int) -> str | None:
     mini_batches, replicas = batch // alg.ppo_mini_batch_size, _rollout_replicas(cfg)
     share, uneven = divmod(rest * cfg.rollout.n, dp * mini_batches)
     micro_uneven = alg.ppo_max_token_len_per_gpu is None and share % alg.ppo_micro_batch_size_per_gpu
-    if rest % replicas == 0 and not uneven and not micro_uneven:
-        return None
+    if rest % replicas or uneven or micro_uneven:
+        return _last_batch_message(cfg, num_prompts, rest, replicas, dp, mini_batches)
+    rows = rest * cfg.rollout.n // dp  # every rank's rows of the whole batch: values and reward-model scores
+    if cfg.reward_model.path is not None and not _splits(rows, cfg.reward_model.micro_batch_size_per_gpu):
+        return _last_batch_message(cfg, num_prompts, rest, replicas, dp, mini_batches, "reward_model")
+    if cfg.algorithm.adv_estimator == AdvEstimator.GAE:  # the critic splits the batch over its own ranks
+        critic = cfg.critic
+        world = cfg.world_size if critic.colocate else critic.num_ranks
+        critic_dp = max(world // _model_copy_ranks(critic.parallel or cfg.parallel), 1)
+        critic_share, critic_uneven = divmod(rest * cfg.rollout.n, critic_dp * mini_batches)
+        micro = critic.ppo_micro_batch_size_per_gpu
+        if critic_uneven or not (
+            _splits(rest * cfg.rollout.n // critic_dp, micro) and _splits(critic_share, micro)
+        ):
+            return _last_batch_message(cfg, num_prompts, rest, replicas, critic_dp, mini_batches, "critic")
+    return None
+
+
+def _splits(rows: int, micro: int) -> bool:
+    """``rows`` split into micro-batches as the groups split them: of ``micro`` rows, or one of them all."""
+    return rows % min(micro, max(rows, 1)) == 0
+
+
+def _last_batch_message(
+    cfg: RunConfig, num_prompts: int, rest: int, replicas: int, dp: int, mini_batches: int, who: str = ""
+) -> str:
+    alg = cfg.algorithm
+    micro = {
+        "": f"algorithm.ppo_micro_batch_size_per_gpu={alg.ppo_micro_batch_size_per_gpu}",
+        "critic": f"critic.ppo_micro_batch_size_per_gpu={cfg.critic.ppo_micro_batch_size_per_gpu}",
+        "reward_model": f"reward_model.micro_batch_size_per_gpu={cfg.reward_model.micro_batch_size_per_gpu}",
+    }[who]
     return (
         f"data.drop_last=false: the {num_prompts} training prompts leave a last batch of {rest}, whose "
         f"{rest * cfg.rollout.n} sequences do not split as a full batch's do ({replicas} rollout replicas, "
-        f"{dp} data-parallel ranks x {mini_batches} mini-batches, micro-batches of "
-        f"algorithm.ppo_micro_batch_size_per_gpu={alg.ppo_micro_batch_size_per_gpu}); set data.drop_last=true "
-        "or change the number of prompts"
+        f"{dp} data-parallel ranks x {mini_batches} mini-batches, micro-batches of {micro}); set "
+        "data.drop_last=true or change the number of prompts"
     )
 
 
@@ -278,6 +307,12 @@ def _batch_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             f"algorithm.ppo_micro_batch_size_per_gpu={micro} does not divide the {mini * n // dp} sequences "
             f"per data-parallel rank of a mini-batch (ppo_mini_batch_size * rollout.n / DP)"
+        )
+    rm_micro = cfg.reward_model.micro_batch_size_per_gpu
+    if cfg.reward_model.path is not None and (batch * n) % dp == 0 and not _splits(batch * n // dp, rm_micro):
+        problems.append(
+            f"reward_model.micro_batch_size_per_gpu={rm_micro} does not divide the {batch * n // dp} sequences "
+            "per data-parallel rank the reward model scores (data.train_batch_size * rollout.n / DP)"
         )
     grouped = (
         AdvEstimator.GRPO,

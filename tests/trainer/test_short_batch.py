@@ -25,6 +25,9 @@ SHORT = ["data.drop_last=false", "data.train_batch_size=12"]  # 5 batches of 12,
         ([*SHORT, "algorithm.ppo_mini_batch_size=4"], True),  # 3 mini-batches of the 16 sequences
         ([*SHORT, "algorithm.ppo_mini_batch_size=6"], False),  # 2 mini-batches of 8 sequences
         ([*SHORT, "algorithm.ppo_mini_batch_size=6", "algorithm.ppo_micro_batch_size_per_gpu=12"], True),
+        # PPO: the critic splits the 16 sequences with its own micro-batches (12 divides a full batch's 48)
+        ([*SHORT, "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=12"], True),
+        ([*SHORT, "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=16"], False),
     ],
 )
 def test_a_short_last_batch_is_kept_only_where_it_splits_as_a_full_one_does(
@@ -62,3 +65,19 @@ def test_a_last_batch_that_cannot_split_is_refused_before_the_run_folder_is_made
     with pytest.raises(ConfigError, match=r"^data\.drop_last=false: .* last batch of 4"):
         Trainer.from_config(cfg, use_ray=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_critic_and_the_reward_model_name_their_own_micro_batch_keys(tmp_path: Path) -> None:
+    cfg = tiny_run_config(
+        str(tmp_path), [*SHORT, "algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=12"]
+    )
+    problem = last_batch_problem(cfg, 64)
+    assert problem is not None and "critic.ppo_micro_batch_size_per_gpu=12" in problem
+    model = tmp_path / "reward_model"
+    model.mkdir()
+    with pytest.raises(
+        ConfigError, match=r"reward_model.micro_batch_size_per_gpu=5 does not divide the 32 sequences"
+    ):
+        tiny_run_config(
+            str(tmp_path), [f"reward_model.path={model}", "reward_model.micro_batch_size_per_gpu=5"]
+        )

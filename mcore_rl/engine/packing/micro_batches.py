@@ -29,11 +29,14 @@ def plain_micro_batch(tokens: torch.Tensor) -> MicroBatch:
     return MicroBatch(tokens, positions(tokens))
 
 
-def row_chunks(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+def row_chunks(
+    tensor: torch.Tensor, size: int, key: str = "algorithm.ppo_micro_batch_size_per_gpu"
+) -> list[torch.Tensor]:
+    """``tensor``'s rows in micro-batches of ``size``; ``key`` names the setting a bad split comes from."""
     if size < 1 or tensor.shape[0] % size:
         raise ValueError(
-            f"algorithm.ppo_micro_batch_size_per_gpu: {tensor.shape[0]} rows per rank do not split into "
-            f"micro-batches of {size} (pipeline schedules need equal micro-batches)"
+            f"{key}: {tensor.shape[0]} rows per rank do not split into micro-batches of {size} (pipeline "
+            "schedules need equal micro-batches)"
         )
     return list(tensor.split(size))
 

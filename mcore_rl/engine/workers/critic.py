@@ -38,6 +38,9 @@ CRITIC_DIR = "critic"
 """The critic's training checkpoint, inside the run checkpoint folder."""
 
 
+CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+
+
 @dataclass(frozen=True)
 class CriticSpec:
     """What every rank builds for the critic."""
@@ -92,7 +95,7 @@ class Critic:
         from mcore_rl.engine.packing.micro_batches import pad_width, plain_micro_batch, row_chunks
 
         padded = pad_width(tokens, self.ctx.sequence_multiple, self.spec.pad_token_id)
-        micro = [plain_micro_batch(t) for t in row_chunks(padded, micro_batch_size)]
+        micro = [plain_micro_batch(t) for t in row_chunks(padded, micro_batch_size, CRITIC_MICRO)]
         if response_mask is not None:
             masks = pad_width(response_mask, self.ctx.sequence_multiple, 0.0).split(micro_batch_size)
             micro = [self._packed(m, mask) for m, mask in zip(micro, masks, strict=True)]
@@ -125,7 +128,7 @@ class Critic:
 
         count = mini.response_mask.sum().reshape(1)
         self.ctx.all_reduce(count, self.ctx.dp_group)  # the mini-batch's global response tokens
-        row_chunks(mini.tokens, micro_batch_size)  # validates the split
+        row_chunks(mini.tokens, micro_batch_size, CRITIC_MICRO)  # validates the split
         micro: list[MicroBatch] = [
             self._packed(
                 ValueMicroBatch(part.tokens, positions(part.tokens), values=part), part.response_mask

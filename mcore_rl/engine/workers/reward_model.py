@@ -95,7 +95,10 @@ class RewardModel:
 
         multiple = self.ctx.sequence_multiple
         tokens = pad_width(batch.tokens, multiple, self.spec.pad_token_id)
-        micro = [plain_micro_batch(t) for t in row_chunks(tokens, micro_batch_size)]
+        micro = [
+            plain_micro_batch(t)
+            for t in row_chunks(tokens, micro_batch_size, "reward_model.micro_batch_size_per_gpu")
+        ]
         out = self.engine.forward_backward(micro, forward_values_loss(), forward_only=True)
         if not (self.ctx.is_last_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0):
             return None
