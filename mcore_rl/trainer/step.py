@@ -302,11 +302,17 @@ class StepBase:
             f"row {row} (prompt {int(rollout.prompt_index[row])}, {value:.4f})"
             for row, value in agreement.worst(3)
         )
+        lag = (
+            " (trainer.one_step_off: one update's policy change included)"
+            if self.cfg.trainer.one_step_off
+            else ""
+        )
         log.warning(
-            "step %d: token_mult_prob_error %.6f > %.3f: rollout and trainer log-probs disagree; worst: %s",
+            "step %d: token_mult_prob_error %.6f > %.3f: rollout and trainer log-probs disagree%s; worst: %s",
             step,
             agreement.token_mult_prob_error,
             threshold,
+            lag,
             worst,
         )
 
