@@ -220,12 +220,12 @@ def bias_swiglu_impl(original: Any) -> Any:
     """megatron's fused-SwiGLU entry (``bias_activation_fusion``) with :func:`train_blocks.swiglu` for the
     bias-free case; megatron's own is ``torch.compile``d, which on a CPU compiles C++ at first use."""
 
-    def dispatch(
-        x: Tensor, bias: Tensor | None, fp8_input_store: bool = False, cpu_offload_input: bool = False
-    ) -> Tensor:
-        if bias is None and not fp8_input_store and not cpu_offload_input:
+    def dispatch(x: Tensor, bias: Tensor | None, *args: Any, **kwargs: Any) -> Tensor:
+        # (fp8_input_store, cpu_offload_input[, activation_func_clamp_value (megatron main)]): any of them set
+        # is megatron's own path; what a newer megatron adds is passed through unread
+        if bias is None and not any(args) and not any(kwargs.values()):
             return train_blocks.swiglu(x)
-        return original(x, bias, fp8_input_store, cpu_offload_input)
+        return original(x, bias, *args, **kwargs)
 
     dispatch._mcore_rl_original = original  # type: ignore[attr-defined]
     return dispatch
@@ -241,9 +241,12 @@ def apply_rotary_pos_emb(original: Any) -> Any:
         cu_seqlens: Tensor | None = None,
         mscale: float = 1.0,
         cp_group: Any = None,
+        **newer: Any,  # what a later megatron passes: max_seqlen= (main), a hint for its fused kernel alone
     ) -> Tensor:
+        unknown = [v for k, v in newer.items() if k != "max_seqlen" and v is not None and v is not False]
         plain = (
-            mscale == 1.0
+            not unknown
+            and mscale == 1.0
             and not config.apply_rope_fusion
             and not config.rotary_interleaved
             and not config.multi_latent_attention
@@ -257,7 +260,7 @@ def apply_rotary_pos_emb(original: Any) -> Any:
             return train_blocks.rope(t.unsqueeze(1), freqs[positions]).squeeze(1)  # [T, heads, d]
         if cu_seqlens is None and plain and t.dtype == torch.float32:
             return train_blocks.rope(t, freqs)
-        return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **newer)
 
     dispatch._mcore_rl_original = original  # type: ignore[attr-defined]
     return dispatch

@@ -358,9 +358,24 @@ def fuse_weight_grad_accumulation(chunks: list[Any]) -> int:
     return switched
 
 
+class _NoStream:
+    """What megatron asks of ``torch.cuda.current_stream()`` (0.19+ on every gradient sync): waits that a
+    CPU, with no streams, has nothing to do for."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 def _patch_torch_cuda_queries() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = lambda device=None: _NoStream()  # type: ignore[assignment,return-value]
 
 
 def _silence_known_warnings() -> None:

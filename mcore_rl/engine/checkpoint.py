@@ -152,10 +152,13 @@ def save_strategy() -> Any:
     hangs scripts without an ``if __name__ == "__main__"`` guard, and costs seconds to start. torch's own
     DCP ``FileSystemWriter`` writes the same files synchronously. (Asynchronous saving, when the trainer
     wants it, is megatron's ``async_sharded_save`` path.)
-    """
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 
-    class InProcessTorchDistSave(SaveShardedStrategy):
+    A subclass of megatron's own torch_dist strategy: from megatron-core 0.17 ``save()`` replaces any other
+    strategy with its default writer (silently), and 0.19 removed ``strategies/base.py``.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         def __init__(self) -> None:
             super().__init__("torch_dist", 1)
 
@@ -216,10 +219,16 @@ def check_checkpoint_folder(directory: str) -> None:
     if not os.path.isfile(os.path.join(directory, "metadata.json")):  # megatron's completion marker
         raise InputError(f"{directory}: not a megatron distributed checkpoint (no metadata.json)")
     read_json_object(os.path.join(directory, "metadata.json"))
-    read_dcp_metadata(directory)
-    if not os.path.lexists(os.path.join(directory, "common.pt")):  # megatron writes it with every save
+    metadata = read_dcp_metadata(directory)
+    if os.path.lexists(os.path.join(directory, "common.pt")):
+        check_common_pt(directory)
+    elif not any(k.split("/")[0] == COMMON_STATE_KEY for k in metadata.state_dict_metadata):
         raise InputError(f"{directory}: common.pt is missing (an incomplete copy of the checkpoint?)")
-    check_common_pt(directory)
+
+
+COMMON_STATE_KEY = "common_state"
+"""Where megatron-core 0.19+ keeps a checkpoint's common state: a sharded object among the ``*.distcp`` data
+(up to 0.18 it wrote ``common.pt``, which 0.19+ still reads where present)."""
 
 
 SHAPELESS_ARCH_FIELDS = frozenset(

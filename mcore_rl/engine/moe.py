@@ -68,15 +68,26 @@ def router_loss_scope(
     if arch.moe is None or forward_only or not any(_enabled(config).values()):
         yield
         return
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
     from mcore_rl.compat.moe import aux_loss_scale
 
     total = torch.tensor([float(sum(num_tokens))], dtype=torch.float64)
     dist.all_reduce(total, group=ctx.dp_group)
-    clear_aux_losses_tracker()
+    for values in _tracked_values().values():
+        values.zero_()
     with aux_loss_scale(1.0 / float(total)):
         yield
+
+
+def _tracked_values() -> dict[str, torch.Tensor]:
+    """Metric name -> its per-layer values in megatron's MoE tracker: ``moe_logging.get_moe_metrics_tracker``
+    where it exists (megatron-core 0.17+, the legacy functions deprecated for removal), else the 0.16 dict."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return {name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
 
 
 def read_router_losses(
@@ -85,9 +96,7 @@ def read_router_losses(
     """Collective over the world: the tracker's values reduced as the module docstring says, then cleared."""
     if arch.moe is None:
         return RouterLosses()
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    tracker = get_moe_layer_wise_logging_tracker()
+    tracker = _tracked_values()
     out: dict[str, float | None] = {}
     for field, name in _TRACKED.items():
         if not _enabled(config)[field]:
@@ -96,8 +105,8 @@ def read_router_losses(
         entry = tracker.get(name)
         values = torch.zeros(arch.num_layers, dtype=torch.float64)
         if entry is not None:  # a stage without MoE layers has no entry; its zeros still join the sums
-            values += entry["values"].detach().to(torch.float64).cpu()
-            entry["values"].zero_()
+            values += entry.detach().to(torch.float64).cpu()
+            entry.zero_()
         for group in (ctx.pp_group, ctx.tp_group, ctx.dp_group):  # stages, SP token shards, replicas
             dist.all_reduce(values, group=group)
         # the load-balancing loss of a TP rank covers its share of the tokens (summed over TP, as megatron
