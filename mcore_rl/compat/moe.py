@@ -182,3 +182,14 @@ def aux_loss_scale(scale: float) -> Iterator[None]:
         yield
     finally:
         MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)
+
+
+def router_token_shards(tp: int, cp: int) -> int:
+    """What megatron's per-token router losses leave out before megatron-core 0.19: each TP (sequence-parallel)
+    and CP rank's router multiplies its losses by its *own* tokens, a ``tp * cp``-th of the micro-batch's,
+    so their gradients came out that many times too small at TP > 1 (megatron's #5047 multiplies by
+    ``tp_cp_group.size()`` from 0.19 on). 1 where megatron does it itself."""
+    from megatron.core import package_info
+
+    major, minor = (int(part) for part in package_info.__version__.split(".")[:2])
+    return 1 if (major, minor) >= (0, 19) else tp * cp

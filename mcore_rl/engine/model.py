@@ -119,6 +119,9 @@ def transformer_config(arch: ModelArch, ctx: ParallelContext, options: ModelOpti
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,  # RL batches change length every step; PP must exchange shapes
+        # every loss is its share of the global token count (TrainEngine); set here, not after the build:
+        # megatron's MoE router copies the flag when built and scales its losses by the tokens only with it
+        calculate_per_token_loss=True,
         **extra,
     )
 

@@ -68,10 +68,11 @@ def router_loss_scope(
     if arch.moe is None or forward_only or not any(_enabled(config).values()):
         yield
         return
-    from mcore_rl.compat.moe import aux_loss_scale
+    from mcore_rl.compat.moe import aux_loss_scale, router_token_shards
 
     total = torch.tensor([float(sum(num_tokens))], dtype=torch.float64)
     dist.all_reduce(total, group=ctx.dp_group)
+    total /= router_token_shards(ctx.tp_size, ctx.cp_size)  # each router counts its shard's tokens
     for values in _tracked_values().values():
         values.zero_()
     with aux_loss_scale(1.0 / float(total)):

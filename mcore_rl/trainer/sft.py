@@ -62,14 +62,20 @@ class SFTSummary:
 def sft_config(
     config: RunConfig | str | os.PathLike[str], overrides: Sequence[str] = (), max_ranks: int | None = None
 ) -> RunConfig:
-    """The run config of an SFT run: the recipe with ``sft.enable`` on; refuses one without examples.
-    ``max_ranks``: as :func:`~mcore_rl.config.load_config`'s (1 for a run in this process)."""
+    """The run config of an SFT run: the recipe with ``sft.enable`` on and its RL KL terms off (no RL step
+    reads a reference policy, so none is built); refuses one without examples. ``max_ranks``: as
+    :func:`~mcore_rl.config.load_config`'s (1 for a run in this process)."""
     if not isinstance(config, RunConfig):
         # loaded as an SFT run, so that an automatic rank count meets the SFT batch rules too
-        config = load_config(config, [*overrides, "sft.enable=true"], max_ranks=max_ranks)
+        config = load_config(config, [*overrides, *SFT_RUN], max_ranks=max_ranks)
     if not config.sft.train_files:
         raise ConfigError("sft.train_files: empty; an SFT run needs labelled examples")
-    return dataclasses.replace(config, sft=dataclasses.replace(config.sft, enable=True))
+    algorithm = dataclasses.replace(config.algorithm, use_kl_loss=False, use_kl_in_reward=False)
+    return dataclasses.replace(config, sft=dataclasses.replace(config.sft, enable=True), algorithm=algorithm)
+
+
+SFT_RUN = ("sft.enable=true", "algorithm.use_kl_loss=false", "algorithm.use_kl_in_reward=false")
+"""What makes a recipe an SFT run's config (:func:`sft_config`)."""
 
 
 def fit_sft(trainer: Trainer) -> SFTSummary:

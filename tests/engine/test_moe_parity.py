@@ -151,3 +151,16 @@ def test_uneven_micro_batches_are_balanced_for_expert_parallelism(run_distribute
     assert [r["ep2"]["records"] for r in results] == [1, 3]  # fillers return no record
     # the TP1 "DP2" run sums two copies of the whole batch's share: twice the EP2 gradient
     assert abs(results[0]["tp1"]["grad_norm"] - 2 * results[0]["ep2"]["grad_norm"]) < 1e-5
+
+
+def test_the_routers_scale_their_losses_by_the_tokens_as_the_engine_scales_by_all_tokens() -> None:
+    """megatron's TopKRouter copies ``calculate_per_token_loss`` when it is built and attaches ``loss * tokens``
+    only with it; the engine scales the router terms by 1 / (every token of the step), so a router built
+    before the flag was set added its losses about a micro-batch's token count too weakly."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    arch = tiny_arch("qwen3_moe")
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        engine = TrainEngine.build(arch, ctx, ROUTER_LOSSES, OPTIM)
+        routers = [m for model in engine.models for m in model.modules() if isinstance(m, TopKRouter)]
+        assert routers and all(r.calculate_per_token_loss for r in routers)

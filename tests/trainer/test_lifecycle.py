@@ -15,9 +15,9 @@ from mcore_rl.trainer.trainer import Trainer
 from tests.trainer.common import QUIET, demo_recipe_overrides, tiny_run_config
 
 
-def _train(data: str, run: str, *extra: str) -> int:
+def _train(data: str, run: str, *extra: str, in_process: bool = True) -> int:
     overrides = [*demo_recipe_overrides(data, run), "sft.enable=false", "trainer.test_freq=-1", *extra]
-    return main(["train", "recipes/demo_cpu.yaml", *overrides, "--in-process"])
+    return main(["train", "recipes/demo_cpu.yaml", *overrides, *(["--in-process"] if in_process else [])])
 
 
 def _records(run: str) -> list[dict]:
@@ -75,7 +75,8 @@ def test_validate_before_training_then_complete_then_resume(tmp_path: Path, caps
         "parallel.tensor_model_parallel_size=2",
         "trainer.n_gpus_per_node=2",
     ]
-    assert _train(data, run, *at_tp2, *steps) == 1  # refused on the driver, before any worker starts
+    # refused on the driver, before any worker (or Ray) starts; two ranks: not an in-process run
+    assert _train(data, run, *at_tp2, *steps, in_process=False) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mcore-rl train: error: ") and "internal" not in err[0], err
     assert "saved at parallel.tensor_model_parallel_size=1, this run sets 2" in err[0]

@@ -73,3 +73,16 @@ def test_sft_with_lora_and_a_kl_term_is_refused_naming_the_keys(tmp_path) -> Non
                 "data.train_files=[x.jsonl]",
             ],
         )
+
+
+def test_an_sft_run_of_a_lora_recipe_with_a_kl_term_runs_without_a_reference(tmp_path) -> None:
+    """``mcore-rl sft`` on such a recipe (the refusal above is for the warm start inside ``train``): no RL step
+    reads a reference, so the SFT run's config turns the KL terms off and builds none."""
+    from mcore_rl.trainer.sft import sft_config
+
+    cfg = sft_config(
+        "recipes/demo_cpu.yaml",
+        ["model.lora_rank=8", "algorithm.use_kl_loss=true", "data.train_files=[x.jsonl]"],
+    )
+    assert cfg.sft.enable and cfg.model.lora_rank == 8
+    assert not cfg.algorithm.use_kl_loss and not cfg.algorithm.use_kl_in_reward
