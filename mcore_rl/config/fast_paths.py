@@ -59,6 +59,10 @@ def sharing_blocker(cfg: RunConfig, packing: str | None) -> str | None:
         return f"rollout.n={cfg.rollout.n} (no group shares a prompt)"
     if cfg.parallel.context_parallel_size > 1:
         return f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}"
+    if cfg.model.lora_rank and cfg.model.lora_dropout:  # the padded path draws a mask per row
+        return (
+            f"model.lora_dropout={cfg.model.lora_dropout} (a shared prompt would draw one mask for its group)"
+        )
     return None
 
 

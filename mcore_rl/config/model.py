@@ -95,7 +95,7 @@ class ModelConfig:
     share_prompt_prefix: bool | None = None
     """Pack the actor's, reference's and SFT micro-batches with each prompt once for all the rows that share it
     (GRPO's n samples): ``(n - 1) x prompt`` fewer tokens per group, log-probs and gradients equal to the
-    padded path's within fp32 rounding (``trainer/shared_prefix.py``). Implies ``use_remove_padding`` for
+    padded path's within fp32 rounding (``engine/packing/shared_prefix.py``). Implies ``use_remove_padding`` for
     those passes. The local layer spec on CPU only (Transformer Engine's attention has no such mask); needs
     ``parallel.pipeline_model_parallel_size=1``. None (the default): on where ``use_remove_padding`` turns on,
     ``rollout.n > 1`` and ``parallel.context_parallel_size=1`` (``config/fast_paths.py``), else off with the
@@ -406,7 +406,7 @@ class AlgorithmConfig:
     ppo_max_token_len_per_gpu: int | None = None
     """Token budget of an actor update micro-batch (rows x longest row) instead of
     ``ppo_micro_batch_size_per_gpu`` rows; each mini-batch's rows are also balanced over the data-parallel
-    ranks by tokens and each micro-batch is trimmed to its longest row (``trainer/token_batching.py``).
+    ranks by tokens and each micro-batch is trimmed to its longest row (``engine/packing/token_batching.py``).
     Needs pipeline_model_parallel_size=1; null: a fixed number of rows."""
     recompute_old_log_probs: str = RecomputeOldLogProbs.AUTO.value
     """The actor's forward pass for the PPO ratio's old log-probs before the update. auto (verl's on-policy

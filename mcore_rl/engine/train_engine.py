@@ -90,7 +90,7 @@ class MicroBatch:
 @dataclass(frozen=True)
 class PackedInput:
     """The model input of a micro-batch whose [b, s] rows are laid end to end in one sequence (megatron's
-    ``thd`` layout with ``PackedSeqParams``; built by ``trainer/token_batching.py``): no padding column is
+    ``thd`` layout with ``PackedSeqParams``; built by ``engine/packing/token_batching.py``): no padding column is
     computed and attention stays within each row. The engine scatters the model's packed output back to the
     [b, s] rows, so a loss reads the same tensors as on the padded path."""
 
@@ -104,7 +104,7 @@ class PackedInput:
     """[n] int64: where packed token j sits in the flattened [b, s] rows (j < n; filler tokens follow)."""
     source: torch.Tensor | None = None
     """[b * s] int64: the packed token read at each row position (T: none, the row reads 0 there); set when
-    a packed token feeds several rows (``trainer/shared_prefix.py``), else ``index`` says it all."""
+    a packed token feeds several rows (``engine/packing/shared_prefix.py``), else ``index`` says it all."""
 
 
 def _on_device(value: Any, device: torch.device) -> Any:

@@ -1,4 +1,4 @@
-"""Causal attention over shared-prompt rows (``trainer/shared_prefix.py``), with a fused CPU kernel.
+"""Causal attention over shared-prompt rows (``engine/packing/shared_prefix.py``), with a fused CPU kernel.
 
 Packed tokens ``query`` [T, heads, d], ``key`` / ``value`` [T, kv_heads, d] are attended in row layout: row
 position p reads packed token ``source[p]`` (``rows = (b, s)`` positions), causal within the row, and packed

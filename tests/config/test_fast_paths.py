@@ -62,8 +62,9 @@ def test_a_dense_model_on_the_cpu_packs_rows_and_shares_prompts_by_default() -> 
             "context_parallel_size=2",
         ),
         ("llama", ["model.use_remove_padding=false"], (False, False), "model.use_remove_padding=false"),
+        ("llama", ["model.lora_rank=4", "model.lora_dropout=0.1"], (True, False), "one mask for its group"),
     ],
-    ids=["pp2", "window", "moe", "n1", "cp2", "padded-on-purpose"],
+    ids=["pp2", "window", "moe", "n1", "cp2", "padded-on-purpose", "lora-dropout"],
 )
 def test_auto_turns_a_path_off_naming_what_keeps_it_off(family, overrides, expected, reason) -> None:
     cfg = _cfg(family, *overrides)
