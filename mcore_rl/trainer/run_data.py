@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl.config import ConfigError, RunConfig
-from mcore_rl.config.validate import last_batch_problem
+from mcore_rl.config.batch_rules import last_batch_problem
 from mcore_rl.data.prompts import PromptDataset, PromptLoader
 from mcore_rl.data.rows import DataError
 from mcore_rl.data.sft import SFTDataset

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config import ConfigError
-from mcore_rl.config.validate import last_batch_problem
+from mcore_rl.config.batch_rules import last_batch_problem
 from tests.trainer.common import QUIET, rl_records, tiny_run_config
 
 # tiny_run_config's data: 64 training prompts, 4 samples each, one rank
