@@ -109,7 +109,7 @@ def lora_step(parallel: dict, reference: dict, targets: str | list[str]) -> dict
         grads = gather_adapter_state(engine.chunks, arch, ctx, grads=True)
         trainable = {n for m in engine.models for n, p in m.named_parameters() if p.requires_grad}
         in_buffers = sum(b.numel_unpadded for c in engine.chunks for b in c.buffers)
-        optimized = {id(p) for o in engine.optimizers for g in o.param_groups for p in g["params"]}
+        optimized = {p for o in engine.optimizers for g in o.param_groups for p in g["params"]}
         adapter_numel = sum(p.numel() for m in engine.models for n, p in m.named_parameters() if "lora_" in n)
         return {
             "logits": out[0]["logits"] if out else None,
@@ -119,7 +119,7 @@ def lora_step(parallel: dict, reference: dict, targets: str | list[str]) -> dict
             "trainable_base": sorted(n for n in trainable if "lora_" not in n),
             "buffer_numel": in_buffers,
             "adapter_numel": adapter_numel,
-            "optimized": len(optimized),
+            "optimized_numel": sum(p.numel() for p in optimized),  # a DP shard with the distributed optimizer
         }
 
 
@@ -133,6 +133,7 @@ def _check(results: list[dict], reference: dict) -> None:
     for result in results:
         assert result["trainable_base"] == []  # the base is frozen
         assert result["buffer_numel"] == result["adapter_numel"]  # DDP buffers hold the adapters' grads only
+        assert 0 < result["optimized_numel"] <= result["adapter_numel"]  # no optimizer state for the base
         if result["logits"] is not None:
             expected = rows[result["dp_rank"]]
             assert (result["logits"] - expected).abs().max() <= TOL

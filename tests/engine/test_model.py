@@ -111,12 +111,23 @@ def _bf16_training() -> dict:
 
         losses = [float(engine.train_step([batch], loss_fn)[1][0]["loss"]) for _ in range(6)]
         dtypes = {p.dtype for m in engine.models for p in m.parameters()}
-        return {"losses": losses, "dtypes": dtypes, "rank": dist.get_rank()}
+        # what Adam steps: fp32 copies apart from the bf16 weights (stepping those would round small updates away)
+        stepped = [p for o in engine.optimizers for g in o.optimizer.param_groups for p in g["params"]]
+        weights = {p.untyped_storage().data_ptr() for m in engine.models for p in m.parameters()}
+        main = {
+            "dtypes": {p.dtype for p in stepped},
+            "apart": not any(p.untyped_storage().data_ptr() in weights for p in stepped),
+            "count": len(stepped),
+        }
+        return {"losses": losses, "dtypes": dtypes, "main": main, "rank": dist.get_rank()}
 
 
 def test_bf16_trains_with_fp32_main_params(run_distributed):
     rank0, rank1 = run_distributed(_bf16_training)
     assert rank0["dtypes"] == {torch.bfloat16}
+    assert (
+        rank0["main"]["count"] > 0 and rank0["main"]["dtypes"] == {torch.float32} and rank0["main"]["apart"]
+    )
     assert rank0["losses"] == rank1["losses"]  # TP ranks agree on the loss
     assert rank0["losses"][-1] < rank0["losses"][0] - 0.5  # and the bf16 model really learns
 

@@ -36,6 +36,10 @@ def _overflow_on_rank_one(on_nonfinite: str) -> dict:
     with ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2)) as ctx:
         engine = TrainEngine.build(arch, ctx, optim=OptimConfig(weight_decay=0.0, lr=1e-2))
         params = [p for m in engine.models for p in m.parameters()]
+        # a first real update, as PolicyUpdate runs it: Adam's moments are no longer zero, so any step taken
+        # on the overflowed gradient below (even a zeroed one) would move the weights
+        assert engine.finite_or_skip(_backward(engine, arch.vocab_size), on_nonfinite, "loss")
+        engine.step()
         before = [p.detach().clone() for p in params]
         local = _backward(engine, arch.vocab_size)
         if ctx.rank == 1:
@@ -44,18 +48,24 @@ def _overflow_on_rank_one(on_nonfinite: str) -> dict:
             applied, error = engine.finite_or_skip(local, on_nonfinite, "loss"), None
         except NonFiniteLossError as err:
             applied, error = None, str(err)
+        if applied:
+            engine.step()
         grads_zero = all(bool((p.main_grad == 0).all()) for p in params)
+        unchanged = all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
         assert torch.isfinite(local).all()
-        # the next step's gradients are finite again: it is applied
+        # the next step's gradients are finite again: it is applied and moves the weights
         local = _backward(engine, arch.vocab_size)
         next_applied = engine.finite_or_skip(local, on_nonfinite, "loss")
-        unchanged = all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        if next_applied:
+            engine.step()
+        moved = not all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
         return {
             "applied": applied,
             "error": error,
             "grads_zero": grads_zero,
             "next": next_applied,
             "same": unchanged,
+            "moved": moved,
         }
 
 
@@ -65,7 +75,7 @@ def test_an_overflowed_gradient_on_one_rank_skips_or_stops_every_rank(
 ) -> None:
     results = run_distributed(_overflow_on_rank_one, on_nonfinite, world_size=2)
     for rank, result in enumerate(results):
-        assert result["grads_zero"] and result["same"] and result["next"], (rank, result)
+        assert result["grads_zero"] and result["same"] and result["next"] and result["moved"], (rank, result)
         if on_nonfinite == "skip":
             assert result["applied"] is False and result["error"] is None
         else:

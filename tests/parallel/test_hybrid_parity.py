@@ -283,9 +283,11 @@ SWEEP = by_layout([c for c in ALL_CASES if c not in default_cases(ALL_CASES)])
 def test_matrix_is_generated_and_covers_every_axis():
     """Default plus sweep is the whole accepted product; the default run keeps every layout kind, every
     rollout TP, tied embeddings under PP and tp_g > tp > 1 under PP."""
-    assert sorted(
-        default_cases(ALL_CASES) + [c for c in ALL_CASES if c not in default_cases(ALL_CASES)]
-    ) == sorted(ALL_CASES)
+    # what the two parametrizations run, case by case: each accepted case exactly once, in one of them
+    default = [(lay, v, tp_g) for lay, group in DEFAULT for v, tp_g in group]
+    sweep = [(lay, v, tp_g) for lay, group in SWEEP for v, tp_g in group]
+    assert len(set(default)) == len(default) and not set(default) & set(sweep)
+    assert sorted(default + sweep) == sorted(ALL_CASES) and len(set(ALL_CASES)) == len(ALL_CASES)
     names = [name for name, _ in DEFAULT]
     for kind in ("tp4", "pp4", "dp4", "-sp", "-vpp2", "tp2-pp2"):
         assert any(kind in n for n in names), kind

@@ -92,7 +92,9 @@ def test_grpo_steps_on_multi_turn_rollouts_train_on_the_model_tokens(tmp_path) -
 
 def test_ppo_on_multi_turn_rollouts(tmp_path) -> None:
     records, _ = _records(tmp_path, "ppo", [ENV, "algorithm.adv_estimator=gae", "critic.warmup_steps=0"])
-    for m in (r for r in records if r["stage"] == "rl" and "reward" in r):
+    steps = [r for r in records if r["stage"] == "rl" and "reward" in r]
+    assert len(steps) == 2
+    for m in steps:
         assert abs(m["token_mult_prob_error"] - 1.0) < 1e-5 and m["multi_turn/turns_mean"] > 1
         assert m["critic/vf_loss"] > 0 and m["num_optimizer_steps"] == 1
 
@@ -114,12 +116,15 @@ def test_packing_shared_prompts_and_a_token_budget_equal_the_padded_path(tmp_pat
         "token_mult_prob_error",
         "multi_turn/context_tokens_mean",
     )
+    compared = 0
     for want, *others in zip(padded, packed, shared, strict=True):
         if want["stage"] != "rl" or "reward" not in want:
             continue
+        compared += 1
         for have in others:
             for key in keys:
                 assert have[key] == pytest.approx(want[key], abs=1e-5), key
+    assert compared == 2
 
 
 def test_multi_turn_refuses_one_step_off(tmp_path) -> None:
