@@ -7,7 +7,7 @@ every rank returns the same global values (rank 0 logs them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,12 +194,19 @@ class DPOPolicy:
         return dict(zip(METRICS, local.tolist(), strict=True))
 
     # --- checkpoints ----------------------------------------------------------------------------------------
-    def save_checkpoint(self, directory: str, step: int, extra: dict[str, Any]) -> None:
-        """Collective: policy weights + optimizer + LR schedule + ``extra`` (driver state), atomically."""
+    def save_checkpoint(
+        self,
+        directory: str,
+        step: int,
+        extra: dict[str, Any],
+        side_files: Callable[[str], None] | None = None,
+    ) -> None:
+        """Collective: policy weights + optimizer + LR schedule + ``extra`` (driver state), atomically, with
+        ``side_files`` written into the folder before it is published."""
         from mcore_rl.engine.trainer_checkpoint import save_training_checkpoint
 
         save_training_checkpoint(
-            self.engine, directory, step, {**extra, "lr_scheduler": self.scheduler.state_dict()}
+            self.engine, directory, step, {**extra, "lr_scheduler": self.scheduler.state_dict()}, side_files
         )
 
     def load_checkpoint(self, directory: str) -> tuple[int, dict[str, Any]]:

@@ -54,6 +54,7 @@ from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
 from mcore_rl.engine.hf.peft import ADAPTER_DIR, save_peft_adapter
 from mcore_rl.engine.trainer_checkpoint import read_trainer_state
+from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
 from mcore_rl.logs.plots import dpo_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
@@ -297,9 +298,13 @@ class DPOTrainer:
         if self.ctx.rank == 0:
             os.makedirs(self.checkpoint_root, exist_ok=True)
         dist.barrier()
-        self.policy.save_checkpoint(path, self.global_step, extra)
+
+        def side_files(folder: str) -> None:  # inside the staging folder: it never appears without them
+            save_config(self.cfg, folder)
+            write_manifest(folder)
+
+        self.policy.save_checkpoint(path, self.global_step, extra, side_files)
         if self.ctx.rank == 0:
-            save_config(self.cfg, path)
             publish_checkpoint(self.cfg, self.global_step)
         dist.barrier()
         return path
@@ -341,8 +346,10 @@ class DPOTrainer:
         path = self.resume_path()
         if path is None:
             return False
-        step, state = self.policy.load_checkpoint(path)
-        self._check_resumable(path, state)
+        self._check_resumable(path, read_trainer_state(path)[2])  # before any weight is read
+        if has_manifest(path):  # every file as saved (checkpoints of earlier versions have none)
+            verify_manifest(path)
+        step, _ = self.policy.load_checkpoint(path)
         self.global_step = step
         return True
 
@@ -360,7 +367,13 @@ class DPOTrainer:
         return path
 
     def _check_resumable(self, path: str, state: dict[str, Any]) -> None:
-        """Refuse a checkpoint saved for another model or other data (the sampler takes its data position)."""
+        """Refuse a checkpoint saved for another model or other data (the sampler takes its data position),
+        or one that is not a DPO run's, naming the file."""
+        for key in ("sampler", "model"):
+            if not isinstance(state.get(key), dict):
+                raise ConfigError(
+                    f"{path}: extra.{key} must be an object in its trainer state (not a DPO run?)"
+                )
         if state["model"] != self.cfg.model.hf_config_dict():
             raise ValueError(
                 f"{path}: saved for another model (model.hf_config / config.json differ); not resuming"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,10 +65,15 @@ def _state(engine: Any, is_loading: bool) -> dict[str, Any]:
 
 
 def save_training_checkpoint(
-    engine: Any, directory: str, step: int, extra: dict[str, Any] | None = None
+    engine: Any,
+    directory: str,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    side_files: Callable[[str], None] | None = None,
 ) -> None:
     """Collective: model + optimizer + ``step`` (and ``extra``, JSON) of a
-    :class:`~mcore_rl.engine.train_engine.TrainEngine` into ``directory``, replacing it atomically."""
+    :class:`~mcore_rl.engine.train_engine.TrainEngine` into ``directory``, replacing it atomically;
+    ``side_files(folder)`` runs on rank 0 last, before the folder is published (a config, a manifest)."""
     from megatron.core import dist_checkpointing
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -84,6 +90,8 @@ def save_training_checkpoint(
         ModelCheckpointInfo.for_arch(engine.arch, engine.config.params_dtype, **extra_info).write(folder)
         with open(os.path.join(folder, TRAINER_STATE_FILE), "w") as f:
             f.write(encoded + "\n")
+        if side_files is not None:
+            side_files(folder)
 
     if is_staging_folder(directory):  # the caller's staging folder: filled here, published by its owner
         _materialise_optimizer_state(engine)

@@ -124,6 +124,22 @@ def test_run_logs_trl_metrics_and_resumes_exactly(run_distributed, folder: str) 
     assert main(["convert", "mcore-to-hf", "--ckpt", str(root / "global_step_4"), "--out", str(out)]) == 0
     assert (out / "config.json").is_file() and any(p.suffix == ".safetensors" for p in out.iterdir())
 
+    # Published whole, as an RL run's: its config and a manifest inside; a file altered since is named at
+    # resume, before any weight is read.
+    from mcore_rl.io.manifest import verify_manifest
+
+    saved = root / "global_step_4"
+    assert (saved / "config.yaml").is_file()
+    verify_manifest(str(saved))
+    shard = next(p for p in saved.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    more = tiny_dpo_config(
+        folder,
+        ["trainer.default_local_dir=" + os.path.join(folder, "resumed"), "trainer.total_training_steps=5"],
+    )
+    with pytest.raises(Exception, match=rf"{shard.name}"):
+        run_distributed(_fit, more, world_size=2, timeout_s=600)
+
 
 def _first_step(cfg: RunConfig) -> dict[str, Any] | None:
     records = _fit(cfg)  # rank 0 keeps the records; the others return None
