@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -186,6 +187,7 @@ def staged_checkpoint(cfg: RunConfig, step: int, path: str) -> Iterator[str]:
     ``trainer.max_ckpt_to_keep`` are removed, outside the save (a folder that will not go is a note, not a
     failed save). An error removes the staging folder and leaves everything else as it was."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    _clean_other_steps(os.path.dirname(path), path)
     output = OutputFolder.plan(path, flag="run checkpoint", replace_ours=True, kind="run-checkpoint")
     staging = output.begin()
     try:
@@ -198,6 +200,23 @@ def staged_checkpoint(cfg: RunConfig, step: int, path: str) -> Iterator[str]:
         output.abort()
         raise
     prune_checkpoints(cfg, step)  # signals no longer held: removing gigabytes may take a while
+
+
+def _clean_other_steps(root: str, path: str) -> None:
+    """What killed saves of *other* steps left in ``root`` (a staging folder, a moved-aside checkpoint to put
+    back), cleaned as each step's own next save would: a run resumed from an earlier checkpoint may never save
+    that step again, and a staging folder can hold a whole checkpoint's bytes."""
+    steps = {m.group(1) for m in map(_STALE_STEP.match, os.listdir(root)) if m is not None}
+    for step in sorted(steps - {os.path.basename(path)}):
+        try:
+            OutputFolder.plan(
+                os.path.join(root, step), replace_ours=True, kind="run-checkpoint"
+            ).clean_stale()
+        except (OutputError, OSError):  # a folder that is not ours to touch: left as it is
+            continue
+
+
+_STALE_STEP = re.compile(r"^\.(global_step_\d+)\.mcore_rl-(?:staging|old)-\d+-[0-9a-f]{8}$")
 
 
 def save_failure(err: BaseException, folder: str) -> str | None:

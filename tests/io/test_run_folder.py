@@ -205,3 +205,29 @@ def test_a_fresh_run_is_refused_over_an_earlier_runs_checkpoints_wherever_it_log
             tmp_path, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={root / 'global_step_2'}"
         )
     )
+
+
+def test_a_save_removes_what_killed_saves_of_other_steps_left(tmp_path: Path) -> None:
+    """A run killed while saving step 3 and resumed from an earlier checkpoint may never save step 3 again:
+    the next save of any step removes that staging folder (a whole checkpoint's bytes), naming it."""
+    import json
+    import subprocess
+    import sys
+
+    from mcore_rl.trainer.run_checkpoint import staged_checkpoint
+
+    cfg = _cfg(tmp_path)
+    claim_run_folders(cfg)
+    root = Path(checkpoint_root(cfg))
+    root.mkdir()
+    killed = OutputFolder.plan(str(root / "global_step_3"), replace_ours=True, kind="run-checkpoint")
+    staging = Path(killed.begin())
+    (staging / "shard.distcp").write_bytes(b"x" * 1000)
+    marker = json.loads((staging / MARKER_FILE).read_text())
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    (staging / MARKER_FILE).write_text(json.dumps({**marker, "pid": int(gone.stdout)}))  # its writer is gone
+    with staged_checkpoint(cfg, 5, str(root / "global_step_5")) as folder:
+        Path(folder, "weights").write_text("5")
+    assert sorted(os.listdir(root)) == ["global_step_5", "latest"]
