@@ -25,6 +25,7 @@ megatron's schedules is the whole job, and torchrun/Slurm launch it directly.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
 from mcore_rl.logs.plots import dpo_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
+from mcore_rl.scoring.registry import check_scorers, ground_truth_problem
 from mcore_rl.types import PromptBatch
 
 
@@ -80,8 +82,10 @@ def load_dpo_data(cfg: RunConfig) -> DPOData:
         return PreferenceDataset.from_files(files, tokenizer, cfg.data, keys, cfg.dpo.max_length)
 
     test = None
-    if cfg.data.test_files:
-        prompts = PromptDataset.from_files(cfg.data.test_files, tokenizer, cfg.data)
+    if cfg.data.test_files:  # scored by the run's rules: each row checked for them, as an RL run's
+        check = functools.partial(ground_truth_problem, cfg.reward)
+        prompts = PromptDataset.from_files(cfg.data.test_files, tokenizer, cfg.data, check)
+        check_scorers(cfg.reward, {r.data_source: f"{r.file} row {r.row}" for r in reversed(prompts.records)})
         test = prompts.batch(range(len(prompts)))
     val = pairs(cfg.dpo.val_files) if cfg.dpo.val_files else None
     return DPOData(tokenizer, pairs(cfg.dpo.train_files), val, test)

@@ -25,14 +25,10 @@ ScoreFn = Callable[[str, str, Any, dict[str, Any]], "float | dict[str, Any]"]
 
 DEMO_DATA_SOURCE = "mcore_rl/arithmetic"
 """The arithmetic demo task's rows (:mod:`mcore_rl.data.demo_task`); exact match."""
-MATH_SOURCES = (
-    "lighteval/MATH",
-    "DigitalLearningGmbH/MATH-lighteval",
-    "HuggingFaceH4/MATH-500",
-    "math",
-    "math_dapo",
-)
-BUILTIN_NAMES = ("gsm8k", "math", "exact_match", "format")
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+"""verl's ``math_dapo`` sources (``aime*`` too): answers on an ``Answer:`` line, not in ``\\boxed{}``."""
+BUILTIN_NAMES = ("gsm8k", "math", "math_dapo", "exact_match", "format")
 
 
 class ScorerError(InputError):
@@ -56,6 +52,9 @@ def builtin_scorer(name: str, cfg: RewardConfig) -> ScoreFn:
     def math(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
         return rules.math_score(solution, truth_text(truth), cfg.format_score)
 
+    def math_dapo(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
+        return rules.dapo_score(solution, truth_text(truth))
+
     def exact_match(data_source: str, solution: str, truth: Any, extra: dict[str, Any]) -> float:
         return rules.exact_match_score(solution, truth_text(truth))
 
@@ -68,6 +67,7 @@ def builtin_scorer(name: str, cfg: RewardConfig) -> ScoreFn:
     table: dict[str, ScoreFn] = {
         "gsm8k": gsm8k,
         "math": math,
+        "math_dapo": math_dapo,
         "exact_match": exact_match,
         "format": format_check,
     }
@@ -80,8 +80,10 @@ def default_scorer_name(data_source: str) -> str | None:
     """verl's dispatch for the rule-based sources, plus the demo task; None when unknown."""
     if data_source == "openai/gsm8k":
         return "gsm8k"
-    if data_source in MATH_SOURCES or data_source.startswith("aime"):
+    if data_source in MATH_SOURCES:
         return "math"
+    if data_source in DAPO_SOURCES or data_source.startswith("aime"):
+        return "math_dapo"
     if data_source == DEMO_DATA_SOURCE:
         return "exact_match"
     return None
@@ -89,7 +91,7 @@ def default_scorer_name(data_source: str) -> str | None:
 
 def builtin_sources() -> list[str]:
     """The ``data_source`` values with a built-in scorer (:func:`default_scorer_name`), ``*`` a prefix."""
-    return ["openai/gsm8k", *MATH_SOURCES, "aime*", DEMO_DATA_SOURCE]
+    return ["openai/gsm8k", *MATH_SOURCES, *DAPO_SOURCES, "aime*", DEMO_DATA_SOURCE]
 
 
 def has_scorer(data_source: str, cfg: RewardConfig) -> bool:

@@ -7,6 +7,9 @@ match and format checks. Pure functions of strings; no torch, so scorer workers 
 * MATH: the last ``\\boxed{...}`` (or ``\\fbox``) of the response, compared with the ground truth for
   mathematical equivalence by math-verify (``\\frac{1}{2}`` equals ``0.5``), not by string normalisation.
   No boxed answer scores 0, a wrong one ``format_score``.
+* DAPO / AIME (verl's ``math_dapo``): the last ``Answer: ...`` line of the last 300 characters, compared with
+  the ground truth by math-verify as MATH's boxed answer is (verl normalises strings, Minerva's way); right
+  scores 1, wrong or no such line -1.
 * Exact match: the stripped response equals the stripped ground truth.
 * Format: the response matches a regular expression (e.g. ``<think>.*</think>\\s*<answer>.*</answer>``).
 """
@@ -95,6 +98,27 @@ def math_score(solution_str: str, ground_truth: str, format_score: float = 0.0) 
     if answer is None:
         return 0.0
     return 1.0 if math_equivalent(answer, str(ground_truth)) else format_score
+
+
+DAPO_TAIL_CHARS = 300
+"""verl's ``math_dapo`` reads this many trailing characters of a response."""
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def dapo_answer(solution_str: str) -> str | None:
+    """The last ``Answer: ...`` line's answer (its ``$`` and a closing period dropped), or None."""
+    found = _DAPO_ANSWER.findall(solution_str[-DAPO_TAIL_CHARS:])
+    if not found:
+        return None
+    answer = found[-1].strip().strip("$").strip().rstrip(".").strip()
+    return answer or None
+
+
+def dapo_score(solution_str: str, ground_truth: str) -> float:
+    answer = dapo_answer(solution_str)
+    if answer is None:
+        return -1.0
+    return 1.0 if math_equivalent(answer, str(ground_truth)) else -1.0
 
 
 def exact_match_score(solution_str: str, ground_truth: str) -> float:

@@ -89,7 +89,9 @@ def test_exact_match_and_format() -> None:
         ("lighteval/MATH", "math"),
         ("DigitalLearningGmbH/MATH-lighteval", "math"),
         ("HuggingFaceH4/MATH-500", "math"),
-        ("aime2024", "math"),
+        ("aime2024", "math_dapo"),
+        ("math_dapo", "math_dapo"),
+        ("math", "math_dapo"),  # verl's default_compute_score, as of 2026
         ("mcore_rl/arithmetic", "exact_match"),
         ("my/unknown", None),
     ],
@@ -155,3 +157,20 @@ def test_math_verify_leaves_the_callers_timer_armed() -> None:
         signal.signal(signal.SIGALRM, previous)
     assert math_equivalent("1/2", "\\frac12")  # without a caller's timer: math-verify's own, as before
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "score"),
+    [
+        ("Let me think... so the total is 34.\nAnswer: 34", 1.0),
+        ("...\nanswer: $\\frac{1}{2}$.", 1.0),  # the line's case, $ and period as verl reads them
+        ("Answer: 12\nwait, no.\nAnswer: 35", -1.0),  # the last line counts
+        ("\\boxed{34}", -1.0),  # no Answer: line (DAPO's prompts ask for one)
+    ],
+)
+def test_dapo_and_aime_answers_are_read_from_the_last_answer_line(response: str, score: float) -> None:
+    from mcore_rl.scoring.config import RewardConfig
+    from mcore_rl.scoring.registry import builtin_scorer
+
+    truth = "\\frac{1}{2}" if "frac" in response else "34"
+    assert builtin_scorer("math_dapo", RewardConfig())("aime_2024", response, truth, {}) == score
