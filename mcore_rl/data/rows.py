@@ -100,8 +100,10 @@ def column(row: Any, dotted: str, where: tuple[str, int]) -> Any:
     return value
 
 
-def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[dict[str, str]]:
-    """A prompt column: plain text, or a list of ``{role, content}`` messages."""
+def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[dict[str, Any]]:
+    """A prompt column: plain text, or a list of ``{role, content}`` messages, each keeping its other fields
+    (an assistant turn's ``tool_calls``, a tool's ``name``: the chat template renders them; null ones, as a
+    parquet struct column gives every message, are dropped)."""
     if isinstance(value, str):
         if not value.strip():
             raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt"))
@@ -117,7 +119,8 @@ def prompt_messages(value: Any, key: str, where: tuple[str, int]) -> str | list[
             if content is None or not isinstance(message["role"], str):
                 reason = f"message {i}: expected a role and text content, got {message!r:.80}"
                 raise BadRowError(RowProblem(where[0], where[1], key, reason))
-            messages.append({"role": message["role"], "content": content})
+            others = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+            messages.append({**others, "role": message["role"], "content": content})
         if not any(m["content"].strip() for m in messages):
             raise BadRowError(RowProblem(where[0], where[1], key, "empty prompt (every message is empty)"))
         return messages
