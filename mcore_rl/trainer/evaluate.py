@@ -267,19 +267,21 @@ def evaluate_model(
     from mcore_rl.data.prompts import PromptDataset
     from mcore_rl.data.tokenizer import load_tokenizer
     from mcore_rl.scoring import RewardScorer
-    from mcore_rl.trainer.build import build_actor_group, check_start, row_checks, worker_spec
-    from mcore_rl.trainer.multi_turn import prompt_tokenizer
+    from mcore_rl.scoring.registry import check_scorers
+    from mcore_rl.trainer.build import build_actor_group, check_vocab, row_checks, worker_spec
+    from mcore_rl.trainer.multi_turn import check_multi_turn, prompt_tokenizer
     from mcore_rl.trainer.step import StepBase
 
     cfg = _checked_config(model, data_files, overrides, recipe, use_ray)
     val = cfg.rollout.val_kwargs
     # multi-turn tools are listed in every prompt (rollout.multi_turn.tools_in_prompt)
     tokenizer = prompt_tokenizer(cfg, load_tokenizer(cfg.model.tokenizer_path or ""))
+    # refused before the ranks start, as a run's: a tokenizer past the model's vocabulary, tools, parser or a
+    # template a multi-turn rollout cannot use, a data_source no rule scores (every answer 0)
+    check_vocab(cfg, tokenizer)
+    check_multi_turn(cfg, tokenizer)
     dataset = PromptDataset.from_files(list(data_files), tokenizer, cfg.data, row_checks(cfg))
-    # a tokenizer past the model's vocabulary, a data_source no rule scores (every answer 0), tools, parser,
-    # template: refused before the ranks start, as a run's
-    sources = {r.data_source: f"{r.file} row {r.row}" for r in reversed(dataset.records)}
-    check_start(cfg, tokenizer, sources)
+    check_scorers(cfg.reward, {r.data_source: f"{r.file} row {r.row}" for r in reversed(dataset.records)})
     # The ranks' console output into a folder of the eval's own, not the log folder of the run that made the
     # model (or ./checkpoints from the schema's default): kept and named only when the eval fails.
     cfg.logging.log_dir = tempfile.mkdtemp(prefix="mcore-rl-eval-")

@@ -43,7 +43,9 @@ def test_eval_refuses_rows_no_scorer_can_score(tmp_path: Path, monkeypatch, sour
 
     monkeypatch.setattr(build, "build_actor_group", _refuse_building)
     model = train_bpe(tmp_path / "model", with_config=True)
-    (model / "config.json").write_text(json.dumps(tiny_hf_config("llama", max_position_embeddings=1024, vocab_size=300)))
+    (model / "config.json").write_text(
+        json.dumps(tiny_hf_config("llama", max_position_embeddings=1024, vocab_size=300))
+    )
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_row(source, truth)) + "\n")
     keys = ["data.max_prompt_length=64", "data.max_response_length=64"]
