@@ -143,10 +143,15 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
             problems.append(f"rollout.tensor_model_parallel_size={tp_g} does not divide the {heads} {name}")
     if cfg.rollout.name == RolloutEngineName.VLLM:
         problems += _vllm_problems(cfg, arch)
-    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    response, response_key = cfg.data.max_response_length, "data.max_response_length"
+    if (
+        cfg.rollout.response_length > response
+    ):  # what the rollout engines are sized for (vLLM's max_model_len)
+        response, response_key = cfg.rollout.response_length, "rollout.response_length"
+    total = cfg.data.max_prompt_length + response
     if total > arch.max_position_embeddings:
         problems.append(
-            f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
+            f"data.max_prompt_length + {response_key} = {total} exceeds the model's "
             f"max_position_embeddings={arch.max_position_embeddings}"
         )
     return problems
@@ -213,7 +218,26 @@ def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
                 "reports log-probs of the filtered distribution, which the actor cannot recompute; turn filtering "
                 "off or use rollout.name=local"
             )
+        problems += _vllm_sampling_problems(prefix, sampling.temperature, sampling.n)
     return problems
+
+
+def _vllm_sampling_problems(prefix: str, temperature: float, n: int) -> list[str]:
+    """What the vLLM engine refuses of a sampling section at its first generate (``check_vllm_sampling``)."""
+    from mcore_rl.engine.rollout.vllm_layout import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
+
+    if temperature > VLLM_MAX_TEMPERATURE:
+        return [f"{prefix}.temperature={temperature}: vLLM accepts at most {VLLM_MAX_TEMPERATURE}"]
+    if 0 < temperature < VLLM_MIN_TEMPERATURE:
+        return [
+            f"{prefix}.temperature={temperature}: vLLM samples at {VLLM_MIN_TEMPERATURE} instead, so its "
+            "log-probs would not be the actor's; use 0 (greedy) or at least 0.01"
+        ]
+    if temperature == 0 and n > 1:
+        return [
+            f"{prefix}.n={n} at temperature 0: vLLM samples a greedy prompt once; set n=1 or a temperature"
+        ]
+    return []
 
 
 def _run_problems(cfg: RunConfig) -> list[str]:

@@ -247,7 +247,10 @@ class VLLMRolloutEngine:
         )
         self.llm.apply_model(lambda model: vllm_compat.load_in_place(model, shards))
         self._unloaded -= {target.name for target in shards}
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must not be reused
+        if self.llm.reset_prefix_cache() is False:  # KV computed with the old weights must not be reused
+            raise RuntimeError(
+                "vLLM kept its prefix cache (a request still holds KV blocks) after a weight load"
+            )
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 drops the KV cache and offloads the weights to host memory; 2 drops both (vLLM's levels,
