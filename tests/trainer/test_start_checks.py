@@ -94,7 +94,7 @@ def test_a_data_source_without_a_scorer_is_refused_naming_it_the_file_and_the_fi
     cfg = tiny_run_config(data, [f"trainer.default_local_dir={run}", f"data.val_files=[{val}]"])
     message = (
         rf"no scorer for data_source 'my/task' \({val} row 0\): add reward.sources.my/task=<scorer> "
-        r"\(a built-in of gsm8k, math, exact_match, format or module:function or path/to/file.py:function\) "
+        r"\(a built-in of gsm8k, math, math_dapo, exact_match, format or module:function or path/to/file.py:function\) "
         r"or reward.custom_function; the built-in scorers answer openai/gsm8k, .*mcore_rl/arithmetic"
     )
     with pytest.raises(ScorerError, match=message):
