@@ -54,8 +54,9 @@ class PromptDataset:
     def from_files(
         cls, files: Sequence[str], tokenizer: Tokenizer, cfg: DataConfig, check: RowCheck | None = None
     ) -> PromptDataset:
-        """Every usable prompt of ``files``; ``check(data_source, ground_truth)`` says what is wrong with a row
-        for its scorer (the scorers' own rules, given by the caller: data knows no scorer), or None."""
+        """Every usable prompt of ``files``; ``check(data_source, ground_truth, extra_info)`` says which field of a
+        row is wrong for its scorer and why (the scorers' own rules, given by the caller: data knows no scorer),
+        or None."""
         records: list[PromptRecord] = []
         skipped: list[RowProblem] = []
         for file in files:
@@ -167,14 +168,15 @@ def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat
     return tokenizer.encode("".join(m["content"] for m in prompt))
 
 
-RowCheck = Callable[[str, Any], "str | None"]
-"""``(data_source, ground_truth) -> problem or None``: a row's fitness for its scorer."""
+RowCheck = Callable[[str, Any, dict[str, Any]], "tuple[str, str] | None"]
+"""``(data_source, ground_truth, extra_info) -> (field, problem) or None``: a row's fitness for its scorer."""
 
 
 def _checked(record: PromptRecord, check: RowCheck | None) -> PromptRecord:
-    problem = None if check is None else check(record.data_source, record.ground_truth)
-    if problem is not None:
-        raise BadRowError(RowProblem(record.file, record.row, "reward_model.ground_truth", problem))
+    found = None if check is None else check(record.data_source, record.ground_truth, record.extra_info)
+    if found is not None:
+        field, problem = found
+        raise BadRowError(RowProblem(record.file, record.row, field, problem))
     return record
 
 

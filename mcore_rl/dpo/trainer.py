@@ -59,7 +59,7 @@ from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
 from mcore_rl.logs.plots import dpo_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
-from mcore_rl.scoring.registry import check_scorers, ground_truth_problem
+from mcore_rl.scoring.registry import check_scorers, row_problem
 from mcore_rl.types import PromptBatch
 
 
@@ -83,7 +83,7 @@ def load_dpo_data(cfg: RunConfig) -> DPOData:
 
     test = None
     if cfg.data.test_files:  # scored by the run's rules: each row checked for them, as an RL run's
-        check = functools.partial(ground_truth_problem, cfg.reward)
+        check = functools.partial(row_problem, cfg.reward)
         prompts = PromptDataset.from_files(cfg.data.test_files, tokenizer, cfg.data, check)
         check_scorers(cfg.reward, {r.data_source: f"{r.file} row {r.row}" for r in reversed(prompts.records)})
         test = prompts.batch(range(len(prompts)))

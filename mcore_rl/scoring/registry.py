@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -140,6 +141,25 @@ def ground_truth_problem(cfg: RewardConfig, data_source: str, truth: Any) -> str
         f"is a {kind} ({truth!r:.60}); the built-in scorer {name!r} compares the answer with it as text: store "
         "the answer as a string, or score these rows with reward.custom_function"
     )
+
+
+def row_problem(
+    cfg: RewardConfig, data_source: str, truth: Any, extra_info: dict[str, Any]
+) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` of a prompt row for the scorer of its ``data_source``, or None: the built-in
+    ``format`` scorer reads ``extra_info.format_pattern`` (every answer of a row without one raised, scored 0)
+    and no ground truth; the other built-ins the ground truth (:func:`ground_truth_problem`)."""
+    if _builtin_for(cfg, data_source) == "format":
+        pattern = extra_info.get("format_pattern")
+        if not isinstance(pattern, str):
+            return "extra_info.format_pattern", "missing: the format scorer matches each response against it"
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            return "extra_info.format_pattern", f"not a regular expression ({err})"
+        return None
+    problem = ground_truth_problem(cfg, data_source, truth)
+    return None if problem is None else ("reward_model.ground_truth", problem)
 
 
 def _builtin_for(cfg: RewardConfig, data_source: str) -> str | None:

@@ -30,7 +30,7 @@ from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.scoring import RewardScorer
-from mcore_rl.scoring.registry import check_scorers, ground_truth_problem
+from mcore_rl.scoring.registry import check_scorers, row_problem
 from mcore_rl.trainer.groups.actor import ActorGroup
 from mcore_rl.trainer.groups.critic import CriticGroup
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup, reward_model_checkpoint
@@ -52,11 +52,11 @@ def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, st
     check_multi_turn(cfg, tokenizer)
 
 
-def row_checks(cfg: RunConfig) -> Callable[[str, Any], str | None]:
+def row_checks(cfg: RunConfig) -> Callable[[str, Any, dict[str, Any]], tuple[str, str] | None]:
     """What a prompt row must hold for its scorer, checked as the data is read (the row is refused, or skipped
     and counted with ``data.skip_bad_rows``): a ground truth the built-in rules can compare as text (a dict
-    scored every answer 0 before)."""
-    return functools.partial(ground_truth_problem, cfg.reward)
+    scored every answer 0 before), the format scorer's pattern (``scoring.registry.row_problem``)."""
+    return functools.partial(row_problem, cfg.reward)
 
 
 def check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:

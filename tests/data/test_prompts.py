@@ -275,8 +275,10 @@ def test_a_row_check_refuses_or_skips_naming_the_ground_truth(tmp_path: Path, hf
     rows = [row(0), _bad(reward_model={"ground_truth": {"answer": "7"}}), row(2)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
-    def check(source: str, truth: Any) -> str | None:
-        return None if isinstance(truth, str) else f"is a {type(truth).__name__}"
+    def check(source: str, truth: Any, extra: dict[str, Any]) -> tuple[str, str] | None:
+        return (
+            None if isinstance(truth, str) else ("reward_model.ground_truth", f"is a {type(truth).__name__}")
+        )
 
     with pytest.raises(DataError, match=r"row 1: column 'reward_model.ground_truth': is a dict"):
         PromptDataset.from_files([str(path)], hf_tok, DataConfig(max_prompt_length=64), check)
@@ -290,3 +292,33 @@ def test_a_data_config_built_in_python_with_a_string_count_is_refused_naming_the
 
     with pytest.raises(FieldError, match=r"data.train_batch_size='4' must be an integer"):
         DataConfig(train_batch_size="4")  # type: ignore[arg-type]
+
+
+def test_rows_for_the_format_scorer_are_checked_for_their_pattern(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    """The built-in format scorer reads ``extra_info.format_pattern`` (every answer of a row without one
+    raised and scored 0), not the ground truth (an empty one is fine there)."""
+    import functools
+
+    from mcore_rl.config import RewardConfig
+    from mcore_rl.scoring.registry import row_problem
+
+    check = functools.partial(row_problem, RewardConfig(sources={"fmt": "format"}))
+    path = tmp_path / "d.jsonl"
+    for extra, message in [
+        ({"index": 0}, "missing"),
+        ({"format_pattern": "(unclosed"}, "not a regular expression"),
+    ]:
+        path.write_text(json.dumps({**row(0), "data_source": "fmt", "extra_info": extra}) + "\n")
+        with pytest.raises(DataError, match=rf"column 'extra_info.format_pattern': {message}"):
+            PromptDataset.from_files([str(path)], hf_tok, DataConfig(max_prompt_length=64), check)
+    good = {
+        **row(0),
+        "data_source": "fmt",
+        "reward_model": {"ground_truth": ""},
+        "extra_info": {"format_pattern": ".*"},
+    }
+    path.write_text(json.dumps(good) + "\n")
+    assert (
+        len(PromptDataset.from_files([str(path)], hf_tok, DataConfig(max_prompt_length=64), check).records)
+        == 1
+    )
