@@ -186,6 +186,7 @@ def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
     import importlib.util
 
     from mcore_rl.engine.rollout.vllm_compat import preflight_problems
+    from mcore_rl.engine.rollout.vllm_layout import vllm_sampling_problems
 
     device = cfg.trainer.device
     if device == "auto":
@@ -218,26 +219,8 @@ def _vllm_problems(cfg: RunConfig, arch: Any) -> list[str]:
                 "reports log-probs of the filtered distribution, which the actor cannot recompute; turn filtering "
                 "off or use rollout.name=local"
             )
-        problems += _vllm_sampling_problems(prefix, sampling.temperature, sampling.n)
+        problems += [f"{prefix}.{p}" for p in vllm_sampling_problems(sampling.temperature, sampling.n)]
     return problems
-
-
-def _vllm_sampling_problems(prefix: str, temperature: float, n: int) -> list[str]:
-    """What the vLLM engine refuses of a sampling section at its first generate (``check_vllm_sampling``)."""
-    from mcore_rl.engine.rollout.vllm_layout import VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE
-
-    if temperature > VLLM_MAX_TEMPERATURE:
-        return [f"{prefix}.temperature={temperature}: vLLM accepts at most {VLLM_MAX_TEMPERATURE}"]
-    if 0 < temperature < VLLM_MIN_TEMPERATURE:
-        return [
-            f"{prefix}.temperature={temperature}: vLLM samples at {VLLM_MIN_TEMPERATURE} instead, so its "
-            "log-probs would not be the actor's; use 0 (greedy) or at least 0.01"
-        ]
-    if temperature == 0 and n > 1:
-        return [
-            f"{prefix}.n={n} at temperature 0: vLLM samples a greedy prompt once; set n=1 or a temperature"
-        ]
-    return []
 
 
 def _run_problems(cfg: RunConfig) -> list[str]:

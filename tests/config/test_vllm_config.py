@@ -15,7 +15,10 @@ VLLM = ["rollout.name=vllm", "model.hf_config.hidden_size=128", "rollout.kv_cach
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rollout.val_kwargs.n=2"], r"rollout.val_kwargs.n=2 at temperature 0"),  # greedy validation
+        (
+            ["rollout.val_kwargs.n=2"],
+            r"rollout.val_kwargs.n=2 with temperature=0: vLLM's greedy",
+        ),  # greedy validation
         (["rollout.temperature=2.5"], r"rollout.temperature=2.5: vLLM accepts at most 2.0"),
         (["rollout.temperature=0.005"], r"rollout.temperature=0.005: vLLM samples at 0.01 instead"),
         (["rollout.val_kwargs.temperature=2.5"], r"rollout.val_kwargs.temperature=2.5"),

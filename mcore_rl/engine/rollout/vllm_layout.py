@@ -208,14 +208,21 @@ def check_covered(unloaded: Iterable[str]) -> None:
 
 def check_vllm_sampling(params: SamplingParams) -> None:
     """Refuse what vLLM 0.33 would reject or silently change; the message names our field."""
-    if params.temperature > VLLM_MAX_TEMPERATURE:
-        raise SamplingParamsError(
-            f"temperature={params.temperature}: vLLM accepts at most {VLLM_MAX_TEMPERATURE}"
-        )
-    if 0 < params.temperature < VLLM_MIN_TEMPERATURE:
-        raise SamplingParamsError(
-            f"temperature={params.temperature}: vLLM samples at {VLLM_MIN_TEMPERATURE} instead, so its log-probs "
+    problems = vllm_sampling_problems(params.temperature, params.n)
+    if problems:
+        raise SamplingParamsError(problems[0])
+
+
+def vllm_sampling_problems(temperature: float, n: int) -> list[str]:
+    """What vLLM would reject or silently change of a temperature and a sample count, each line starting with
+    the field (the run config's check prefixes its section: ``config/validate.py``)."""
+    if temperature > VLLM_MAX_TEMPERATURE:
+        return [f"temperature={temperature}: vLLM accepts at most {VLLM_MAX_TEMPERATURE}"]
+    if 0 < temperature < VLLM_MIN_TEMPERATURE:
+        return [
+            f"temperature={temperature}: vLLM samples at {VLLM_MIN_TEMPERATURE} instead, so its log-probs "
             "would not be the actor's; use 0 (greedy) or at least 0.01"
-        )
-    if params.greedy and params.n > 1:
-        raise SamplingParamsError(f"n={params.n} with temperature=0: vLLM's greedy sampling allows n=1 only")
+        ]
+    if temperature == 0 and n > 1:
+        return [f"n={n} with temperature=0: vLLM's greedy sampling allows n=1 only"]
+    return []
