@@ -20,7 +20,7 @@ def check_run_folders(cfg: RunConfig) -> None:
     (see :func:`_refuse_replacing_log`, :func:`_refuse_replacing_checkpoints`)."""
     inputs = _inputs(cfg)
     run = check_run_folder(cfg.trainer.default_local_dir, flag="trainer.default_local_dir", inputs=inputs)
-    if not _inside(cfg.logging.log_dir, run):
+    if not is_inside(cfg.logging.log_dir, run):
         check_run_folder(cfg.logging.log_dir, flag="logging.log_dir", inputs=inputs)
     _refuse_replacing_log(cfg)
     _refuse_replacing_checkpoints(cfg)
@@ -31,7 +31,7 @@ def claim_run_folders(cfg: RunConfig) -> None:
     check_run_folders(cfg)
     inputs = _inputs(cfg)
     run = claim_run_folder(cfg.trainer.default_local_dir, flag="trainer.default_local_dir", inputs=inputs)
-    if not _inside(cfg.logging.log_dir, run):
+    if not is_inside(cfg.logging.log_dir, run):
         claim_run_folder(cfg.logging.log_dir, flag="logging.log_dir", inputs=inputs, kind="logs")
 
 
@@ -66,11 +66,9 @@ def _refuse_replacing_checkpoints(cfg: RunConfig) -> None:
     would be allowed): refused, whatever its log folder says (the log check alone missed a run logging
     elsewhere or without ``metrics.jsonl``)."""
     root = checkpoint_root(cfg)
-    names = os.listdir(root) if os.path.isdir(root) else []
-    steps = sorted(int(n[12:]) for n in names if n.startswith("global_step_") and n[12:].isdigit())
-    ours = [f"global_step_{s}" for s in steps if is_ours(os.path.join(root, f"global_step_{s}"))]
+    ours = [os.path.basename(folder) for _, folder in saved_steps(cfg) if is_ours(folder)]
     start = resume_checkpoint(cfg)
-    if not ours or (start is not None and _inside(start, os.path.realpath(root))):
+    if not ours or (start is not None and is_inside(start, root)):
         return
     if cfg.trainer.resume_mode == ResumeMode.DISABLE.value:
         why = "trainer.resume_mode=disable"
@@ -84,8 +82,9 @@ def _refuse_replacing_checkpoints(cfg: RunConfig) -> None:
     )
 
 
-def _inside(path: str, folder: str) -> bool:
-    real = os.path.realpath(path)
+def is_inside(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or lies under it, links resolved."""
+    real, folder = os.path.realpath(path), os.path.realpath(folder)
     return real == folder or real.startswith(folder + os.sep)
 
 
@@ -145,20 +144,27 @@ def prune_checkpoints(cfg: RunConfig, step: int) -> None:
     later step than this one (left by a run this one resumed from an earlier checkpoint): pruning by number
     alone would drop the checkpoint just saved. A folder the filesystem will not remove (busy on NFS while
     another job reads it, no permission) is left with a note: the save it follows has succeeded."""
-    keep, root = cfg.trainer.max_ckpt_to_keep, checkpoint_root(cfg)
+    keep = cfg.trainer.max_ckpt_to_keep
     if not keep:
         return
-    names = [n for n in os.listdir(root) if n.startswith("global_step_") and n[12:].isdigit()]
-    earlier = sorted(
-        (int(n[12:]), os.path.join(root, n))
-        for n in names
-        if int(n[12:]) < step and is_ours(os.path.join(root, n))
-    )
-    for _, folder in earlier[: max(len(earlier) - (keep - 1), 0)]:
+    earlier = [folder for saved, folder in saved_steps(cfg) if saved < step and is_ours(folder)]
+    for folder in earlier[: max(len(earlier) - (keep - 1), 0)]:
         try:
             shutil.rmtree(folder)
         except OSError as err:
             note(f"{folder} not removed (trainer.max_ckpt_to_keep={keep}): {err}")
+
+
+def saved_steps(cfg: RunConfig) -> list[tuple[int, str]]:
+    """``(step, folder)`` of every ``global_step_N`` folder in the run's checkpoint folder (ours or a user's),
+    oldest first."""
+    root = checkpoint_root(cfg)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(
+        (int(n[12:]), os.path.join(root, n))
+        for n in names
+        if n.startswith("global_step_") and n[12:].isdigit()
+    )
 
 
 def resume_checkpoint(cfg: RunConfig) -> str | None:

@@ -34,6 +34,7 @@ from mcore_rl.config.run_folder import (
     point_latest_at,
     prune_checkpoints,
     resume_checkpoint,
+    saved_steps,
 )
 from mcore_rl.data.prompts import PromptLoader
 from mcore_rl.data.rows import DataError
@@ -155,22 +156,13 @@ def verify_run_checkpoint(path: str) -> None:
         check_checkpoint_folder(critic)
 
 
-def _steps_saved(cfg: RunConfig) -> list[tuple[int, str]]:
-    root = checkpoint_root(cfg)
-    names = os.listdir(root) if os.path.isdir(root) else []
-    found = [
-        (int(n[12:]), os.path.join(root, n))
-        for n in names
-        if n.startswith("global_step_") and n[12:].isdigit()
-    ]
-    return sorted(found, reverse=True)
-
-
 def _previous_intact(cfg: RunConfig, damaged: str, err: InputError) -> str:
     """The newest checkpoint older than ``damaged`` that verifies (a note says which and why); ``err`` when
     there is none."""
-    newest = next((s for s, p in _steps_saved(cfg) if os.path.realpath(p) == os.path.realpath(damaged)), None)
-    for step, path in _steps_saved(cfg):
+    newest = next(
+        (s for s, p in reversed(saved_steps(cfg)) if os.path.realpath(p) == os.path.realpath(damaged)), None
+    )
+    for step, path in reversed(saved_steps(cfg)):
         if (newest is not None and step >= newest) or os.path.realpath(path) == os.path.realpath(damaged):
             continue
         if _damage(path, whole=True) is not None:

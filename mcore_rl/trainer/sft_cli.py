@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 
+from mcore_rl.config.run_folder import is_inside
 from mcore_rl.trainer.cli import add_arguments as add_train_arguments
 
 
@@ -34,15 +35,10 @@ def rl_command(args: argparse.Namespace, model_dir: str, log_dir: str) -> str:
         rl_dir, n = f"{run}_rl{n}", n + 1
     kept = [o for o in args.overrides if o.split("=", 1)[0].strip() not in RUN_KEYS]
     keys = [*kept, f"model.path={model_dir}", "sft.enable=false", f"trainer.default_local_dir={rl_dir}"]
-    if not _inside(log_dir, run):  # the recipe logs outside its run folder: the RL run's logs go in its own
+    if not is_inside(log_dir, run):  # the recipe logs outside its run folder: the RL run's logs go in its own
         keys.append(f"logging.log_dir={os.path.join(rl_dir, 'logs')}")
     flags = ["--in-process"] if args.in_process else []
     return shlex.join(["mcore-rl", "train", args.recipe, *keys, *flags])
-
-
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder + os.sep)
 
 
 def run(args: argparse.Namespace) -> int:
