@@ -45,16 +45,21 @@ def last_batch_problem(cfg: RunConfig, num_prompts: int) -> str | None:
     if cfg.reward_model.path is not None and not _splits(rows, cfg.reward_model.micro_batch_size_per_gpu):
         return _last_batch_message(cfg, num_prompts, rest, replicas, dp, mini_batches, "reward_model")
     if cfg.algorithm.adv_estimator == AdvEstimator.GAE:  # the critic splits the batch over its own ranks
-        critic = cfg.critic
-        world = cfg.world_size if critic.colocate else critic.num_ranks
-        critic_dp = max(world // model_copy_ranks(critic.parallel or cfg.parallel), 1)
+        world, par = _critic_ranks(cfg)
+        critic_dp = max(world // model_copy_ranks(par), 1)
         critic_share, critic_uneven = divmod(rest * cfg.rollout.n, critic_dp * mini_batches)
-        micro = critic.ppo_micro_batch_size_per_gpu
+        micro = cfg.critic.ppo_micro_batch_size_per_gpu
         if critic_uneven or not (
             _splits(rest * cfg.rollout.n // critic_dp, micro) and _splits(critic_share, micro)
         ):
             return _last_batch_message(cfg, num_prompts, rest, replicas, critic_dp, mini_batches, "critic")
     return None
+
+
+def _critic_ranks(cfg: RunConfig) -> tuple[int, Any]:
+    """The critic's ranks and layout: the actor's world and layout when colocated, else its own pool's."""
+    critic = cfg.critic
+    return (cfg.world_size if critic.colocate else critic.num_ranks), (critic.parallel or cfg.parallel)
 
 
 def _splits(rows: int, micro: int) -> bool:
@@ -159,8 +164,8 @@ def critic_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.algorithm.adv_estimator != AdvEstimator.GAE:
         return problems
-    par, alg = critic.parallel or cfg.parallel, cfg.algorithm
-    world = cfg.world_size if critic.colocate else critic.num_ranks
+    alg = cfg.algorithm
+    world, par = _critic_ranks(cfg)
     if world % model_copy_ranks(par):
         sizes = "TP*PP*CP" if par.context_parallel_size > 1 else "TP*PP"
         return [

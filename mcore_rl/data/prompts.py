@@ -50,6 +50,13 @@ class PromptDataset:
         self.skipped = list(skipped)
         """Rows dropped (bad or over-long) with the reason of each."""
 
+    def source_origins(self) -> dict[str, str]:
+        """Each ``data_source`` of the prompts -> where its first row is (``file row N``), for messages."""
+        found: dict[str, str] = {}
+        for r in self.records:
+            found.setdefault(r.data_source, f"{r.file} row {r.row}")
+        return found
+
     @classmethod
     def from_files(
         cls, files: Sequence[str], tokenizer: Tokenizer, cfg: DataConfig, check: RowCheck | None = None

@@ -85,7 +85,7 @@ def load_dpo_data(cfg: RunConfig) -> DPOData:
     if cfg.data.test_files:  # scored by the run's rules: each row checked for them, as an RL run's
         check = functools.partial(row_problem, cfg.reward)
         prompts = PromptDataset.from_files(cfg.data.test_files, tokenizer, cfg.data, check)
-        check_scorers(cfg.reward, {r.data_source: f"{r.file} row {r.row}" for r in reversed(prompts.records)})
+        check_scorers(cfg.reward, prompts.source_origins())
         test = prompts.batch(range(len(prompts)))
     val = pairs(cfg.dpo.val_files) if cfg.dpo.val_files else None
     return DPOData(tokenizer, pairs(cfg.dpo.train_files), val, test)

@@ -281,7 +281,7 @@ def evaluate_model(
     check_vocab(cfg, tokenizer)
     check_multi_turn(cfg, tokenizer)
     dataset = PromptDataset.from_files(list(data_files), tokenizer, cfg.data, row_checks(cfg))
-    check_scorers(cfg.reward, {r.data_source: f"{r.file} row {r.row}" for r in reversed(dataset.records)})
+    check_scorers(cfg.reward, dataset.source_origins())
     # The ranks' console output into a folder of the eval's own, not the log folder of the run that made the
     # model (or ./checkpoints from the schema's default): kept and named only when the eval fails.
     cfg.logging.log_dir = tempfile.mkdtemp(prefix="mcore-rl-eval-")

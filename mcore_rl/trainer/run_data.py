@@ -62,9 +62,7 @@ def load_run_data(cfg: RunConfig) -> RunData:
 
 def data_sources(data: RunData) -> dict[str, str]:
     """Each ``data_source`` of the training, validation and test prompts -> where its first row is."""
-    found: dict[str, str] = {}
-    for r in data.loader.dataset.records:
-        found.setdefault(r.data_source, f"{r.file} row {r.row}")
+    found = data.loader.dataset.source_origins()
     for batch in (data.val, data.test):
         if batch is not None:
             for source, origin in zip(batch.data_sources, batch.origins, strict=True):
