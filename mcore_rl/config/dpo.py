@@ -45,7 +45,8 @@ class DPOConfig:
     precompute_ref_log_probs: bool = False
     """Compute the reference log-probs of every pair once, before training, and cache them next to the run
     (``<trainer.default_local_dir>/ref_log_probs_train.pt``, and ``ref_log_probs_val.pt`` for
-    ``dpo.val_files``); False keeps a frozen reference model in the same processes and scores each batch as
+    ``dpo.val_files``; reused only for the same data and initial model: ``model.path``'s files, or the seed
+    of random weights); False keeps a frozen reference model in the same processes and scores each batch as
     it comes."""
     sft_loss_weight: float = 0.0
     """Add this times the chosen completion's per-token negative log-likelihood (RPO; NeMo-RL's

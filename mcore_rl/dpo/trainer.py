@@ -17,7 +17,7 @@ at the last step) builds, loads, trains and writes nothing, as in RL.
 Checkpoints are ``<trainer.default_local_dir>/checkpoints/global_step_<N>`` (the TrainEngine's resumable
 checkpoint + LR schedule + data position + ``config.yaml``; ``latest`` written last), readable by
 ``mcore-rl convert mcore-to-hf``. The reference is rebuilt from the same start on resume (precomputed
-reference log-probs come back from their cache, keyed by the data's fingerprint).
+reference log-probs come back from their cache, keyed by the data's fingerprint and the initial model).
 
 Why SPMD rather than Ray: DPO has no rollout/score/train phases to place; one program per rank on
 megatron's schedules is the whole job, and torchrun/Slurm launch it directly.
@@ -26,6 +26,7 @@ megatron's schedules is the whole job, and torchrun/Slurm launch it directly.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 from collections.abc import Sequence
@@ -260,7 +261,7 @@ class DPOTrainer:
             if dataset is None:
                 continue
             path = os.path.join(self.cfg.trainer.default_local_dir, f"ref_log_probs_{split}.pt")
-            fingerprint = dataset.fingerprint()
+            fingerprint = f"{dataset.fingerprint()}:{reference_identity(self.cfg)}"
             if os.path.isfile(path):
                 saved = torch.load(path, weights_only=True)
                 if saved.get("fingerprint") == fingerprint:
@@ -268,7 +269,7 @@ class DPOTrainer:
                     continue
             if self.global_step or self.resume_path() is not None:
                 raise RuntimeError(
-                    f"{path}: no reference log-probs for this data, and the policy has trained"
+                    f"{path}: no reference log-probs for this data and initial model, and the policy has trained"
                 )
             self.reference_cache[split] = self._score_with_policy(dataset)
             if self.ctx.rank == 0:
@@ -428,6 +429,26 @@ def initial_weights(cfg: RunConfig) -> dict[str, torch.Tensor] | None:
     from mcore_rl.engine.hf.state import load_hf_full_state
 
     return load_hf_full_state(cfg.model.path, cfg.model.arch())
+
+
+def reference_identity(cfg: RunConfig) -> str:
+    """What the cached reference log-probs depend on besides the data: the initial model. ``model.path``'s
+    weight files by name, size and modification time (a different model in the same run folder, or the
+    folder's weights replaced, misses the cache), else the seeded random initialisation; its dtype and
+    architecture overrides either way."""
+    model = cfg.model
+    parts: list[Any] = [model.dtype, model.hf_config, model.scaled_output_init]
+    if model.path is None or not model.load_weights:
+        parts.append(("random", cfg.trainer.seed))
+    else:
+        root = os.path.realpath(model.path)
+        for folder, _, names in sorted(os.walk(root)):
+            for name in sorted(names):
+                stat = os.stat(os.path.join(folder, name))
+                parts.append(
+                    (os.path.relpath(os.path.join(folder, name), root), stat.st_size, stat.st_mtime_ns)
+                )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
 def _fingerprint(dataset: PreferenceDataset) -> str:

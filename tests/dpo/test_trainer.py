@@ -162,6 +162,42 @@ def test_precomputed_reference_equals_the_frozen_model(run_distributed, folder: 
     assert os.path.isfile(f"{folder}/cached/ref_log_probs_train.pt")
     for key in (*TRL_NAMES, "grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    # Another initial model (seed 2) in the same run folder misses the cache: its reference is itself.
+    reseeded = [*common, "trainer.seed=2"]
+    frozen2 = tiny_dpo_config(folder, [*reseeded, f"trainer.default_local_dir={folder}/frozen2"])
+    cached2 = tiny_dpo_config(
+        folder,
+        [
+            *reseeded,
+            f"trainer.default_local_dir={folder}/cached",
+            f"logging.log_dir={folder}/cached2_logs",
+            "dpo.precompute_ref_log_probs=true",
+        ],
+    )
+    c = run_distributed(_first_step, frozen2, world_size=2, timeout_s=600)[0]
+    d = run_distributed(_first_step, cached2, world_size=2, timeout_s=600)[0]
+    assert c["logps/chosen"] != pytest.approx(a["logps/chosen"], rel=1e-3)  # the seed changed the model
+    for key in (*TRL_NAMES, "grad_norm"):
+        assert d[key] == pytest.approx(c[key], rel=1e-5, abs=1e-6), key
+
+
+def test_reference_identity_follows_the_initial_model(tmp_path: Path) -> None:
+    from mcore_rl.dpo.trainer import reference_identity
+
+    def identity(overrides: list[str]) -> str:
+        return reference_identity(tiny_dpo_config(str(tmp_path), overrides))
+
+    assert identity([]) == identity([]) != identity(["trainer.seed=2"])
+    assert identity([]) != identity(["model.dtype=bfloat16"])
+    model = tmp_path / "model"
+    model.mkdir()
+    from_folder = tiny_dpo_config(str(tmp_path))
+    from_folder.model.path = str(model)  # the identity reads the folder's files, not what they hold
+    (model / "model.safetensors").write_bytes(b"a" * 8)
+    first = reference_identity(from_folder)
+    assert first != identity([])
+    (model / "model.safetensors").write_bytes(b"b" * 9)  # the folder's weights replaced
+    assert reference_identity(from_folder) != first
 
 
 def test_recipe_without_pairs_is_refused(tmp_path: Path) -> None:
