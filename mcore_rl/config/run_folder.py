@@ -97,6 +97,7 @@ def _inputs(cfg: RunConfig) -> list[str | None]:
         *cfg.data.val_files,
         *cfg.data.test_files,
         *cfg.sft.train_files,
+        *cfg.sft.val_files,
         *cfg.dpo.train_files,
         *cfg.dpo.val_files,
     ]

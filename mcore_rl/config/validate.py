@@ -239,6 +239,8 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"trainer.test_freq={trainer.test_freq} needs data.val_files")
     if cfg.sft.enable and not cfg.sft.train_files:
         problems.append("sft.enable=true needs sft.train_files")
+    if cfg.sft.enable and cfg.sft.target_val_accuracy is not None and not cfg.sft.val_files:
+        problems.append(f"sft.target_val_accuracy={cfg.sft.target_val_accuracy} needs sft.val_files")
     kl = [k for k in ("use_kl_loss", "use_kl_in_reward") if getattr(cfg.algorithm, k)]
     if cfg.sft.enable and cfg.model.lora_rank and kl:
         problems.append(
@@ -311,6 +313,11 @@ def _path_problems(cfg: RunConfig) -> list[str]:
         *(("data.val_files", f) for f in cfg.data.val_files),
         *(("data.test_files", f) for f in cfg.data.test_files),
         *(("sft.train_files", f) for f in (cfg.sft.train_files if cfg.sft.enable else [])),
+        *(
+            ("sft.val_files", f)
+            for f in (cfg.sft.val_files if cfg.sft.enable else [])
+            if f not in cfg.data.val_files
+        ),
         *(("dpo.train_files", f) for f in cfg.dpo.train_files),
         *(("dpo.val_files", f) for f in cfg.dpo.val_files),
     ]

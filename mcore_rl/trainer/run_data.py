@@ -25,6 +25,9 @@ class RunData:
     val: PromptBatch | None
     test: PromptBatch | None
     sft: SFTDataset | None
+    sft_val: PromptBatch | None = None
+    """The SFT stage's validation prompts (``sft.val_files``; the same batch as ``val`` when they follow
+    ``data.val_files``)."""
 
 
 def load_run_data(cfg: RunConfig) -> RunData:
@@ -55,15 +58,17 @@ def load_run_data(cfg: RunConfig) -> RunData:
             f"{', '.join(cfg.sft.train_files)}: {len(sft)} usable examples cannot fill one batch of "
             f"sft.train_batch_size={cfg.sft.train_batch_size}"
         )
-    return RunData(
-        tokenizer, PromptLoader(train, cfg.data), whole(cfg.data.val_files), whole(cfg.data.test_files), sft
-    )
+    val = whole(cfg.data.val_files)
+    sft_val = None
+    if sft is not None:
+        sft_val = val if list(cfg.sft.val_files) == list(cfg.data.val_files) else whole(cfg.sft.val_files)
+    return RunData(tokenizer, PromptLoader(train, cfg.data), val, whole(cfg.data.test_files), sft, sft_val)
 
 
 def data_sources(data: RunData) -> dict[str, str]:
     """Each ``data_source`` of the training, validation and test prompts -> where its first row is."""
     found = data.loader.dataset.source_origins()
-    for batch in (data.val, data.test):
+    for batch in (data.val, data.test, data.sft_val):
         if batch is not None:
             for source, origin in zip(batch.data_sources, batch.origins, strict=True):
                 found.setdefault(source, origin)

@@ -339,8 +339,8 @@ class Trainer:
             metrics: dict[str, Any] = self.actors.sft_update(
                 dataset.batch(sampler.next_indices()), sft.micro_batch_size_per_gpu
             )
-            if self.data.val is not None and sft.test_freq > 0 and step % sft.test_freq == 0:
-                metrics["val_accuracy"] = self.step.evaluate(self.data.val)
+            if self.data.sft_val is not None and sft.test_freq > 0 and step % sft.test_freq == 0:
+                metrics["val_accuracy"] = self.step.evaluate(self.data.sft_val)
             log.write("sft", step, metrics)
             target = sft.target_val_accuracy
             if target is not None and metrics.get("val_accuracy", -1.0) >= target:

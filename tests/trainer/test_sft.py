@@ -94,6 +94,31 @@ def test_sft_without_examples_is_refused_naming_the_key() -> None:
         sft_config("recipes/demo_cpu.yaml", ["sft.train_files=[]"])
 
 
+def test_sft_validates_on_its_own_prompts(data, tmp_path) -> None:
+    """``sft.val_files`` given, ``data.val_files`` not: the SFT stage validates on its own prompts (it read
+    ``data.val_files`` alone, so an early stop at ``sft.target_val_accuracy`` never came)."""
+    args = [
+        *_overrides(data, str(tmp_path / "sft")),
+        "data.val_files=[]",
+        "data.test_files=[]",
+        "trainer.test_freq=-1",
+        f"sft.val_files=[{data}/val.jsonl]",
+        "sft.total_steps=4",
+        "sft.test_freq=2",
+    ]
+    with Trainer.from_config(sft_config("recipes/demo_cpu.yaml", args), use_ray=False) as trainer:
+        fit_sft(trainer)
+        validated = [r["step"] for r in trainer.records if r["stage"] == "sft" and "val_accuracy" in r]
+    assert validated == [2, 4]
+
+
+def test_an_sft_target_without_validation_prompts_is_refused(data, tmp_path) -> None:
+    args = [*_overrides(data, str(tmp_path / "sft")), "data.val_files=[]", "trainer.test_freq=-1"]
+    args.append("sft.target_val_accuracy=0.5")
+    with pytest.raises(ConfigError, match=r"sft\.target_val_accuracy=0\.5 needs sft\.val_files"):
+        sft_config("recipes/demo_cpu.yaml", args)
+
+
 def test_the_sft_loss_is_the_mean_nll_of_response_tokens_only(data) -> None:
     from mcore_rl.data.sft import SFTDataset
     from mcore_rl.data.tokenizer import load_tokenizer
@@ -135,6 +160,7 @@ def test_rl_after_a_warm_start_without_validation_or_test_samples_from_the_sft_w
         *_overrides(data, run),
         "sft.total_steps=3",
         "sft.test_freq=100",
+        "sft.target_val_accuracy=null",
         "data.val_files=[]",
         "data.test_files=[]",
         "trainer.total_training_steps=1",
