@@ -66,9 +66,12 @@ float load_scaled(const scalar_t* src, int64_t n, float inv_t, float* buf) {
     z.store(buf + i);
     vmax = at::vec::maximum(vmax, z);
   }
+  const int64_t whole = i;  // the columns the vector loop has folded into vmax
   for (; i < n; ++i) buf[i] = in[i] * inv_t;
-  for (int64_t j = i; j < round_up(n); ++j) buf[j] = kNegInf;
-  if (i < n) vmax = at::vec::maximum(vmax, Vec::loadu(buf + (round_up(n) - kVec)));
+  for (int64_t j = n; j < round_up(n); ++j) buf[j] = kNegInf;
+  // The tail (under kVec columns, padded with -inf) is one more vector: leaving it out of the maximum
+  // dropped a block of fewer than kVec columns and overflowed exp where a tail logit led its block.
+  if (whole < n) vmax = at::vec::maximum(vmax, Vec::loadu(buf + whole));
   return reduce_max(vmax);
 }
 

@@ -151,6 +151,36 @@ def test_linear_variant_matches_unfused_path(impl: str, dtype: torch.dtype) -> N
     assert torch.count_nonzero(weight.grad[1024:]) == 0
 
 
+@pytest.mark.parametrize("vocab", [1, 3, 7, 9, 15, 2049, 2055, 4103])
+def test_the_last_columns_of_a_block_count(impl: str, vocab: int) -> None:
+    """Vocab sizes that leave under one SIMD vector of columns at the end of a 2048-column block, the largest
+    logit among them: the kernel left those columns out of the block's maximum (a row of 3 columns came out
+    +inf / NaN, a 1-column last block was dropped from the softmax, a leading tail logit overflowed exp)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=gen, dtype=torch.float64)
+    logits[0, -1] = 10.0  # the target leads by a little
+    logits[1, -1] = 100.0  # leads by more than exp's fp32 range
+    logits[2, (vocab - 1) // 2] = 40.0  # a peak elsewhere with a tail target
+    targets = torch.tensor([vocab - 1, vocab - 1, vocab - 1, 0])
+    g1, g2 = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    lp, ent, grad = _run(logits.float(), targets, g1, g2, vocab_size=vocab, temperature=0.5)
+    lp0, ent0, grad0 = _oracle(logits.float(), targets, vocab, 0.5, g1, g2)
+    torch.testing.assert_close(lp.double(), lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad.double(), grad0, rtol=0, atol=1e-5)
+
+
+def test_a_one_column_last_vocab_chunk_of_the_linear_op_counts(impl: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(6, 16, generator=gen), torch.randn(4097, 16, generator=gen) / 2
+    weight[4096] = hidden[0] * 2  # the last vocab row leads row 0's logits
+    targets = torch.tensor([4096, 4096, 1, 2, 3, 4])
+    lp, ent = linear_logprob_entropy(hidden, weight, targets, vocab_start=0, vocab_size=4097)
+    lp0, ent0 = reference.naive_logprob_entropy(hidden.double() @ weight.double().T, targets, vocab_size=4097)
+    torch.testing.assert_close(lp.double(), lp0, rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent.double(), ent0, rtol=0, atol=1e-4)
+
+
 def test_fp64_inputs_run_the_reference_in_fp64() -> None:
     logits, targets = _problem(5, 100)
     lp, ent = vocab_parallel_logprob_entropy(logits, targets, vocab_start=0, vocab_size=100)
