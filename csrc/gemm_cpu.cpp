@@ -10,6 +10,7 @@
 // torch without the symbol leaves it null, and the op then refuses with a message rather than failing to load.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -33,15 +34,19 @@ void check_operands(const at::Tensor& a, const at::Tensor& b) {
 at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& add) {
   check_operands(a, b);
   const int64_t rows = a.size(0), cols = b.size(1);
+  TORCH_CHECK(!add.has_value() || (add->scalar_type() == at::kFloat &&
+                                   ((add->dim() == 1 && add->size(0) == cols) ||
+                                    (add->dim() == 2 && add->size(0) == rows && add->size(1) == cols))),
+              "gemm: add must be fp32 [N] or [M, N]");
+  if (rows == 0 || cols == 0 || a.size(1) == 0) {  // oneDNN leaves K = 0 unwritten and faults on M = 0
+    at::Tensor out = at::zeros({rows, cols}, a.options());
+    return add.has_value() ? out.add_(*add) : out;
+  }
   if (!add.has_value()) {
     at::Tensor out = at::empty({rows, cols}, a.options());
     at::native::mkldnn_matmul(a, b, out, 0.0f, 1.0f);
     return out;
   }
-  TORCH_CHECK(add->scalar_type() == at::kFloat &&
-                  ((add->dim() == 1 && add->size(0) == cols) ||
-                   (add->dim() == 2 && add->size(0) == rows && add->size(1) == cols)),
-              "gemm: add must be fp32 [N] or [M, N]");
   // The addend becomes the output and oneDNN accumulates onto it (beta = 1): no second pass to add it.
   at::Tensor out = add->expand({rows, cols}).contiguous();
   if (out.data_ptr() == add->data_ptr()) out = out.clone();  // never write into the caller's tensor
@@ -57,6 +62,11 @@ void gemm_into_cpu(const at::Tensor& out, const at::Tensor& a, const at::Tensor&
                   out.size(1) == b.size(1),
               "gemm: out must be a contiguous fp32 [M, N]");
   TORCH_CHECK(beta == 0.0 || beta == 1.0, "gemm: beta must be 0 or 1");
+  if (out.numel() == 0) return;
+  if (a.size(1) == 0) {  // an empty sum: oneDNN would leave out unwritten
+    if (beta == 0.0) out.zero_();
+    return;
+  }
   at::native::mkldnn_matmul(a, b, out, static_cast<float>(beta), 1.0f);
 }
 

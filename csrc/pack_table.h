@@ -58,8 +58,11 @@ inline Side make_side(at::TensorList tensors, const char* what, const at::Device
 inline void check_in_bounds(int64_t offset, int64_t rows, int64_t cols, int64_t stride, int64_t numel, int64_t k) {
   TORCH_CHECK(offset >= 0 && rows >= 0 && cols >= 0 && stride >= 0, "mcore_rl: table row ", k, " is negative");
   if (rows == 0 || cols == 0) return;
-  TORCH_CHECK(offset + (rows - 1) * stride + cols <= numel, "mcore_rl: table row ", k,
-              " reaches past the end of its tensor (", numel, " elements)");
+  // offset + (rows - 1) * stride + cols <= numel, in a form no table value can overflow (a huge stride
+  // wrapped the product negative and passed the check).
+  const bool fits = cols <= numel && offset <= numel - cols &&
+                    (rows == 1 || stride == 0 || rows - 1 <= (numel - cols - offset) / stride);
+  TORCH_CHECK(fits, "mcore_rl: table row ", k, " reaches past the end of its tensor (", numel, " elements)");
 }
 
 // Resolves the table into pointer-level copies; `unpack` swaps the direction (packed -> tensors).

@@ -62,6 +62,20 @@ def test_gemm_op_checks_and_opcheck() -> None:
         torch.ops.mcore_rl.gemm_into(torch.randn(20, 5).t(), torch.randn(5, 12), torch.randn(12, 20), 0.0)
 
 
+@needs_op
+@pytest.mark.parametrize(("m", "k", "n"), [(3, 0, 5), (0, 4, 5), (3, 4, 0)])
+def test_empty_shapes_give_the_empty_product(m: int, k: int, n: int) -> None:
+    """K = 0 left the output unwritten (garbage where zeros belong); M = 0 with an addend faulted in oneDNN."""
+    a, b, add = torch.randn(m, k), torch.randn(k, n), torch.randn(n)
+    assert torch.equal(torch.ops.mcore_rl.gemm(a, b, None), torch.zeros(m, n))
+    assert torch.equal(torch.ops.mcore_rl.gemm(a, b, add), add.expand(m, n))
+    out = torch.full((m, n), 7.0)
+    torch.ops.mcore_rl.gemm_into(out, a, b, 1.0)
+    assert torch.equal(out, torch.full((m, n), 7.0))
+    torch.ops.mcore_rl.gemm_into(out, a, b, 0.0)
+    assert torch.equal(out, torch.zeros(m, n))
+
+
 def test_onednn_runs_only_where_it_pays(monkeypatch) -> None:
     cpu = torch.device("cpu")
     # the host check is cached: a fresh cache of its own, cleared under each patched vendor below

@@ -143,6 +143,17 @@ def test_out_of_bounds_table_is_rejected(impl: str) -> None:
         unpack_copy(torch.zeros(20), table, [torch.zeros(100)])
 
 
+def test_a_table_whose_reach_overflows_is_rejected(impl: str) -> None:
+    """(rows - 1) * stride + cols past int64's range wrapped negative and passed the native check, and the
+    copy then wrote in front of the output."""
+    whole = torch.zeros(24)
+    out = whole[4:20]  # what lies in front of it must stay untouched
+    table = torch.tensor([[0, 0, 3, 2, 2, 0, 2**62 - 1]])  # packed stride: 2 * (2**62 - 1) + 2 = 2**63
+    with pytest.raises((ValueError, RuntimeError), match="past the end"):
+        pack_copy([torch.arange(1.0, 7.0)], table, out)
+    assert torch.count_nonzero(whole) == 0
+
+
 def test_pack_rejects_misordered_sources() -> None:
     plan = PackPlan(src_tp=2, dst_tp=1, dst_rank=0)
     plan.add_gated_fc1("fc1", ffn_hidden_size=FFN, columns=HIDDEN)
