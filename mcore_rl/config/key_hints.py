@@ -25,6 +25,13 @@ VERL_PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 
+# verl's keys with no single key of ours: what to set instead (the closest spelling would mislead: verl's
+# symmetric clip_ratio is closest to clip_ratio_c, the dual-clip bound).
+VERL_SPLIT_KEYS: dict[str, str] = {
+    "clip_ratio": "set both algorithm.clip_ratio_low and algorithm.clip_ratio_high (verl's symmetric clip_ratio)",
+}
+
+
 def schema_has(schema: type, dotted: str) -> bool:
     """``dotted`` names a field of ``schema`` (nested sections followed; an optional section counts)."""
     node: typing.Any = schema
@@ -49,6 +56,9 @@ def _section(hint: typing.Any) -> typing.Any:
 def key_hint(schema: type, dotted: str, allowed: Sequence[str], prefix: str) -> str:
     """``; verl's K is our K2`` or ``; did you mean K2?`` for the unknown key ``dotted`` (whose section,
     at ``prefix``, allows ``allowed``); empty when nothing is close."""
+    split = VERL_SPLIT_KEYS.get(dotted.rsplit(".", 1)[-1])
+    if split is not None and dotted.split(".")[0] in ("algorithm", "actor_rollout_ref"):
+        return f"; {split}"
     for verl, ours in VERL_PREFIXES:
         if dotted == verl or (dotted.startswith(verl) and verl.endswith(".")):
             mapped = ours + dotted[len(verl) :]

@@ -368,8 +368,8 @@ class AlgorithmConfig:
     """grpo, dr_grpo (GRPO without std normalisation, seq-mean-token-sum-norm loss), rloo,
     reinforce_plus_plus, reinforce_plus_plus_baseline, gae (PPO with the ``critic``); 'reinforce++' and
     'reinforce++-baseline' are accepted spellings."""
-    norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide by the group's reward std (False for dr_grpo whatever this says)."""
+    norm_adv_by_std_in_grpo: bool | None = None
+    """GRPO: divide by the group's reward std. null: true, and false for dr_grpo (which refuses true)."""
     gamma: float = 1.0
     """Discount of the REINFORCE++ return."""
     lam: float = 1.0
@@ -392,8 +392,9 @@ class AlgorithmConfig:
     """PPO ratio clip above 1 (DAPO's clip-higher when larger than ``clip_ratio_low``)."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
-    loss_agg_mode: str = LossAggMode.TOKEN_MEAN.value
-    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    loss_agg_mode: str | None = None
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm. null:
+    token-mean, and seq-mean-token-sum-norm for dr_grpo (which refuses any other)."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight (0 disables)."""
     ppo_epochs: int = 1
@@ -428,6 +429,7 @@ class AlgorithmConfig:
         # Store one spelling so the driver compares against one name.
         if isinstance(self.adv_estimator, str):
             self.adv_estimator = ADV_ESTIMATOR_ALIASES.get(self.adv_estimator, self.adv_estimator)
+        self._follow_the_estimator()
         check_section(
             self,
             {
@@ -440,7 +442,7 @@ class AlgorithmConfig:
                 "clip_ratio_low": Rule("in [0, 1)", lambda v: 0 <= v < 1),
                 "clip_ratio_high": NON_NEGATIVE,
                 "clip_ratio_c": Rule("> 1", lambda v: v > 1),
-                "loss_agg_mode": choice(LossAggMode),
+                "loss_agg_mode": choice(LossAggMode, optional=True),
                 "ppo_epochs": POSITIVE,
                 "ppo_mini_batch_size": POSITIVE,
                 "ppo_micro_batch_size_per_gpu": POSITIVE,
@@ -449,3 +451,43 @@ class AlgorithmConfig:
                 "rollout_is_threshold": Rule("> 1 or null", lambda v: v is None or v > 1),
             },
         )
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation the run uses: ``loss_agg_mode``, or the estimator's when null."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        dr_grpo = self.adv_estimator == AdvEstimator.DR_GRPO
+        return (LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM if dr_grpo else LossAggMode.TOKEN_MEAN).value
+
+    @property
+    def norm_by_std(self) -> bool:
+        """Whether GRPO divides by the group's std: ``norm_adv_by_std_in_grpo``, or the estimator's."""
+        if self.norm_adv_by_std_in_grpo is not None:
+            return self.norm_adv_by_std_in_grpo
+        return self.adv_estimator != AdvEstimator.DR_GRPO
+
+    def _follow_the_estimator(self) -> None:
+        """Dr.GRPO is GRPO with the std normalisation off and the seq-mean-token-sum-norm loss: the two keys
+        follow it when null, and a contradicting value is refused rather than silently replaced."""
+        if self.adv_estimator != AdvEstimator.DR_GRPO:
+            return
+        norm_sum = LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM.value
+        if self.loss_agg_mode not in (None, norm_sum):
+            raise FieldError(
+                [
+                    (
+                        "algorithm.loss_agg_mode",
+                        f"={self.loss_agg_mode}: dr_grpo aggregates by {norm_sum} (or null)",
+                    )
+                ]
+            )
+        if self.norm_adv_by_std_in_grpo:
+            raise FieldError(
+                [
+                    (
+                        "algorithm.norm_adv_by_std_in_grpo",
+                        "=true: dr_grpo does not divide by the std (false or null)",
+                    )
+                ]
+            )

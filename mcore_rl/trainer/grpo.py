@@ -56,7 +56,7 @@ class GRPOStep(StepBase):
             scored.scores,
             rollout.response_mask,
             rollout.prompt_index,
-            norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
+            norm_adv_by_std=cfg.algorithm.norm_by_std,
             gamma=cfg.algorithm.gamma,
         )
         advantages, importance = self.lag_correction(advantages, old_log_probs, rollout, lag)

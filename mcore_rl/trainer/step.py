@@ -454,16 +454,15 @@ def _once(wait: Callable[[], T]) -> Callable[[], T]:
 
 
 def loss_settings(cfg: RunConfig) -> PolicyLossSettings:
-    """The actor loss from ``algorithm`` (Dr.GRPO takes its seq-mean-token-sum-norm aggregation)."""
+    """The actor loss from ``algorithm`` (Dr.GRPO's aggregation is settled by its config section)."""
     algo = cfg.algorithm
-    dr_grpo = algo.adv_estimator == AdvEstimator.DR_GRPO
     return PolicyLossSettings(
         vocab_size=cfg.model.arch().vocab_size,
         temperature=cfg.rollout.temperature,
         clip_ratio_low=algo.clip_ratio_low,
         clip_ratio_high=algo.clip_ratio_high,
         clip_ratio_c=algo.clip_ratio_c,
-        loss_agg_mode="seq-mean-token-sum-norm" if dr_grpo else algo.loss_agg_mode,
+        loss_agg_mode=algo.aggregation,
         norm_constant=float(cfg.rollout.response_length),
         use_kl_loss=algo.use_kl_loss,
         kl_loss_coef=algo.kl_loss_coef,

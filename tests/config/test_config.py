@@ -139,10 +139,9 @@ def test_choices_are_the_algorithms_enums() -> None:
     for mode in LossAggMode:
         assert load_config(DEMO, [f"algorithm.loss_agg_mode={mode.value}"]).algorithm.loss_agg_mode == mode
     for estimator in AdvEstimator:  # every estimator the enum names is accepted (GAE also needs a critic)
-        assert (
-            load_config(DEMO, [f"algorithm.adv_estimator={estimator.value}"]).algorithm.adv_estimator
-            == estimator
-        )
+        # (the demo recipe's token-mean would contradict Dr.GRPO's aggregation: null follows the estimator)
+        overrides = [f"algorithm.adv_estimator={estimator.value}", "algorithm.loss_agg_mode=null"]
+        assert load_config(DEMO, overrides).algorithm.adv_estimator == estimator
     for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "low_var_kl+"):
         assert load_config(DEMO, [f"algorithm.kl_loss_type={name}"]).algorithm.kl_loss_type == name
         parse_kl_estimator(name)
@@ -150,9 +149,37 @@ def test_choices_are_the_algorithms_enums() -> None:
         "reinforce_plus_plus"
     )
     with pytest.raises(
-        ConfigError, match=r"algorithm.loss_agg_mode='token-avg' is not allowed; choose one of: token-mean"
+        ConfigError,
+        match=r"algorithm.loss_agg_mode='token-avg' is not allowed; choose one of: null, token-mean",
     ):
         load_config(DEMO, ["algorithm.loss_agg_mode=token-avg"])
+
+
+def test_dr_grpo_settles_its_loss_and_normalisation_or_refuses_others() -> None:
+    """Dr.GRPO replaced an explicit loss_agg_mode (and std normalisation) in silence, the config saying
+    token-mean while the loss ran seq-mean-token-sum-norm."""
+    grpo = load_config(None, rules=False).algorithm
+    assert (grpo.aggregation, grpo.norm_by_std) == ("token-mean", True)
+    dr = load_config(None, ["algorithm.adv_estimator=dr_grpo"], rules=False).algorithm
+    assert (dr.aggregation, dr.norm_by_std) == ("seq-mean-token-sum-norm", False)
+    with pytest.raises(ConfigError, match=r"algorithm\.loss_agg_mode=token-mean: dr_grpo aggregates by"):
+        load_config(DEMO, ["algorithm.adv_estimator=dr_grpo"])
+    with pytest.raises(ConfigError, match=r"algorithm\.norm_adv_by_std_in_grpo=true: dr_grpo"):
+        load_config(
+            None, ["algorithm.adv_estimator=dr_grpo", "algorithm.norm_adv_by_std_in_grpo=true"], rules=False
+        )
+    from mcore_rl.trainer.step import loss_settings
+
+    cfg = load_config(DEMO, ["algorithm.adv_estimator=dr_grpo", "algorithm.loss_agg_mode=null"])
+    assert loss_settings(cfg).loss_agg_mode == "seq-mean-token-sum-norm"
+
+
+def test_verl_clip_ratio_points_at_both_bounds() -> None:
+    for key in ("algorithm.clip_ratio", "actor_rollout_ref.actor.clip_ratio"):
+        with pytest.raises(
+            ConfigError, match=r"set both algorithm\.clip_ratio_low and algorithm\.clip_ratio_high"
+        ):
+            load_config(DEMO, [f"{key}=0.28"])
 
 
 def test_config_show_prints_the_resolved_config() -> None:
@@ -181,7 +208,10 @@ BAD_CONFIGS = [
     (["rollout.n"], "not of the form dotted.key=value"),
     (["rollout.stop_token_ids={a: 1"], "rollout.stop_token_ids"),
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator='ppo' is not allowed; choose one of: grpo"),
-    (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode='mean' is not allowed; choose one of: token"),
+    (
+        ["algorithm.loss_agg_mode=mean"],
+        "algorithm.loss_agg_mode='mean' is not allowed; choose one of: null, token",
+    ),
     (["algorithm.kl_loss_type=k4"], "algorithm.kl_loss_type"),
     (["optim.lr_decay_style=step"], "optim.lr_decay_style"),
     (["trainer.resume_mode=latest"], "trainer.resume_mode='latest'"),
