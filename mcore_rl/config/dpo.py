@@ -13,6 +13,7 @@ from mcore_rl.io.fields import (
     NON_NEGATIVE,
     OPTIONAL_POSITIVE,
     POSITIVE,
+    FieldError,
     Rule,
     check_section,
     choice,
@@ -49,8 +50,10 @@ class DPOConfig:
     of random weights); False keeps a frozen reference model in the same processes and scores each batch as
     it comes."""
     sft_loss_weight: float = 0.0
-    """Add this times the chosen completion's per-token negative log-likelihood (RPO; NeMo-RL's
-    ``sft_loss_weight``, TRL's ``sft`` loss term)."""
+    """Add this times the chosen completion's negative log-likelihood averaged over its own tokens, then over
+    the pairs: the RPO paper's form, NeMo-RL's ``sft_loss_weight`` with ``sft_average_log_probs=true``. TRL's
+    ``rpo_alpha`` averages over all chosen tokens of the batch instead, NeMo-RL's default sums each
+    completion's: the three agree when the chosen completions are equally long."""
     max_length: int | None = None
     """Longest prompt + completion in tokens (None: ``data.max_prompt_length + data.max_response_length``);
     longer pairs, and prompts over ``data.max_prompt_length``, follow ``data.filter_overlong_prompts``."""
@@ -64,6 +67,8 @@ class DPOConfig:
     (None: ``trainer.total_epochs`` passes over the pairs), ``trainer.save_freq`` and ``trainer.resume_mode``."""
 
     def __post_init__(self) -> None:
+        if self.chosen_key == self.rejected_key:  # every pair would be (x, x): the loss stays at log 2
+            raise FieldError([("dpo.rejected_key", f"={self.rejected_key!r} is dpo.chosen_key as well")])
         check_section(
             self,
             {

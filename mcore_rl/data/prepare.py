@@ -147,9 +147,7 @@ def split_inputs(inputs: Sequence[str], split: str | None = None) -> dict[str, l
         raise PrepareError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     out: dict[str, list[str]] = {}
     for given in inputs:
-        named, sep, path = given.partition("=")
-        if not sep or named not in SPLITS:
-            named, path = "", given
+        named, path = _named_input(given)
         for file in _data_files(path):
             which = named or split or _split_of_name(file)
             if which is None:
@@ -161,6 +159,12 @@ def split_inputs(inputs: Sequence[str], split: str | None = None) -> dict[str, l
     if not out:
         raise PrepareError("no --input given")
     return out
+
+
+def _named_input(given: str) -> tuple[str, str]:
+    """``[split=]path`` -> (split or "", path)."""
+    named, sep, path = given.partition("=")
+    return (named, path) if sep and named in SPLITS else ("", given)
 
 
 def _data_files(path: str) -> list[str]:
@@ -220,7 +224,8 @@ def prepare_dataset(name: str, inputs: Sequence[str], out: str, split: str | Non
     task, by_split = TASKS[name], split_inputs(inputs, split)
     if os.path.isdir(out) and os.listdir(out):
         raise OutputError(f"--out {out} exists and is not empty; prepared data is never written over it")
-    sources = [f for files in by_split.values() for f in files]
+    # the folders given as well as their files: an output inside an input folder would be read back as input
+    sources = [*(_named_input(g)[1] for g in inputs), *(f for files in by_split.values() for f in files)]
     output = OutputFolder.plan(out, flag="--out", inputs=sources, kind="dataset")
     tables = {s: pa.Table.from_pylist(convert_split(task, files, s)) for s, files in by_split.items()}
     staging = output.begin()

@@ -136,7 +136,9 @@ def _record(
     elif not isinstance(response, str) or not response:
         raise BadRowError(RowProblem(*where, response_key, f"expected non-empty text, got {response!r:.60}"))
     else:
-        response_ids = [*tokenizer.encode(response), tokenizer.eos_token_id]
+        response_ids = tokenizer.encode(response)
+        if not response_ids or response_ids[-1] != tokenizer.eos_token_id:  # one stop token, as DPO and TRL
+            response_ids.append(tokenizer.eos_token_id)
     total = len(prompt_ids) + len(response_ids)
     if total > max_length:
         raise BadRowError(
@@ -164,7 +166,20 @@ def _trace_ids(
         content = message_text(turn.get("content", ""))
         if content is None:
             raise BadRowError(RowProblem(*where, f"expected a message with text content, got {turn!r:.60}"))
-        turns.append({"role": turn["role"], "content": content})
+        others = {k: v for k, v in turn.items() if k not in ("role", "content") and v is not None}
+        if turn["role"] == "assistant" and len(others.get("tool_calls", ())):
+            # The assistant's tokens are its content as the model writes it; structured calls were dropped
+            # (the turn trained as a bare stop token).
+            raise BadRowError(
+                RowProblem(
+                    *where,
+                    "an assistant turn's tool_calls: write the calls in its content as the model emits them",
+                )
+            )
+        # what answers the assistant keeps its fields (a tool's name, tool_call_id): the template renders them
+        turns.append(
+            {"role": turn["role"], "content": content, **({} if turn["role"] == "assistant" else others)}
+        )
     if turns[0]["role"] != "assistant":
         raise BadRowError(RowProblem(*where, "a multi-turn response starts with an assistant turn"))
     try:

@@ -177,6 +177,13 @@ def test_existing_output_is_never_written_over(tmp_path: Path) -> None:
     assert (out / "mine.txt").read_text() == "keep"
     with pytest.raises(OutputError, match="is the input"):
         prepare_dataset("gsm8k", [source], source)
+    folder = tmp_path / "raw"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", GSM8K)
+    for given in (str(folder), f"train={folder}"):  # the next run over that folder would read it as input
+        with pytest.raises(OutputError, match="raw/prepared"):
+            prepare_dataset("gsm8k", [given], str(folder / "prepared"))
+        assert not (folder / "prepared").exists()
 
 
 def test_cli_prepares_and_reports_errors_in_one_line(

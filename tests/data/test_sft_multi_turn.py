@@ -64,3 +64,33 @@ def test_a_quarter_of_the_generated_traces_call_the_tool() -> None:
     responses = [r["response"] for r in rows(make_products(2000, seed=0), "sft", with_response=True)]
     with_tool = sum(len(r) == 3 for r in responses)
     assert abs(with_tool / 2000 - TOOL_FRACTION) < 0.03 and all(len(r) in (1, 3) for r in responses)
+
+
+def test_structured_tool_calls_are_named_not_dropped(tmp_path) -> None:
+    """An OpenAI-style assistant turn (empty content, ``tool_calls``) trained as a bare stop token."""
+    write_tokenizer(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    bad = rows([Product(123, 45)], "sft", with_response=True)
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 123, "b": 45}}}
+    bad[0]["response"] = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "5535", "name": "multiply"},
+        {"role": "assistant", "content": "5535"},
+    ]
+    write_rows(os.path.join(tmp_path, "bad.jsonl"), bad)
+    data = DataConfig(train_files=[str(tmp_path / "bad.jsonl")], max_prompt_length=16, max_response_length=48)
+    with pytest.raises(DataError, match="row 0: column 'response': an assistant turn's tool_calls"):
+        SFTDataset.from_files(data.train_files, tokenizer, data)
+
+
+def test_a_response_ending_in_the_stop_token_gets_no_second(tmp_path) -> None:
+    write_tokenizer(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    examples = rows([Product(123, 45), Product(7, 8)], "sft", with_response=True)
+    examples[0]["response"], examples[1]["response"] = "5535<|im_end|>", "56"
+    write_rows(os.path.join(tmp_path, "sft.jsonl"), examples)
+    data = DataConfig(train_files=[str(tmp_path / "sft.jsonl")], max_prompt_length=16, max_response_length=48)
+    records = SFTDataset.from_files(data.train_files, tokenizer, data).records
+    eos = tokenizer.eos_token_id
+    for record in records:
+        assert record.response_ids[-1] == eos and record.response_ids[-2] != eos

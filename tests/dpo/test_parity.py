@@ -59,7 +59,7 @@ def _hf_sequence_logps(model: Any, batch: PreferenceBatch) -> tuple[torch.Tensor
 
 def _trl_loss(logps, ref, lengths, settings: DPOSettings, sft: float) -> torch.Tensor:
     b, beta, eps = NUM_PAIRS, settings.beta, settings.label_smoothing
-    nll = -logps[:b] / lengths[:b]  # the chosen completion's per-token NLL (the RPO / sft term)
+    nll = -logps[:b] / lengths[:b]  # each chosen completion's per-token NLL (the RPO paper's form; not TRL's)
     if settings.reference_free:
         ref = torch.zeros_like(ref)
     if settings.loss_type.value == "ipo":
