@@ -132,6 +132,10 @@ def _optional_config(arch: ModelArch, ctx: ParallelContext, options: ModelOption
     extra: dict[str, Any] = {}
     if options.recompute_activations:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout.pp == 2:  # megatron crosses the shapes of a two-stage exchange (compat/pipeline_shapes.py)
+        from mcore_rl.compat.pipeline_shapes import patch_shape_exchange
+
+        patch_shape_exchange()
     if layout.vpp and layout.pp == 2:
         # Interleaved PP2 sends to the same peer in both directions at once; batched p2p then pairs the two
         # messages by posting order and swaps activations with gradients (silently: same shapes). megatron's

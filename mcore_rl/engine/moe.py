@@ -94,10 +94,15 @@ def _tracked_values() -> dict[str, torch.Tensor]:
 def read_router_losses(
     arch: ModelArch, ctx: ParallelContext, config: Any, num_micro_batches: int
 ) -> RouterLosses:
-    """Collective over the world: the tracker's values reduced as the module docstring says, then cleared."""
+    """Collective over the world: the tracker's values reduced as the module docstring says, then cleared.
+    ``num_micro_batches``: this rank's, fillers not counted (data-parallel ranks may run different numbers)."""
     if arch.moe is None:
         return RouterLosses()
     tracker = _tracked_values()
+    # the mean over every data-parallel rank's micro-batches (a rank's own count times DP doubled the logged
+    # losses on a rank with fewer micro-batches than another under token budgets)
+    counted = torch.tensor([num_micro_batches], dtype=torch.int64)
+    dist.all_reduce(counted, group=ctx.dp_group)
     out: dict[str, float | None] = {}
     for field, name in _TRACKED.items():
         if not _enabled(config)[field]:
@@ -113,7 +118,7 @@ def read_router_losses(
         # the load-balancing loss of a TP rank covers its share of the tokens (summed over TP, as megatron
         # logs it); the z-loss is each SP rank's own token mean (averaged over TP)
         shares = ctx.tp_size if field == "z_loss" else 1
-        out[field] = float(values.sum()) / (len(arch.moe.layers) * num_micro_batches * ctx.dp_size * shares)
+        out[field] = float(values.sum()) / (len(arch.moe.layers) * int(counted) * shares)
     return RouterLosses(**out)
 
 
@@ -144,6 +149,25 @@ def balanced_for_experts(
     width = ctx.sequence_multiple  # sequence parallelism splits every sequence over TP
     filler = FillerMicroBatch(torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0))
     return micro_batches + [filler] * (int(count) - len(micro_batches))  # type: ignore[list-item]
+
+
+def filled_for_interleaving(
+    micro_batches: list[MicroBatch], ctx: ParallelContext, forward_only: bool
+) -> list[MicroBatch]:
+    """``micro_batches`` with fillers appended where megatron's interleaved (virtual pipeline) schedule needs
+    more: a multiple of PP (it refuses a partial last group), and in a training step more than PP. With
+    exactly PP every micro-batch of the first stage is a warm-up one, and megatron 0.16's shape exchange of
+    variable-length batches then deadlocks (stage 0 sends its activations while stage 1 waits for shapes:
+    found at PP2 x VPP2 with 2 micro-batches; 4 and 6 ran)."""
+    pp = ctx.layout.pp
+    if ctx.layout.num_model_chunks == 1:
+        return micro_batches
+    count = -(-len(micro_batches) // pp) * pp
+    if not forward_only:
+        count = max(count, 2 * pp)
+    width = ctx.sequence_multiple
+    filler = FillerMicroBatch(torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0))
+    return micro_batches + [filler] * (count - len(micro_batches))  # type: ignore[list-item]
 
 
 @dataclass

@@ -47,6 +47,7 @@ from mcore_rl.engine.moe import (
     RouterLosses,
     RoutingTaps,
     balanced_for_experts,
+    filled_for_interleaving,
     read_router_losses,
     router_loss_scope,
 )
@@ -296,8 +297,9 @@ class TrainEngine:
         if not micro_batches:
             raise ValueError("micro_batches is empty")
         # Callers build batches on the CPU; the first GPU run failed in the embedding on cpu token ids.
+        balanced = balanced_for_experts(micro_batches, self.arch, self.ctx)
         micro_batches = [
-            mb.to(self.ctx.device) for mb in balanced_for_experts(micro_batches, self.arch, self.ctx)
+            mb.to(self.ctx.device) for mb in filled_for_interleaving(balanced, self.ctx, forward_only)
         ]
         packed = [mb.packed for mb in micro_batches if mb.packed is not None]
         if packed and self.ctx.layout.pp > 1:
@@ -322,7 +324,8 @@ class TrainEngine:
         iterators = [iter(micro_batches) for _ in self.chunks]
         # Guarded: a rank that raises mid-schedule stops its peers' pipeline waits (mcore_rl.parallel.failure).
         no_grad = torch.no_grad() if forward_only else nullcontext()
-        tokens = [_model_input(mb)[0].numel() for mb in micro_batches]
+        real = [mb for mb in micro_batches if not isinstance(mb, FillerMicroBatch)]
+        tokens = [_model_input(mb)[0].numel() for mb in real]
         router = router_loss_scope(self.arch, self.ctx, self.config, tokens, forward_only)
         base = adapters_disabled(self.chunks) if self.adapters_off else nullcontext()
         with self.ctx.guard("forward" if forward_only else "forward_backward"), no_grad, router, base:
@@ -340,7 +343,7 @@ class TrainEngine:
             if self.routing is not None:
                 self.routing.clear()
             if not forward_only:
-                self.router_losses = read_router_losses(self.arch, self.ctx, self.config, len(micro_batches))
+                self.router_losses = read_router_losses(self.arch, self.ctx, self.config, len(real))
         return [r for r in records if r is not _FILLER_RECORD]
 
     def finite_or_skip(self, local_metrics: torch.Tensor, on_nonfinite: str, what: str) -> bool:
@@ -430,7 +433,14 @@ def _forward_step(
     if routing is not None:  # the routers see this micro-batch's rollout choices during its forward
         routing.prepare(micro_batch)
     if isinstance(micro_batch, FillerMicroBatch):  # keeps the EP group's exchanges in step; no loss
-        return model(tokens, positions, None), _filler_loss
+        # in eval mode: a training-mode router attached its load-balancing and z-losses of the filler's
+        # padding to the backward (EP2 with one filler moved a router's gradient 4.5% off EP1's)
+        was_training = model.training
+        model.eval()
+        try:
+            return model(tokens, positions, None), _filler_loss
+        finally:
+            model.train(was_training)
     gpt = unwrap(model)
     if not isinstance(loss_fn, HeadLoss):
         output = model(tokens, positions, None, packed_seq_params=seq_params)  # [b, s, V/tp] or [1, T, ...]

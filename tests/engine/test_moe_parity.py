@@ -153,6 +153,47 @@ def test_uneven_micro_batches_are_balanced_for_expert_parallelism(run_distribute
     assert abs(results[0]["tp1"]["grad_norm"] - 2 * results[0]["ep2"]["grad_norm"]) < 1e-5
 
 
+def _uneven_with_router_losses() -> dict:
+    """As above with the router losses on: the same uneven split at EP1 (DP2) and EP2 (one filler on rank 0),
+    and the whole batch on each rank for the logged losses' true value."""
+    arch = tiny_arch("qwen3_moe")
+    tokens, labels = _global_batch(arch.vocab_size)
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        full = gather_full_state(build_model_chunks(arch, ctx), arch, ctx)
+    out = {}
+    uneven = [0] if dist.get_rank() == 0 else [1, 2, 3]
+    for name, parallel, rows in (("whole", {}, [0, 1, 2, 3]), ("ep1", {}, uneven), ("ep2", EP2, uneven)):
+        with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
+            engine = TrainEngine.build(arch, ctx, ROUTER_LOSSES, OPTIM)
+            engine.load_full_state(full)
+            engine.train_step(row_batches(tokens, labels, arch.vocab_size, rows), _ce_loss)
+            after = gather_full_state(engine.models, arch, ctx)
+            out[name] = {
+                "load_balancing": engine.router_losses.load_balancing,
+                "z_loss": engine.router_losses.z_loss,
+                "router_after": after["decoder.layers.0.mlp.router.weight"],
+            }
+    return out
+
+
+def test_fillers_and_uneven_ranks_leave_the_router_losses_alone(run_distributed):
+    """A filler ran its routers in training mode, adding the load-balancing and z-losses of its padding to
+    the update (EP2 moved a router's gradient 4.5% off EP1's) and to the logged values; a rank's own
+    micro-batch count times DP divided the logged sums (rank 0, with 1 of 4, logged twice the loss)."""
+    for result in run_distributed(_uneven_with_router_losses):
+        whole = result["whole"]
+        for name in ("ep1", "ep2"):
+            for loss in ("load_balancing", "z_loss"):
+                assert abs(result[name][loss] - whole[loss]) < 1e-5, (
+                    name,
+                    loss,
+                    result[name][loss],
+                    whole[loss],
+                )
+        diff = (result["ep2"]["router_after"] - result["ep1"]["router_after"]).abs().max()
+        assert float(diff) < 1e-6
+
+
 def test_the_routers_scale_their_losses_by_the_tokens_as_the_engine_scales_by_all_tokens() -> None:
     """megatron's TopKRouter copies ``calculate_per_token_loss`` when it is built and attaches ``loss * tokens``
     only with it; the engine scales the router terms by 1 / (every token of the step), so a router built
