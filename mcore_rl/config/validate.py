@@ -60,6 +60,7 @@ def check_paths(cfg: RunConfig) -> None:
 def config_problems(cfg: RunConfig, check_paths: bool = False) -> list[str]:
     """Every broken rule of :func:`validate`, one line each (empty when the config can run)."""
     problems = world_size_problems(cfg) + _run_problems(cfg) + _algorithm_problems(cfg)
+    problems += _adapter_reference_problems(cfg)
     problems += _hub_id_problems(cfg)
     if check_paths:
         problems += _path_problems(cfg)
@@ -305,6 +306,34 @@ def _algorithm_problems(cfg: RunConfig) -> list[str]:
             "set a temperature > 0 (greedy validation is rollout.val_kwargs.temperature=0)"
         )
     return problems
+
+
+def _adapter_reference_problems(cfg: RunConfig) -> list[str]:
+    """``model.lora_adapter_path`` with a reference model: a LoRA run's reference is its base with the adapters
+    off (``TrainEngine.frozen_copy``), not the base + loaded adapter the run starts from, so its KL (RL) or
+    its rewards (DPO) would not start at 0."""
+    path = cfg.model.lora_adapter_path
+    if path is None:
+        return []
+    merge = (
+        f"merge the adapter (mcore-rl convert mcore-to-hf --ckpt {path} --merge-lora --base "
+        f"{cfg.model.path or 'HF_DIR'} --out DIR) and start from model.path=DIR without model.lora_adapter_path"
+    )
+    if cfg.dpo.train_files:  # a DPO run
+        if cfg.dpo.reference_free or cfg.dpo.precompute_ref_log_probs:
+            return []  # precomputed log-probs come from the policy as loaded, adapter included
+        return [
+            f"model.lora_adapter_path={path} with a DPO reference model (dpo.precompute_ref_log_probs=false): "
+            "a LoRA run's reference is its base with the adapters off, not the adapter DPO starts from; set "
+            f"dpo.precompute_ref_log_probs=true (the reference is then the policy as loaded), or {merge}"
+        ]
+    kl = [k for k in ("use_kl_loss", "use_kl_in_reward") if getattr(cfg.algorithm, k)]
+    if not kl:
+        return []
+    return [
+        f"model.lora_adapter_path={path} with algorithm.{kl[0]}=true: the KL reference of a LoRA run is its "
+        f"base with the adapters off, not the adapter RL starts from; {merge}, or turn the KL term off"
+    ]
 
 
 def _path_problems(cfg: RunConfig) -> list[str]:

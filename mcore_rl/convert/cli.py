@@ -146,11 +146,16 @@ def _convert(args: argparse.Namespace) -> str:
 def _lora(args: argparse.Namespace, dtype: torch.dtype | None) -> str | None:
     """``mcore-to-hf`` of a LoRA checkpoint (``convert/peft.py``): the PEFT folder, or with ``--merge-lora`` the
     merged model; None for a plain model checkpoint."""
-    from mcore_rl.convert.peft import export_peft, is_lora_checkpoint, merge_lora
+    from mcore_rl.convert.peft import export_peft, is_lora_checkpoint, is_peft_folder, merge_lora
 
     lora = is_lora_checkpoint(args.ckpt) if os.path.isdir(args.ckpt) else False
     if args.base is not None and not args.merge_lora:
         raise UsageError("--base names the model to merge into: it goes with --merge-lora")
+    if not args.merge_lora and lora and is_peft_folder(args.ckpt):  # export_peft reads run checkpoints only
+        raise UsageError(
+            f"--ckpt {args.ckpt} is a PEFT adapter folder already; to merge it into its model, add "
+            "--merge-lora --base HF_DIR"
+        )
     if not args.merge_lora:
         return export_peft(args.ckpt, args.out, args.overwrite, dtype, args.allow_nonfinite) if lora else None
     if not lora:

@@ -42,9 +42,14 @@ from mcore_rl.parallel.launch_env import current_rank
 TRAINER_STATE = "trainer_state.json"  # engine/trainer_checkpoint.py's
 
 
+def is_peft_folder(ckpt: str) -> bool:
+    """A PEFT adapter folder (``adapter_config.json``), as written by peft or by ``mcore-to-hf`` itself."""
+    return os.path.isfile(os.path.join(ckpt, CONFIG_FILE))
+
+
 def is_lora_checkpoint(ckpt: str) -> bool:
     """A LoRA run checkpoint (its ``trainer_state.json`` records adapters) or a PEFT adapter folder."""
-    if os.path.isfile(os.path.join(ckpt, CONFIG_FILE)):
+    if is_peft_folder(ckpt):
         return True
     state = os.path.join(ckpt, TRAINER_STATE)
     return os.path.isfile(state) and read_json_object(state, ConvertError).get("lora") is not None
@@ -144,7 +149,7 @@ def merge_lora(
     config_file = str(input_file(base, "config.json"))
     hf_config = read_json_object(config_file, ConvertError)
     arch = arch_of_config(hf_config, config_file)
-    if os.path.isfile(os.path.join(source, CONFIG_FILE)):
+    if is_peft_folder(source):
         spec, adapters = read_peft_adapter(source, arch)
         for key, tensor in adapters.items():
             check_finite(tensor, peft_name(key), os.path.join(source, WEIGHTS_FILE), allow_nonfinite)

@@ -24,6 +24,7 @@ from mcore_rl.dpo.loss import (
     sequence_log_prob_loss,
 )
 from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.hf.peft import load_peft_adapter
 from mcore_rl.engine.lora_spec import LoRASpec
 from mcore_rl.engine.model import ModelOptions
 from mcore_rl.engine.optim import OptimConfig, lr_scheduler
@@ -51,9 +52,20 @@ class PolicySpec:
     """Logits the LM head keeps for its backward (``model.keep_logits_gib``; None: the device's default)."""
     lora: LoRASpec | None = None
     """LoRA adapters on the frozen policy (``model.lora_*``); the reference is then the base, adapters off."""
+    lora_adapter_path: str | None = None
+    """A PEFT adapter folder loaded into the adapters after the base weights (``model.lora_adapter_path``).
+    The reference would then be the base without it, not the policy DPO starts from: it needs
+    ``with_reference=False`` (precomputed reference log-probs, or reference-free)."""
     pad_token_id: int = 0
     on_nonfinite: str = "stop"
     """stop (raise, naming the step) or skip (drop the update)."""
+
+    def __post_init__(self) -> None:
+        if self.lora_adapter_path is not None and self.with_reference:  # config/validate.py names the keys
+            raise ValueError(
+                f"model.lora_adapter_path={self.lora_adapter_path}: the reference model would be the base "
+                "without the adapter; needs dpo.precompute_ref_log_probs=true or dpo.reference_free=true"
+            )
 
 
 class DPOPolicy:
@@ -70,8 +82,8 @@ class DPOPolicy:
     def build(
         cls, ctx: ParallelContext, spec: PolicySpec, full_state: dict[str, torch.Tensor] | None = None
     ) -> DPOPolicy:
-        """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation) and
-        the reference, a frozen copy of it."""
+        """Collective: the policy (``full_state`` loaded when given, else the seeded random initialisation; then
+        the PEFT adapter of ``spec.lora_adapter_path``) and the reference, a frozen copy of it."""
         options = ModelOptions(
             dtype=getattr(torch, spec.dtype),
             scaled_output_init=spec.scaled_output_init,
@@ -81,6 +93,8 @@ class DPOPolicy:
         engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if full_state is not None:
             engine.load_full_state(full_state)
+        if spec.lora_adapter_path is not None:
+            load_peft_adapter(engine, spec.lora_adapter_path)
         return cls(ctx, spec, engine, engine.frozen_copy() if spec.with_reference else None)
 
     # --- batches --------------------------------------------------------------------------------------------

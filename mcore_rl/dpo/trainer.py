@@ -412,6 +412,7 @@ def policy_spec(cfg: RunConfig, total_steps: int, pad_token_id: int) -> PolicySp
         scaled_output_init=cfg.model.scaled_output_init,
         keep_logits_bytes=keep_logits_setting(cfg),
         lora=cfg.model.lora_spec(),
+        lora_adapter_path=cfg.model.lora_adapter_path,
         pad_token_id=pad_token_id,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
     )
@@ -435,20 +436,26 @@ def reference_identity(cfg: RunConfig) -> str:
     """What the cached reference log-probs depend on besides the data: the initial model. ``model.path``'s
     weight files by name, size and modification time (a different model in the same run folder, or the
     folder's weights replaced, misses the cache), else the seeded random initialisation; its dtype and
-    architecture overrides either way."""
+    architecture overrides either way; and the files of ``model.lora_adapter_path`` (the policy as loaded)."""
     model = cfg.model
     parts: list[Any] = [model.dtype, model.hf_config, model.scaled_output_init]
     if model.path is None or not model.load_weights:
         parts.append(("random", cfg.trainer.seed))
     else:
-        root = os.path.realpath(model.path)
-        for folder, _, names in sorted(os.walk(root)):
-            for name in sorted(names):
-                stat = os.stat(os.path.join(folder, name))
-                parts.append(
-                    (os.path.relpath(os.path.join(folder, name), root), stat.st_size, stat.st_mtime_ns)
-                )
+        parts += _folder_files(model.path)
+    if model.lora_adapter_path is not None:
+        parts += ["lora_adapter", *_folder_files(model.lora_adapter_path)]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def _folder_files(path: str) -> list[tuple[str, int, int]]:
+    """(relative name, size, modification time) of every file under ``path``."""
+    root, files = os.path.realpath(path), []
+    for folder, _, names in sorted(os.walk(root)):
+        for name in sorted(names):
+            stat = os.stat(os.path.join(folder, name))
+            files.append((os.path.relpath(os.path.join(folder, name), root), stat.st_size, stat.st_mtime_ns))
+    return files
 
 
 def _fingerprint(dataset: PreferenceDataset) -> str:

@@ -26,6 +26,10 @@ SEGMENTS = {
     "mlp.linear_fc2": ("down_proj",),
 }
 """Each adaptable megatron module's HF projections, in the order of its output rows."""
+HF_MODULE = {
+    p: "self_attn" if module.startswith("self_attention") else "mlp" for p, (module, _) in TARGETS.items()
+}
+"""HF projection -> its module in an HF decoder layer (``model.layers.{i}.self_attn.q_proj``)."""
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
 
 
@@ -72,18 +76,33 @@ class LoRASpec:
 
 def resolve_targets(value: str | Sequence[str], key: str = "model.target_modules") -> tuple[str, ...]:
     """``all-linear`` or a list of HF projection names -> the names, in :data:`TARGETS`' order. A name may
-    carry its module path (``self_attn.q_proj``, as peft accepts); one that adapts nothing is refused."""
+    carry its HF module (``self_attn.q_proj``, ``mlp.down_proj``), as peft accepts: it matches every layer's
+    projection by suffix. One that adapts nothing (``mlp.q_proj``) or only some layers
+    (``layers.0.self_attn.q_proj``, which peft would adapt in layer 0 alone) is refused."""
     if isinstance(value, str):
         if value != ALL_LINEAR:
             raise ValueError(f"{key}={value!r}: {_targets_problem([value])}")
         return tuple(TARGETS)
-    names = [str(v).rsplit(".", 1)[-1] for v in value]
-    unknown = [str(v) for v, n in zip(value, names, strict=True) if n not in TARGETS]
+    names = [_projection(str(v)) for v in value]
+    unknown = [str(v) for v, n in zip(value, names, strict=True) if n is None]
     if unknown or not names:
         raise ValueError(f"{key}={list(value)!r}: {_targets_problem(unknown)}")
     return tuple(t for t in TARGETS if t in names)
 
 
+def _projection(name: str) -> str | None:
+    """The HF projection ``name`` adapts in every decoder layer (``q_proj`` or ``self_attn.q_proj``); None for
+    anything else."""
+    parent, _, projection = name.rpartition(".")
+    if projection not in TARGETS or parent not in ("", HF_MODULE[projection]):
+        return None
+    return projection
+
+
 def _targets_problem(unknown: list[str]) -> str:
     what = f"{unknown[0]!r} matches no linear layer" if unknown else "no module is named"
+    projection = unknown[0].rpartition(".")[2] if unknown else ""
+    if projection in TARGETS:  # a path that is not where the projection lives in every layer
+        where = f"{HF_MODULE[projection]}.{projection}"
+        what = f"{unknown[0]!r} is not {projection} of every layer (write {projection} or {where})"
     return f"{what}; choose {ALL_LINEAR!r} or some of {list(TARGETS)} (the decoder's linear layers)"

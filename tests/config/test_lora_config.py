@@ -12,6 +12,8 @@ from mcore_rl.engine.lora_spec import TARGETS, LoRASpec
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 DEMO = str(RECIPES / "demo_cpu.yaml")
 MOE = str(RECIPES / "moe_demo_cpu.yaml")
+DPO = str(RECIPES / "dpo_demo_cpu.yaml")
+ADAPTER = ["sft.enable=false", "model.lora_rank=8", "model.lora_adapter_path=/x"]
 
 
 def test_off_by_default_and_all_linear_resolves_to_every_projection() -> None:
@@ -39,6 +41,27 @@ BAD = [
         r"model\.target_modules.*'lm_head' matches no",
     ),
     (DEMO, ["model.target_modules=[]"], r"model\.target_modules=\[\]: no module is named"),
+    (
+        DEMO,
+        ["model.lora_rank=8", "model.target_modules=[mlp.q_proj,self_attn.down_proj]"],
+        r"model\.target_modules.*'mlp\.q_proj' is not q_proj of every layer \(write q_proj or self_attn\.q_proj\)",
+    ),
+    (
+        DEMO,
+        ["model.lora_rank=8", "model.target_modules=[layers.0.self_attn.q_proj]"],
+        r"model\.target_modules.*'layers\.0\.self_attn\.q_proj' is not q_proj of every layer",
+    ),
+    (
+        DEMO,
+        [*ADAPTER, "algorithm.use_kl_loss=true"],
+        r"model\.lora_adapter_path=/x with algorithm\.use_kl_loss=true: the KL reference .* base with the "
+        r"adapters off.*mcore-rl convert mcore-to-hf --ckpt /x --merge-lora --base \S+ --out DIR.*turn the KL",
+    ),
+    (
+        DPO,
+        ADAPTER[1:],
+        r"model\.lora_adapter_path=/x with a DPO reference model.*set dpo\.precompute_ref_log_probs=true",
+    ),
     (DEMO, ["model.lora_adapter_path=/x"], r"model\.lora_adapter_path needs model\.lora_rank > 0"),
     (MOE, ["model.lora_rank=8"], r"model\.lora_rank=8: LoRA on mixture-of-experts models is not supported"),
 ]
@@ -49,6 +72,12 @@ def test_bad_lora_settings_name_the_key(recipe: str, overrides: list[str], expec
     with pytest.raises(ConfigError, match=expected) as info:
         load_config(recipe, overrides)
     assert "\n" not in str(info.value)
+
+
+def test_a_loaded_adapter_without_a_reference_model_is_accepted() -> None:
+    load_config(DEMO, [*ADAPTER, "algorithm.use_kl_loss=false"])  # no KL term: no reference
+    for off in ("dpo.precompute_ref_log_probs=true", "dpo.reference_free=true"):
+        assert load_config(DPO, [*ADAPTER[1:], off]).model.lora_adapter_path == "/x"
 
 
 @pytest.mark.parametrize(

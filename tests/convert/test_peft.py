@@ -2,7 +2,8 @@
 tensor, and what our adapters cannot carry, or a folder that is not the model's, is refused in one line naming
 the file and the field or tensor. A resume with LoRA from a checkpoint saved without it names its file.
 ``mcore-to-hf`` of LoRA checkpoints (``convert/peft.py``): ``--merge-lora`` refuses NaN/Inf and merges in fp32
-straight to ``--dtype``; a run checkpoint's PEFT export honours ``--dtype``."""
+straight to ``--dtype``; a run checkpoint's PEFT export honours ``--dtype``; a PEFT folder without
+``--merge-lora`` is told what it needs."""
 
 from __future__ import annotations
 
@@ -83,8 +84,37 @@ def _edit_config(tmp_path, **fields) -> None:
             {"target_modules": ["embed_tokens"]},
             r"adapter_config\.json: .*'embed_tokens' matches no linear layer",
         ),
+        (
+            {"target_modules": ["mlp.q_proj"]},
+            r"adapter_config\.json: target_modules=\['mlp\.q_proj'\]: 'mlp\.q_proj' is not q_proj",
+        ),
+        # peft loads these onto W - scale * B0 A0 (the base rewritten); a merge onto W differs
+        (
+            {"init_lora_weights": "pissa"},
+            r"adapter_config\.json: init_lora_weights='pissa' is not supported .*rewrites on load",
+        ),
+        ({"init_lora_weights": "pissa_niter_4"}, r"init_lora_weights='pissa_niter_4' is not supported"),
+        ({"init_lora_weights": "olora"}, r"init_lora_weights='olora' is not supported"),
+        ({"init_lora_weights": "loftq"}, r"init_lora_weights='loftq' is not supported"),
+        ({"init_lora_weights": "corda"}, r"init_lora_weights='corda' is not supported"),
+        ({"init_lora_weights": 1}, r"init_lora_weights=1 is not supported"),
     ],
-    ids=["dora", "rslora", "bias", "ia3", "rank0", "alpha0", "targets"],
+    ids=[
+        "dora",
+        "rslora",
+        "bias",
+        "ia3",
+        "rank0",
+        "alpha0",
+        "targets",
+        "target-path",
+        "pissa",
+        "pissa-niter",
+        "olora",
+        "loftq",
+        "corda",
+        "init-1",
+    ],
 )
 def test_what_our_adapters_cannot_carry_is_refused(tmp_path, fields, expected) -> None:
     folder, _ = _written(tmp_path)
@@ -92,6 +122,13 @@ def test_what_our_adapters_cannot_carry_is_refused(tmp_path, fields, expected) -
     with pytest.raises(InputError, match=expected) as info:
         read_peft_adapter(folder, tiny_arch("llama"))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal", "eva"])
+def test_inits_that_leave_the_base_as_it_is_are_read(tmp_path, init) -> None:
+    folder, _ = _written(tmp_path)
+    _edit_config(tmp_path, init_lora_weights=init)
+    assert read_peft_adapter(folder, tiny_arch("llama"))[0] == SPEC
 
 
 def test_tensors_that_are_not_the_models_adapters_are_refused(tmp_path) -> None:
@@ -189,6 +226,16 @@ def _lora_run_checkpoint(directory: str) -> dict[str, torch.Tensor]:
     with open(os.path.join(directory, TRAINER_STATE_FILE), "w") as f:
         json.dump({"step": 1, "lora": SPEC.to_json()}, f)
     return adapters
+
+
+def test_a_peft_folder_without_merge_lora_says_what_it_needs(tmp_path, capsys) -> None:
+    # It ended with ".../trainer_state.json: no such file": a PEFT folder was read as a run checkpoint.
+    folder, _ = _written(tmp_path)
+    out = str(tmp_path / "out")
+    assert main(["convert", "mcore-to-hf", "--ckpt", folder, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--ckpt {folder} is a PEFT adapter folder already" in err and "--merge-lora --base HF_DIR" in err
+    assert "\n" not in err and TRAINER_STATE_FILE not in err and not os.path.exists(out)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

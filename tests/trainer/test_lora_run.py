@@ -58,7 +58,7 @@ def _ours(trainer: Trainer) -> dict:
     return {
         "logits": engine.forward_backward([batch], _logits, forward_only=True)[0]["logits"],
         "adapters": gather_adapter_state(engine.chunks, engine.arch, engine.ctx),
-        "reference_is_a_view": worker.reference.chunks is engine.chunks,
+        "reference_is_a_view": worker.reference is not None and worker.reference.chunks is engine.chunks,
     }
 
 
@@ -152,7 +152,7 @@ def _import_peft(tmp_path, logits: torch.Tensor) -> None:
     """``model.lora_adapter_path``: the run's PEFT folder into a new run's adapters (our logits again, and a
     step trains them on); one of another rank is refused naming its config file."""
     adapter = f"model.lora_adapter_path={tmp_path / 'a' / 'lora_adapter'}"
-    ppo = ["trainer.save_freq=-1", "algorithm.adv_estimator=gae"]
+    ppo = ["trainer.save_freq=-1", "algorithm.adv_estimator=gae", "algorithm.use_kl_loss=false"]
     with Trainer.from_config(_config(tmp_path, "c", adapter, *ppo), use_ray=False) as run:
         assert (_ours(run)["logits"] - logits).abs().max() <= 1e-5
         worker = run.actors.backend.worker  # type: ignore[attr-defined]
@@ -164,13 +164,16 @@ def _import_peft(tmp_path, logits: torch.Tensor) -> None:
         assert all(
             torch.equal(body[k], v) for k, v in merged.items() if k.startswith("decoder.")
         )  # critic: merged
+        imported = _ours(run)["adapters"]
         run.fit(stop_after=1)
-        assert (
-            _rl(run, {1})[0]["kl_loss"] > 0.0
-        )  # the imported adapters are the policy, the base the reference
+        trained = _ours(run)["adapters"]
+        assert any(not torch.equal(trained[k], v) for k, v in imported.items())  # a step trains them on
+    # the reference of a LoRA run is its base, adapters off: not the imported adapter RL starts from
+    with pytest.raises(ConfigError, match=r"model\.lora_adapter_path=.* with algorithm\.use_kl_loss=true"):
+        Trainer.from_config(_config(tmp_path, "e", adapter, "algorithm.use_kl_loss=true"), use_ray=False)
     refused = r"model\.lora_adapter_path: .*adapter_config\.json: r=4, the run's model section says 8"
     with pytest.raises(ConfigError, match=refused):  # before any worker starts
-        Trainer.from_config(_config(tmp_path, "d", adapter, "model.lora_rank=8"), use_ray=False)
+        Trainer.from_config(_config(tmp_path, "d", adapter, *ppo, "model.lora_rank=8"), use_ray=False)
 
 
 def test_lora_dropout_resumes_exactly(tmp_path) -> None:

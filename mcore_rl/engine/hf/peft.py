@@ -6,7 +6,7 @@
 
 Tensors are the same matrices (A [r, in], B [out, r], full, TP=1), so the mapping is names only. Reading treats
 the folder as untrusted input: a config PEFT's LoRA would apply differently from ours (rsLoRA, DoRA, biases,
-per-module ranks, fan_in_fan_out) is refused naming the field; every tensor must be one of the model's
+per-module ranks, fan_in_fan_out, an ``init_lora_weights`` that rewrites the base) is refused naming the field; every tensor must be one of the model's
 adapters, with its shape.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.lora_spec import TARGETS, LoRASpec, resolve_targets
+from mcore_rl.engine.lora_spec import HF_MODULE, TARGETS, LoRASpec, resolve_targets
 from mcore_rl.io.errors import InputError
 from mcore_rl.io.inputs import input_file, read_json_object
 
@@ -28,12 +28,6 @@ ADAPTER_DIR = "lora_adapter"
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model.model.layers."
-_HF_MODULE = {
-    **{p: "self_attn" for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
 _FULL = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.\w+\.lora_([AB])\.(\w+)\.weight$")
 _PEFT = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
@@ -46,7 +40,7 @@ def peft_name(key: str) -> str:
     if match is None:
         raise KeyError(f"not an adapter name: {key!r}")
     layer, which, projection = match.groups()
-    return f"{_PEFT_PREFIX}{layer}.{_HF_MODULE[projection]}.{projection}.lora_{which}.weight"
+    return f"{_PEFT_PREFIX}{layer}.{HF_MODULE[projection]}.{projection}.lora_{which}.weight"
 
 
 def full_name(name: str) -> str | None:
@@ -129,6 +123,13 @@ _REFUSED: dict[
     "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
     "layers_to_transform": (None,),
+    # pissa*, olora, corda, loftq, lora_ga rewrite the base as W - scale * B0 A0 (recomputed by peft on load),
+    # mica is a variant with another forward; these leave W as it is (peft 0.21's LoraLayer.update_layer)
+    "init_lora_weights": (True, False, "gaussian", "orthogonal", "eva"),
+}
+_WHY = {  # fields whose refusal needs a reason and a way out
+    "init_lora_weights": "peft applies such an adapter to a base it rewrites on load; save it as plain LoRA "
+    "(peft's save_pretrained(..., path_initial_model_for_weight_conversion=INIT_DIR))"
 }
 
 
@@ -140,8 +141,10 @@ def read_peft_spec(directory: str) -> LoRASpec:
     if config.get("peft_type") != "LORA":
         raise InputError(f"{path}: peft_type={config.get('peft_type')!r}, only LORA adapters load")
     for field, allowed in _REFUSED.items():
-        if field in config and config[field] not in allowed:
-            raise InputError(f"{path}: {field}={config[field]!r} is not supported (allowed: {list(allowed)})")
+        value = config.get(field, allowed[0])
+        if type(value) not in {type(a) for a in allowed} or value not in allowed:  # 1 is no True here
+            why = f"; {_WHY[field]}" if field in _WHY else ""
+            raise InputError(f"{path}: {field}={value!r} is not supported (allowed: {list(allowed)}){why}")
     targets = config.get("target_modules")
     try:
         names = resolve_targets(targets if isinstance(targets, (str, list)) else [], key="target_modules")
