@@ -110,7 +110,11 @@ class ModelConfig:
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts models: weight of megatron's load-balancing loss (per layer and micro-batch, the
     switch-transformer loss), logged as ``moe/load_balancing_loss``; None takes the checkpoint's
-    ``router_aux_loss_coef`` (Qwen3-MoE and Mixtral ship 0.001); 0 turns it off."""
+    ``router_aux_loss_coef`` (Qwen3-30B-A3B ships 0.001, Mixtral-8x7B 0.02; transformers' default 0.001 where
+    the config has none); 0 turns it off. The same coefficient weighs more here than in transformers (which
+    applies it only with ``output_router_logits``): megatron sums one loss per MoE layer, balanced at 1,
+    where transformers takes one over all layers' tokens, balanced at top-k: layers / top-k times as much
+    (6x for Qwen3-30B-A3B, 16x for Mixtral-8x7B)."""
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the router z-loss (ST-MoE; megatron's ``moe_z_loss_coeff``),
     logged as ``moe/z_loss`` when on."""

@@ -77,6 +77,13 @@ class MoESpec:
             raise ConfigError(
                 "no layer is a mixture-of-experts layer (decoder_sparse_step / mlp_only_layers)"
             )
+        if self.top_k == 1 and self.norm_topk_prob:
+            # the one expert's weight is then 1 whatever the router says: no gradient reaches the router, and
+            # megatron refuses it with a command-line flag's name (--moe-router-pre-softmax)
+            raise ConfigError(
+                "num_experts_per_tok=1 with renormalised top-k probabilities (norm_topk_prob; always for "
+                "Mixtral): the expert's weight is always 1; top-1 routing trains with norm_topk_prob=false"
+            )
 
 
 _MOE_FIELD = {
@@ -264,7 +271,7 @@ def _moe(cfg: dict[str, Any], family: str, num_layers: int) -> MoESpec:
             ffn_hidden_size=_int(cfg, "intermediate_size"),
             layers=tuple(range(num_layers)),
             norm_topk_prob=True,
-            router_aux_loss_coef=_float(cfg, "router_aux_loss_coef", 0.0, positive=False),
+            router_aux_loss_coef=_float(cfg, "router_aux_loss_coef", 0.001, positive=False),  # transformers
         )
     # Qwen3-MoE: hub configs say num_experts; transformers 5 saves num_local_experts (its attribute map)
     experts = {k: _int(cfg, k, None) for k in ("num_experts", "num_local_experts")}

@@ -50,7 +50,7 @@ class ModelOptions:
     False: at ``std`` like every other linear layer (transformers' Llama init)."""
     moe_aux_loss_coeff: float = 0.0
     """MoE models: weight of megatron's load-balancing loss (``aux_loss``: per layer, the switch-transformer
-    loss over each micro-batch's tokens); 0 disables it (it is still measured and logged)."""
+    loss over each micro-batch's tokens); 0 disables it (and its logging)."""
     moe_z_loss_coeff: float = 0.0
     """MoE models: weight of the router z-loss (megatron ``moe_z_loss_coeff``); 0 disables it."""
     lora: LoRASpec | None = None

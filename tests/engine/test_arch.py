@@ -153,6 +153,13 @@ def test_moe_fields_read_from_qwen3_moe_and_mixtral():
         ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true is not supported for Qwen3_moe"),
         ("mixtral", {"num_local_experts": None}, "missing field 'num_local_experts'"),
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise > 0 is not supported"),
+        # top-1 renormalised: weight 1 whatever the router says (megatron refused it naming its CLI flag)
+        ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok=1 with renormalised top-k"),
+        (
+            "qwen3_moe",
+            {"num_experts_per_tok": 1, "norm_topk_prob": True},
+            "num_experts_per_tok=1 with renorm",
+        ),
         (
             "mixtral",
             {"num_experts_per_tok": True},
@@ -163,6 +170,16 @@ def test_moe_fields_read_from_qwen3_moe_and_mixtral():
 def test_bad_moe_configs_name_the_field(family, overrides, message):
     with pytest.raises(ConfigError, match=message):
         ModelArch.from_hf_config(tiny_hf_config(family, **overrides))
+
+
+def test_top1_routing_over_the_softmax_of_all_experts_is_read():
+    arch = ModelArch.from_hf_config(tiny_hf_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=False))
+    assert arch.moe.top_k == 1 and not arch.moe.norm_topk_prob
+
+
+def test_a_missing_aux_loss_coefficient_is_transformers_default():
+    cfg = {k: v for k, v in tiny_hf_config("mixtral").items() if k != "router_aux_loss_coef"}
+    assert ModelArch.from_hf_config(cfg).moe.router_aux_loss_coef == 0.001
 
 
 _LEFT_OUT = ("rms_norm_eps", "rope_theta", "head_dim", "sliding_window")
