@@ -142,6 +142,18 @@ def _layout_problems(cfg: RunConfig) -> list[str]:
     for heads, name in ((arch.num_attention_heads, "attention heads"), (arch.num_query_groups, "kv heads")):
         if heads % tp_g:
             problems.append(f"rollout.tensor_model_parallel_size={tp_g} does not divide the {heads} {name}")
+    dense = arch.moe is None or len(arch.moe.layers) < arch.num_layers
+    if dense and arch.ffn_hidden_size % tp_g:  # found by the reshard plan only after the workers started
+        problems.append(
+            f"rollout.tensor_model_parallel_size={tp_g} does not divide the intermediate_size={arch.ffn_hidden_size}"
+        )
+    if (
+        cfg.rollout.colocate and tp_g % tp and tp % tp_g
+    ):  # the sync splits one layout's shards into the other's
+        problems.append(
+            f"rollout.tensor_model_parallel_size={tp_g} and parallel.tensor_model_parallel_size={tp} must nest "
+            "(one divides the other)"
+        )
     if cfg.rollout.name == RolloutEngineName.VLLM:
         problems += _vllm_problems(cfg, arch)
     response, response_key = cfg.data.max_response_length, "data.max_response_length"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mcore_rl.engine.lora import rollout_parameters
 from mcore_rl.engine.rollout.from_megatron import rollout_tensors
+from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.engine.rollout.local import LocalRolloutEngine
 from mcore_rl.engine.train_engine import TrainEngine
 from mcore_rl.parallel.config import HybridConfig
@@ -23,6 +24,8 @@ def build_local_hybrid(
         tp_g,
         num_layers=arch.num_layers,
         tied_embeddings=arch.tie_word_embeddings,
+        vocab_divisible_by=engine.options.make_vocab_size_divisible_by,  # the shards' padding, as trained
+        rollout_vocab_divisible_by=VOCAB_DIVISIBLE_BY,  # the embedded engine's own
     )
     group = ctx.subgroup(plan.rollout_groups()) if tp_g > 1 else None
     rollout = LocalRolloutEngine(arch, tp_group=group, device=ctx.device)  # the training ranks' device

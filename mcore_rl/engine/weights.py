@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.naming import canonical_key
-from mcore_rl.parallel.sharding import is_expert_param, shard_kind, tp_merge, tp_shard
+from mcore_rl.parallel.sharding import ShardKind, is_expert_param, shard_kind, tp_merge, tp_shard
 
 
 def unwrap(module: Any) -> Any:
@@ -63,6 +63,11 @@ def load_full_state(
         if name not in full:
             raise KeyError(f"state has no tensor for parameter {name!r}")
         kind = shard_kind(name, value_head)
+        if kind is ShardKind.VOCAB and full[name].shape[0] < arch.vocab_size:
+            # padding rows are added here; fewer rows than the vocab left real tokens' rows zero in silence
+            raise ValueError(
+                f"{name}: {full[name].shape[0]} rows, fewer than the model's vocab_size {arch.vocab_size}"
+            )
         rank, size = _split_of(name, ctx)
         shard = tp_shard(full[name], kind, rank, size, padded_rows=param.shape[0] * size)
         if shard.shape != param.shape:

@@ -196,6 +196,26 @@ def test_config_show_prints_the_resolved_config() -> None:
 
 # (overrides, text the one error must contain). The recipe is the valid CPU demo.
 BAD_CONFIGS = [
+    (  # both found by the workers' reshard plan only, after they started
+        [
+            "trainer.n_gpus_per_node=4",
+            "rollout.tensor_model_parallel_size=4",
+            "model.hf_config.intermediate_size=510",
+        ],
+        "rollout.tensor_model_parallel_size=4 does not divide the intermediate_size=510",
+    ),
+    (
+        [
+            "trainer.n_gpus_per_node=6",
+            "parallel.tensor_model_parallel_size=2",
+            "rollout.tensor_model_parallel_size=3",
+            "model.hf_config.num_attention_heads=6",
+            "model.hf_config.num_key_value_heads=6",
+            "model.hf_config.hidden_size=96",
+            "model.hf_config.intermediate_size=96",
+        ],
+        "rollout.tensor_model_parallel_size=3 and parallel.tensor_model_parallel_size=2 must nest",
+    ),
     (["data.trian_files=[a]"], "data.trian_files"),
     (["rollout.temprature=1"], "rollout.temprature"),
     (["rollout.val_kwargs.top_k=-5"], "rollout.val_kwargs.top_k"),

@@ -92,6 +92,24 @@ def test_full_state_round_trips_through_any_layout(run_distributed, parallel, wo
     assert all(run_distributed(_round_trip, parallel, world_size=world_size))
 
 
+def test_a_vocab_tensor_shorter_than_the_vocab_is_refused():
+    """Padding rows are added to the embedding and head on load; a state with fewer rows than the vocab had
+    its missing real tokens' rows filled with zeros in silence."""
+    from mcore_rl.engine.rollout.layout import rollout_shards_from_full
+
+    arch = tiny_arch("llama")
+    with ParallelContext.initialize(ParallelConfig()) as ctx:
+        chunks = build_model_chunks(arch, ctx)
+        full = gather_full_state(chunks, arch, ctx)
+        short = {**full, "embedding.word_embeddings.weight": full["embedding.word_embeddings.weight"][:-10]}
+        with pytest.raises(
+            ValueError, match=r"word_embeddings\.weight: \d+ rows, fewer than the model's vocab_size"
+        ):
+            load_full_state(chunks, short, arch, ctx)
+        with pytest.raises(ValueError, match=r"fewer than vocab_size"):
+            rollout_shards_from_full(short, arch, 1, 0)
+
+
 def _bf16_training() -> dict:
     arch = tiny_arch("llama")
     tokens, positions = _tokens(arch.vocab_size)

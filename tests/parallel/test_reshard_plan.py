@@ -197,6 +197,20 @@ def test_sizes_that_do_not_split_name_the_parameter():
         build_plan(specs, ParallelLayout(4, tp=2), 4, num_layers=4, tied_embeddings=False)
 
 
+def test_a_zero_vocab_multiple_is_refused():
+    """A rollout multiple of 0 stood for the training side's 128 in silence."""
+    specs = model_param_specs(**ARCH, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r"vocab padding multiples must be >= 1, got 128 \(training\) and 0"):
+        build_plan(
+            specs,
+            ParallelLayout(2, tp=2),
+            2,
+            num_layers=4,
+            tied_embeddings=False,
+            rollout_vocab_divisible_by=0,
+        )
+
+
 def test_layouts_that_do_not_nest_are_refused():
     with pytest.raises(LayoutError, match="must nest"):
         rollout_coordinates(ParallelLayout(6, tp=2), 3)

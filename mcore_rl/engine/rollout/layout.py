@@ -98,6 +98,8 @@ def rollout_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]
 
 def _vocab_shard(full: Tensor, arch: ModelArch, tp: int, rank: int, divisible_by: int) -> Tensor:
     rows = padded_vocab_size(arch.vocab_size, tp, divisible_by)
+    if full.shape[0] < arch.vocab_size:  # the padding follows the real rows: never in place of them
+        raise ValueError(f"a vocab tensor of {full.shape[0]} rows, fewer than vocab_size {arch.vocab_size}")
     padded = torch.cat([full, full.new_zeros(rows - full.shape[0], full.shape[1])])
     return padded.chunk(tp)[rank]
 

@@ -132,9 +132,15 @@ def vllm_param_shapes(arch: ModelArch, tp: int) -> dict[str, tuple[int, ...]]:
 
 
 def build_vllm_plan(
-    arch: ModelArch, train: ParallelLayout, tp_g: int, *, bytes_per_element: int = 4
+    arch: ModelArch,
+    train: ParallelLayout,
+    tp_g: int,
+    *,
+    bytes_per_element: int = 4,
+    vocab_divisible_by: int = 128,
 ) -> ReshardPlan:
-    """The reshard plan whose rollout side is vLLM's: consecutive TP ranks and vocab padded to 64."""
+    """The reshard plan whose rollout side is vLLM's: consecutive TP ranks and vocab padded to 64;
+    ``vocab_divisible_by``: the training engine's (``ModelOptions.make_vocab_size_divisible_by``)."""
     return build_plan(
         arch_param_specs(arch),
         train,
@@ -142,6 +148,7 @@ def build_vllm_plan(
         num_layers=arch.num_layers,
         tied_embeddings=arch.tie_word_embeddings,
         bytes_per_element=bytes_per_element,
+        vocab_divisible_by=vocab_divisible_by,
         rollout_vocab_divisible_by=vllm_vocab_divisible_by(tp_g),
         consecutive_rollout_ranks=True,
     )

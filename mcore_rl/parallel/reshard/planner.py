@@ -153,7 +153,11 @@ def build_plan(
     ``tp_g > tp > 1`` the nested coordinates are not in rank order, and a group that sorts its ranks (torch's
     default) would silently give ranks the wrong shards.
     """
-    rollout_div = rollout_vocab_divisible_by or vocab_divisible_by
+    rollout_div = vocab_divisible_by if rollout_vocab_divisible_by is None else rollout_vocab_divisible_by
+    if vocab_divisible_by < 1 or rollout_div < 1:  # 0 stood for the training side's 128 in silence
+        raise ValueError(
+            f"vocab padding multiples must be >= 1, got {vocab_divisible_by} (training) and {rollout_div} (rollout)"
+        )
     coords = rollout_coordinates(train, tp_g, consecutive_rollout_ranks)  # first: the layout-level errors
     _check_divisible(specs, train, tp_g)
     sent: dict[int, int] = defaultdict(int)
