@@ -84,10 +84,17 @@ def _group_mean_std(
     return mean[index].to(scores.dtype), std[index].to(scores.dtype), counts[index].to(scores.dtype)
 
 
-def _scores(rewards: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate (rewards, mask) and return (bool mask [B, T], score per sequence [B])."""
+def _scores(
+    rewards: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate (rewards, mask) and return (bool mask [B, T], score per sequence [B]): ``scores`` when given
+    (an outcome reward: a response with no tokens has no position to hold its score, and its group's
+    statistics still count it, as verl's do), else the rewards summed over the mask."""
     mask = check_mask(mask)
     check_shape("rewards", rewards, mask.shape)
+    if scores is not None:
+        check_shape("scores", scores, mask.shape[:1])
+        return mask, scores.to(rewards.dtype)
     return mask, masked_sum(rewards, mask, dim=-1)
 
 
@@ -136,6 +143,7 @@ def compute_grpo_advantages(
     *,
     eps: float = 1e-6,
     norm_by_std: bool = True,
+    scores: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     """GRPO outcome advantage (Shao et al. 2024), verl's `compute_grpo_outcome_advantage`.
 
@@ -145,7 +153,7 @@ def compute_grpo_advantages(
 
     Shapes: rewards, mask [B, T]; group_ids length B -> AdvantageOutput(A, A), both [B, T].
     """
-    mask, scores = _scores(rewards, mask)
+    mask, scores = _scores(rewards, mask, scores)
     index, num_groups = _group_index(group_ids, mask.shape[0], scores.device)
     mean, std, _ = _group_mean_std(scores, index, num_groups)
     per_seq = (scores - mean) / (std + eps) if norm_by_std else scores - mean
@@ -155,7 +163,7 @@ def compute_grpo_advantages(
 
 @torch.no_grad()
 def compute_rloo_advantages(
-    rewards: torch.Tensor, mask: torch.Tensor, group_ids: GroupIds
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: GroupIds, *, scores: torch.Tensor | None = None
 ) -> AdvantageOutput:
     """RLOO advantage (Ahmadian et al. 2024), verl's `compute_rloo_outcome_advantage`.
 
@@ -164,7 +172,7 @@ def compute_rloo_advantages(
 
     Shapes: rewards, mask [B, T]; group_ids length B -> AdvantageOutput(A, A), both [B, T].
     """
-    mask, scores = _scores(rewards, mask)
+    mask, scores = _scores(rewards, mask, scores)
     index, num_groups = _group_index(group_ids, mask.shape[0], scores.device)
     mean, _, n = _group_mean_std(scores, index, num_groups)
     loo = scores * n / (n - 1) - mean * n / (n - 1)
@@ -200,7 +208,7 @@ def compute_reinforce_pp_advantages(
 
 @torch.no_grad()
 def compute_reinforce_pp_baseline_advantages(
-    rewards: torch.Tensor, mask: torch.Tensor, group_ids: GroupIds
+    rewards: torch.Tensor, mask: torch.Tensor, group_ids: GroupIds, *, scores: torch.Tensor | None = None
 ) -> AdvantageOutput:
     """REINFORCE++-baseline, verl's `compute_reinforce_plus_plus_baseline_outcome_advantage`.
 
@@ -209,7 +217,7 @@ def compute_reinforce_pp_baseline_advantages(
 
     Shapes: rewards, mask [B, T]; group_ids length B -> AdvantageOutput(A, A), both [B, T].
     """
-    mask, scores = _scores(rewards, mask)
+    mask, scores = _scores(rewards, mask, scores)
     index, num_groups = _group_index(group_ids, mask.shape[0], scores.device)
     mean, _, _ = _group_mean_std(scores, index, num_groups)
     advantages = masked_whiten(_broadcast(scores - mean, mask), mask)
@@ -266,15 +274,20 @@ def compute_advantages(
         raise ValueError(f"algorithm.adv_estimator: unknown {estimator!r}; valid: {valid}") from None
     rewards = outcome_rewards(scores, response_mask)
     groups = group_ids.tolist()
+    given = scores.to(rewards.dtype)  # the group statistics read the scores, empty responses' included
     if kind in (AdvEstimator.GRPO, AdvEstimator.DR_GRPO):
         norm = norm_adv_by_std and kind is AdvEstimator.GRPO
-        return compute_grpo_advantages(rewards, response_mask, groups, norm_by_std=norm).advantages
+        return compute_grpo_advantages(
+            rewards, response_mask, groups, norm_by_std=norm, scores=given
+        ).advantages
     if kind is AdvEstimator.RLOO:
-        return compute_rloo_advantages(rewards, response_mask, groups).advantages
+        return compute_rloo_advantages(rewards, response_mask, groups, scores=given).advantages
     if kind is AdvEstimator.REINFORCE_PLUS_PLUS:
         return compute_reinforce_pp_advantages(rewards, response_mask, gamma=gamma).advantages
     if kind is AdvEstimator.REINFORCE_PLUS_PLUS_BASELINE:
-        return compute_reinforce_pp_baseline_advantages(rewards, response_mask, groups).advantages
+        return compute_reinforce_pp_baseline_advantages(
+            rewards, response_mask, groups, scores=given
+        ).advantages
     raise ValueError(
         f"algorithm.adv_estimator={kind.value}: an outcome-reward step cannot run it (needs a critic)"
     )
