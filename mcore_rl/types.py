@@ -177,6 +177,8 @@ class UpdateStats:
     """Token-mean entropy of the actor on the response tokens."""
     clip_frac: float
     """Fraction of response tokens whose PPO ratio was clipped (token-weighted)."""
+    clip_frac_lower: float
+    """Fraction of response tokens the dual clip bounded (negative advantage, ratio past ``clip_ratio_c``)."""
     approx_kl: float
     """Token-mean ``old_log_prob - log_prob`` (k1 KL estimate of the update's drift)."""
     grad_norm: float
@@ -315,6 +317,8 @@ class StepStats:
     """Fraction of prompts whose ``rollout.n`` responses did not all score the same (the ones with signal)."""
     response_len: float
     """Mean response tokens."""
+    response_clip_ratio: float
+    """Fraction of responses cut at ``rollout.response_length`` (verl's ``response_length/clip_ratio``)."""
     token_mult_prob_error: float
     """Rollout engine vs trainer log-probs on the response tokens (``algo/agreement.py``)."""
     update: UpdateStats
@@ -360,6 +364,7 @@ class StepStats:
             "reward": self.reward,
             "mixed_groups": self.mixed_groups,
             "response_len": self.response_len,
+            "response_clip_ratio": self.response_clip_ratio,
             "token_mult_prob_error": self.token_mult_prob_error,
             **{k: v for k, v in vars(self.update).items() if v is not None},
             **{f"time/{k}_s": v for k, v in self.seconds.items()},

@@ -9,9 +9,10 @@ and, with TensorBoard on, the same rows as a text table under ``<stage>/generati
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from mcore_rl.logs.jsonl import json_line
 
 GENERATIONS_FILE = "generations.jsonl"
 COLUMNS = ("data_source", "prompt", "response", "ground_truth", "score")
@@ -22,7 +23,7 @@ def append_generations(log_dir: str, tb: Any, stage: str, step: int, samples: li
     if not samples:
         return
     with open(os.path.join(log_dir, GENERATIONS_FILE), "a") as f:
-        f.writelines(json.dumps({"stage": stage, "step": step, **s}) + "\n" for s in samples)
+        f.writelines(json_line({"stage": stage, "step": step, **s}) for s in samples)
     if tb is not None:
         tb.add_text(f"{stage}/generations", markdown_table(samples), step)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -84,11 +85,13 @@ def _draw_stage(ax: Any, stage: str, series: dict[str, list[tuple[float, float]]
         "rl_val_accuracy": dict(fmt="o-", color="C1", lw=1, markersize=3, label="greedy validation accuracy"),
         f"test_{stage}": dict(fmt="*", color="black", markersize=11, label="held-out test accuracy"),
     }
+    drawn: list[float] = [0.0, 1.0]
     for key, style in styles.items():
         if key.startswith((stage, "test_")) and series.get(key):
             options = dict(style)
             fmt = options.pop("fmt")
             ax.plot(*zip(*series[key], strict=True), fmt, **options)
+            drawn += [y for _, y in series[key] if math.isfinite(y)]
     handles, labels = ax.get_legend_handles_labels()
     if stage == "sft" and series["sft_loss"]:
         loss = ax.twinx()
@@ -98,7 +101,9 @@ def _draw_stage(ax: Any, stage: str, series: dict[str, list[tuple[float, float]]
     ax.set_xlabel("SFT step" if stage == "sft" else "RL step")
     _whole_steps(ax)
     ax.set_ylabel("accuracy / reward")
-    ax.set_ylim(-0.02, 1.02)
+    # [0, 1] for accuracies, widened to every reward drawn (a +-1 rule's, a reward model's)
+    low, high = min(drawn), max(drawn)
+    ax.set_ylim(low - 0.02 * (high - low), high + 0.02 * (high - low))
     ax.set_title("SFT warm start" if stage == "sft" else "RL")
     ax.grid(alpha=0.3)
     if handles:  # below the axes: inside, it hid the held-out mark at the end of RL

@@ -13,11 +13,15 @@ from typing import Any
 
 from mcore_rl.io.errors import note
 from mcore_rl.logs.config import LoggingConfig
-from mcore_rl.logs.generations import append_generations
+from mcore_rl.logs.generations import GENERATIONS_FILE, append_generations
+from mcore_rl.logs.jsonl import end_torn_line, json_line
 from mcore_rl.logs.trackers import Tracker, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
 TIMESTAMP_KEY = "time/timestamp"
+RECOVERY, RESUME = "recovery", "resume"
+"""Marker records where a run's steps start again after step N: an in-process recovery (with what it did,
+``mcore_rl/trainer/recovery.py``) and a resumed run; the records of later steps before them are superseded."""
 
 
 def previous_log(cfg: LoggingConfig) -> str | None:
@@ -83,8 +87,10 @@ def standing_records(records: list[dict[str, Any]], progress_stage: str, kept: K
     last = -1
     for record in records:
         stage, step = record.get("stage"), record["step"]
-        if stage == "recovery":
+        if stage in (RECOVERY, RESUME):
             standing, last = kept(standing, step), -1
+            if stage == RESUME:  # a marker without metrics
+                continue
         elif stage == progress_stage:
             if step <= last:
                 standing = kept(standing, step - 1)
@@ -101,12 +107,15 @@ def emit_record(jsonl: Any, tb: Any, stage: str, step: int, metrics: dict[str, A
     included (TensorBoard keeps its own wall time)."""
     record = {"stage": stage, "step": step, **metrics, TIMESTAMP_KEY: round(time.time(), 3)}
     if jsonl is not None:
-        jsonl.write(json.dumps(record) + "\n")
+        jsonl.write(json_line(record))
         jsonl.flush()
     if tb is not None:
+        # a record that says when it was taken (the held-out tests before and after the SFT warm start, both
+        # at step 0) gets its own tags: TensorBoard showed two points at one step under one name
+        tag = f"{stage}/{metrics['when']}" if isinstance(metrics.get("when"), str) else stage
         for key, value in metrics.items():
             if isinstance(value, int | float) and math.isfinite(value):
-                tb.add_scalar(f"{stage}/{key}", value, step)
+                tb.add_scalar(f"{tag}/{key}", value, step)
     return record
 
 
@@ -173,16 +182,33 @@ class RunLog:
         if not start_step and previous_log(cfg) is not None:
             note(f"kept the earlier run's {self.jsonl_path} as {keep_aside(self.jsonl_path)}")
         if cfg.jsonl:
+            if start_step:
+                end_torn_line(self.jsonl_path)
+                end_torn_line(os.path.join(cfg.log_dir, GENERATIONS_FILE))
             self._jsonl = open(self.jsonl_path, "a" if start_step else "w")  # noqa: SIM115
+            if (
+                start_step
+            ):  # the steps after the checkpoint run again: readers drop their earlier records here
+                emit_record(self._jsonl, None, RESUME, start_step, {})
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
+            self._open_tensorboard(start_step)
         self._trackers = open_trackers(cfg)  # W&B, MLflow (logging.wandb / logging.mlflow)
+
+    def _open_tensorboard(self, after_step: int) -> None:
+        """A writer whose events after ``after_step`` replace those an earlier process (or this one, before a
+        recovery) wrote: TensorBoard showed the steps run again twice."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self._tb is not None:
+            self._tb.close()
+        purge = {"purge_step": after_step + 1} if after_step else {}
+        self._tb = SummaryWriter(os.path.join(self.cfg.log_dir, "tensorboard"), **purge)
 
     def write(self, stage: str, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if stage == RECOVERY and self._tb is not None:
+            self._open_tensorboard(step)
         self.records.append(emit_record(self._jsonl, self._tb, stage, step, metrics))
         for tracker in self._trackers:
             tracker.log(stage, step, metrics)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mcore_rl.io.errors import note
-from mcore_rl.trainer.validation import scored_parts
+from mcore_rl.trainer.validation import PASS_THRESHOLD, scored_parts
 from mcore_rl.types import PromptBatch
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def summarize(
     data_sources: Sequence[str],
     greedy: torch.Tensor,
     samples: torch.Tensor | None = None,
-    pass_threshold: float = 1.0,
+    pass_threshold: float = PASS_THRESHOLD,
 ) -> dict[str, SourceResult]:
     """Per ``data_source`` (sorted) and :data:`ALL`: ``greedy`` [P] rewards of the greedy answers, ``samples``
     [P, n] rewards of the n sampled answers per prompt (None: greedy only)."""
@@ -260,7 +260,7 @@ def evaluate_model(
     *,
     recipe: str | None = None,
     use_ray: bool = True,
-    pass_threshold: float = 1.0,
+    pass_threshold: float = PASS_THRESHOLD,
 ) -> EvalReport:
     """Greedy accuracy, sampled mean reward and pass@k of ``model`` on ``data_files`` (see the module
     docstring), on the layout and rollout engine the config names."""

@@ -229,7 +229,7 @@ class PPOStep(StepBase):
 
 def _frozen_stats() -> UpdateStats:
     """The actor's stats of a critic warm-up step: no optimizer step was taken."""
-    return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, num_optimizer_steps=0, num_skipped=0)
+    return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, num_optimizer_steps=0, num_skipped=0)
 
 
 def _critic_metrics(stats: CriticStats, batch: PPOBatch) -> dict[str, float]:

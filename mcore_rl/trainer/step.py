@@ -39,7 +39,7 @@ from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.multi_turn import MultiTurnOutput, build_multi_turn, conversation_samples
 from mcore_rl.trainer.on_policy import old_log_prob_line, training_dropout
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
-from mcore_rl.trainer.validation import generation_samples, scored_parts
+from mcore_rl.trainer.validation import Evaluation, generation_samples, scored_parts
 from mcore_rl.types import (
     PromptBatch,
     RolloutBatch,
@@ -229,9 +229,8 @@ class StepBase:
         scored.model_scores = model
         return scored
 
-    def evaluate(self, prompts: PromptBatch) -> float:
-        """Mean validation reward (accuracy for 0/1 rules) with ``rollout.val_kwargs`` sampling, on the actor's
-        own engines, ``data.val_batch_size`` prompts per generate call (each call its own seed); the first
+    def evaluate(self, prompts: PromptBatch) -> Evaluation:
+        """Accuracy and mean reward of ``prompts`` with ``rollout.val_kwargs`` sampling, on the actor's own engines, ``data.val_batch_size`` prompts per generate call (each call its own seed); the first
         ``logging.log_val_generations`` prompts' samples are kept for :meth:`take_val_samples`."""
         sampling, scores = self.sampling(0, validation=True), []
         keep = self.cfg.logging.log_val_generations
@@ -241,7 +240,7 @@ class StepBase:
                 samples = generation_samples(self.tokenizer, part, scored, keep)
                 self._val_samples += samples
                 keep -= len(samples)
-        return float(torch.cat(scores).mean())
+        return Evaluation.of(torch.cat(scores))
 
     def take_val_samples(self) -> list[dict[str, Any]]:
         """The validation samples kept since the last call; the run log writes them with the record that
@@ -338,6 +337,9 @@ class StepBase:
             reward=float(scored.scores.mean()),
             mixed_groups=float((groups != groups[:, :1]).any(dim=1).float().mean()),
             response_len=float(rollout.response_lengths.float().mean()),
+            response_clip_ratio=float(
+                (rollout.response_lengths >= self.cfg.rollout.response_length).float().mean()
+            ),
             token_mult_prob_error=agreement.token_mult_prob_error,
             update=update,
             seconds=timer.seconds,

@@ -71,6 +71,7 @@ from mcore_rl.trainer.run_checkpoint import (
 )
 from mcore_rl.trainer.run_data import RunData, data_sources, load_run_data
 from mcore_rl.trainer.step import StepBase, fast_path_note, update_plan
+from mcore_rl.trainer.validation import Evaluation
 from mcore_rl.types import PromptBatch, RolloutBatch
 
 PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
@@ -251,9 +252,16 @@ class Trainer:
         metrics = self.step.run(prompts, self.global_step, next_prompts=self._prefetched).metrics()
         last = self.global_step == self.total_steps
         if self.data.val is not None and _every(cfg.trainer.test_freq, self.global_step, last):
-            metrics["val_accuracy"] = self.step.evaluate(self.data.val)
+            start = time.perf_counter()
+            metrics.update(_val_metrics(self.step.evaluate(self.data.val)))
+            metrics["time/validation_s"] = time.perf_counter() - start
+        saved = None
+        if _every(cfg.trainer.save_freq, self.global_step, last):  # before the record, which then times it
+            start = time.perf_counter()
+            saved = self.save()
+            metrics["time/save_s"] = time.perf_counter() - start
         log.write("rl", self.global_step, metrics)
-        return self.save() if _every(cfg.trainer.save_freq, self.global_step, last) else None
+        return saved
 
     def _required_save(self) -> str:
         path = self.save(required=True)
@@ -317,16 +325,19 @@ class Trainer:
             self.actors.reset_reference()  # KL terms measure against where RL starts, not the pre-SFT model
             self.step.warm_started()
         if cfg.trainer.val_before_train and self.data.val is not None:
-            summary["val_before"] = self.step.evaluate(self.data.val)
-            log.write("rl", 0, {"val_accuracy": summary["val_before"]})
+            before = self.step.evaluate(self.data.val)
+            summary["val_before"] = before.accuracy
+            log.write("rl", 0, _val_metrics(before))
 
     def test(self, log: RunLog, when: str) -> float | None:
         """Held-out accuracy (``data.test_files``) with validation sampling; logged as stage ``test``."""
         if self.data.test is None:
             return None
-        accuracy = self.step.evaluate(self.data.test)
-        log.write("test", self.global_step, {"when": when, "accuracy": accuracy})
-        return accuracy
+        result = self.step.evaluate(self.data.test)
+        log.write(
+            "test", self.global_step, {"when": when, "accuracy": result.accuracy, "reward": result.reward}
+        )
+        return result.accuracy
 
     def sft(self, log: RunLog) -> int:
         """Supervised warm start until ``sft.target_val_accuracy`` (checked every ``sft.test_freq``)."""
@@ -340,7 +351,7 @@ class Trainer:
                 dataset.batch(sampler.next_indices()), sft.micro_batch_size_per_gpu
             )
             if self.data.sft_val is not None and sft.test_freq > 0 and step % sft.test_freq == 0:
-                metrics["val_accuracy"] = self.step.evaluate(self.data.sft_val)
+                metrics.update(_val_metrics(self.step.evaluate(self.data.sft_val)))
             log.write("sft", step, metrics)
             target = sft.target_val_accuracy
             if target is not None and metrics.get("val_accuracy", -1.0) >= target:
@@ -476,6 +487,11 @@ def _kept(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
     """:func:`kept_records` as the run log's rule (``RunLog(kept=)``): every checkpoint is at an RL step >= 1,
     so a restart after step 0 is one from the start."""
     return kept_records(records, step, from_checkpoint=step > 0)
+
+
+def _val_metrics(result: Evaluation) -> dict[str, float]:
+    """A validation's record keys: the share answered right and the mean reward."""
+    return {"val_accuracy": result.accuracy, "val_reward": result.reward}
 
 
 def _every(freq: int, step: int, last: bool) -> bool:

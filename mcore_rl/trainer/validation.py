@@ -24,6 +24,26 @@ if TYPE_CHECKING:
     from mcore_rl.trainer.step import StepBase
 
 
+PASS_THRESHOLD = 1.0
+"""A sample answers right when its reward reaches this: the full score of a 0/1 or +-1 rule (a tool bonus on
+top still passes, a partial format score does not); ``mcore-rl eval``'s default ``--pass-threshold``."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A validation or held-out test of a run: its samples' accuracy and mean reward."""
+
+    accuracy: float
+    """The share of samples whose reward reaches :data:`PASS_THRESHOLD` (what ``mcore-rl eval`` reports)."""
+    reward: float
+    """Their mean reward (the accuracy itself only for 0/1 rules: 2 x accuracy - 1 for +-1 rules)."""
+
+    @classmethod
+    def of(cls, scores: torch.Tensor) -> Evaluation:
+        wide = scores.double()
+        return cls(float((wide >= PASS_THRESHOLD).double().mean()), float(wide.mean()))
+
+
 @dataclass
 class ScoredRollout:
     """The scored responses of one generate call over a prompt set."""

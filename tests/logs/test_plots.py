@@ -79,3 +79,17 @@ def test_the_legend_sits_outside_the_data() -> None:
     for stage, ax in _drawn_panels():
         legend = ax.get_legend().get_window_extent()
         assert legend.y1 <= ax.get_window_extent().y0, stage  # wholly below the axes
+
+
+def test_rewards_below_zero_are_drawn() -> None:
+    """The axis was fixed to [0, 1]: a +-1 rule's mean rewards (here about -0.4) fell outside it, unseen."""
+    import matplotlib.pyplot as plt
+
+    from mcore_rl.logs.plots import _draw_stage
+
+    records = [{"stage": "rl", "step": s, "reward": -0.4 - 0.05 * s} for s in range(1, 5)]
+    fig, ax = plt.subplots()
+    _draw_stage(ax, "rl", reward_series(records))
+    low, high = ax.get_ylim()
+    assert low < -0.6 and high >= 1.0
+    plt.close(fig)

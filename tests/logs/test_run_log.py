@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mcore_rl.logs import run_log
 from mcore_rl.logs.config import LoggingConfig
 from mcore_rl.logs.run_log import RunLog, previous_log
@@ -44,7 +46,8 @@ def test_a_resumed_log_appends(tmp_path: Path) -> None:
     log = RunLog(_cfg(tmp_path), total_steps=2, start_step=1)
     log.write("rl", 2, {})
     log.close()
-    assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [1, 2]
+    written = [(r["stage"], r["step"]) for r in _lines(tmp_path / "metrics.jsonl")]
+    assert written == [("rl", 1), ("resume", 1), ("rl", 2)]  # the marker: the steps after 1 start again
     assert not (tmp_path / "metrics.1.jsonl").exists()
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
@@ -140,4 +143,79 @@ def test_a_resumed_run_plots_the_whole_run(tmp_path: Path) -> None:
     before_step_5 = [*before_step_3, ("train", 3, 2), ("train", 4, 2), ("eval", 4, 2)]
     assert drawn[1] == [*before_step_5, ("train", 5, 2)]
     assert drawn[2] == [*before_step_5, ("train", 5, 3), ("train", 6, 3), ("eval", 6, 3)]
-    assert len(_lines(tmp_path / "metrics.jsonl")) == 12  # the log itself keeps everything written
+    lines = _lines(tmp_path / "metrics.jsonl")  # the log itself keeps everything written, and says where
+    assert len(lines) == 14 and [(r["stage"], r["step"]) for r in lines if r["stage"] == "resume"] == [
+        ("resume", 2),
+        ("resume", 4),
+    ]
+
+
+def test_a_resume_supersedes_the_steps_after_its_checkpoint_in_every_reader(tmp_path: Path) -> None:
+    """A resumed run's repeated steps were told apart only by the plot's rule: jq, pandas and TensorBoard saw
+    step 3 twice. The marker record names the step the run continued after, and TensorBoard's events after it
+    are purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = LoggingConfig(log_dir=str(tmp_path), progress_bar=False, plot=False, tensorboard=True)
+    first = RunLog(cfg, 4)
+    for step in (1, 2, 3):  # checkpoint at 2, interrupted after step 3
+        first.write("rl", step, {"reward": float(step)})
+    first.close()
+    resumed = RunLog(cfg, 4, start_step=2)
+    for step in (3, 4):
+        resumed.write("rl", step, {"reward": 10.0 * step})
+    resumed.close()
+    standing = run_log.standing_records(
+        run_log.read_records(str(tmp_path / "metrics.jsonl")), "rl", run_log.records_up_to
+    )
+    assert [(r["stage"], r["step"], r.get("reward")) for r in standing] == [
+        ("rl", 1, 1.0),
+        ("rl", 2, 2.0),
+        ("rl", 3, 30.0),
+        ("rl", 4, 40.0),
+    ]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rl/reward")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]
+
+
+def test_lines_are_strict_json_and_a_torn_line_costs_no_record(tmp_path: Path) -> None:
+    """``json.dumps`` wrote ``Infinity`` / ``NaN``, which JSON parsers refuse; a resume appended onto a line a
+    crash cut short, losing its own first record with it."""
+    log = RunLog(_cfg(tmp_path), 3)
+    log.write("rl", 1, {"ratio": float("inf"), "extra": {"x": float("nan")}, "reward": 0.5})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"stage": "rl", "ste')  # step 2, torn by a crash
+    resumed = RunLog(_cfg(tmp_path), 3, start_step=1)
+    resumed.write("rl", 2, {"reward": 0.75})
+    resumed.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    records = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+        for line in text.splitlines()[:1]
+    ]
+    assert records[0]["ratio"] is None and records[0]["extra"] == {"x": None} and records[0]["reward"] == 0.5
+    assert [(r["stage"], r["step"]) for r in run_log.read_records(str(tmp_path / "metrics.jsonl"))] == [
+        ("rl", 1),
+        ("resume", 1),
+        ("rl", 2),
+    ]
+
+
+def test_held_out_tests_at_one_step_keep_their_own_tensorboard_tags(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = RunLog(LoggingConfig(log_dir=str(tmp_path), progress_bar=False, plot=False, tensorboard=True), 2)
+    log.write("test", 0, {"when": "before", "accuracy": 0.25})
+    log.write("test", 0, {"when": "after_sft", "accuracy": 0.5})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("test/before/accuracy")] == [(0, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("test/after_sft/accuracy")] == [(0, 0.5)]

@@ -44,6 +44,7 @@ def test_validate_before_training_then_complete_then_resume(tmp_path: Path, caps
         "stage",
         "step",
         "val_accuracy",
+        "val_reward",
         "time/timestamp",
     }  # val_files scored before step 1
 
@@ -67,7 +68,7 @@ def test_validate_before_training_then_complete_then_resume(tmp_path: Path, caps
     captured = capsys.readouterr()
     assert f"resuming from {checkpoint} (step 2)" in captured.err
     assert re.search(r"held-out accuracy: \d+\.\d% after 3 RL steps\n", captured.out), captured.out
-    assert [(r["stage"], r["step"]) for r in _records(run)][5:] == [("rl", 3), ("test", 3)]
+    assert [(r["stage"], r["step"]) for r in _records(run)][5:] == [("resume", 2), ("rl", 3), ("test", 3)]
 
     logged = Path(run, "logs", "metrics.jsonl").read_bytes()
     at_tp2 = [

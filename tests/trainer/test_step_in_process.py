@@ -42,6 +42,7 @@ def test_steps_warm_up_the_lr_keep_log_probs_in_agreement_and_grow_the_kl(run) -
     for m in metrics:
         assert abs(m["token_mult_prob_error"] - 1.0) < 1e-6  # rollout engine == trainer
         assert m["clip_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-6  # one mini-batch: on-policy
+        assert m["clip_frac_lower"] == 0.0 and 0.0 <= m["response_clip_ratio"] <= 1.0  # verl's names for both
         assert 0.0 < m["reward"] < 1.0 and m["grad_norm"] > 0 and m["num_optimizer_steps"] == 1
     assert metrics[0]["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # the reference is the initial actor
     assert metrics[1]["kl_loss"] > 1e-6  # ... and stays frozen while the actor moves

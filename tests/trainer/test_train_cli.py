@@ -36,7 +36,7 @@ def test_train_runs_sft_then_rl_and_writes_jsonl_tensorboard_and_the_plot(tmp_pa
     assert sft[-1]["loss"] < sft[0]["loss"] and "val_accuracy" in sft[1]
     rl = [r for r in records if r["stage"] == "rl"]
     assert (
-        set(rl[0]) == {"stage", "step", "val_accuracy", "time/timestamp"} and rl[0]["step"] == 0
+        set(rl[0]) == {"stage", "step", "val_accuracy", "val_reward", "time/timestamp"} and rl[0]["step"] == 0
     )  # val_before_train
     rl = rl[1:]
     assert all("val_accuracy" in r and abs(r["token_mult_prob_error"] - 1) < 1e-5 for r in rl)

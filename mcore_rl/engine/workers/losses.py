@@ -72,16 +72,18 @@ class PolicyLossMetrics:
     """0 without the KL loss."""
     entropy: torch.Tensor
     clip_frac: torch.Tensor
+    clip_frac_lower: torch.Tensor
+    """The share of tokens the dual clip (``clip_ratio_c``) bounded (verl's ``pg_clipfrac_lower``)."""
     approx_kl: torch.Tensor
     log_probs: torch.Tensor | None = None
     """[b, s] this forward's log-probs (``PolicyLossSettings.on_policy`` only), detached."""
 
     def summable(self) -> torch.Tensor:
-        """[5] the shares as one tensor, in :data:`POLICY_METRICS` order."""
+        """[6] the shares as one tensor, in :data:`POLICY_METRICS` order."""
         return torch.stack([getattr(self, name).detach().float().reshape(()) for name in POLICY_METRICS])
 
 
-POLICY_METRICS = ("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl")
+POLICY_METRICS = ("pg_loss", "kl_loss", "entropy", "clip_frac", "clip_frac_lower", "approx_kl")
 """The summed fields of :class:`PolicyLossMetrics`, in the order the update stats are built from."""
 
 
@@ -209,6 +211,7 @@ def policy_loss(
             kl_loss=kl_term.detach().clone(),
             entropy=token_mean.aggregate(entropy.detach(), mask),
             clip_frac=pg.clip_frac * share,
+            clip_frac_lower=pg.clip_frac_lower * share,
             approx_kl=pg.approx_kl * share,
             log_probs=log_probs.detach() if settings.on_policy else None,
         )

@@ -101,7 +101,7 @@ class PolicyUpdateHost:
         self._to_train()
         width, pad = batch.tokens.shape[1], self.ctx.sequence_multiple
         batch = pad_record(batch, pad, self.spec.pad_token_id)
-        sums = torch.zeros(6)  # pg_loss, kl_loss, entropy, clip_frac, approx_kl, grad_norm
+        sums = torch.zeros(len(POLICY_METRICS) + 1)  # POLICY_METRICS, then grad_norm
         steps = skipped = 0
         log_probs = None
         router: list[RouterLosses] = []
@@ -124,12 +124,13 @@ class PolicyUpdateHost:
                 router.append(self.engine.router_losses)
         if not self._owns_training_result():
             return None, None
-        pg, kl, entropy, clip, approx_kl, grad_norm = (sums / max(steps, 1)).tolist()
+        pg, kl, entropy, clip, clip_lower, approx_kl, grad_norm = (sums / max(steps, 1)).tolist()
         stats = UpdateStats(
             pg_loss=pg,
             kl_loss=kl,
             entropy=entropy,
             clip_frac=clip,
+            clip_frac_lower=clip_lower,
             approx_kl=approx_kl,
             grad_norm=grad_norm,
             lr=float(self.engine.optimizers[0].param_groups[0]["lr"]),
