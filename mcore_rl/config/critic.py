@@ -48,7 +48,8 @@ class CriticConfig:
     cliprange_value: float = 0.5
     """Value clipping: the new value stays within this of the rollout-time value in the loss."""
     warmup_steps: int = 0
-    """RL steps at the start of the run that train the critic only (the actor is frozen)."""
+    """RL steps at the start of the run that train the critic only (the actor is frozen for exactly these;
+    verl's ``critic_warmup=N`` freezes N - 1)."""
 
     def __post_init__(self) -> None:
         check_section(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import math
 import os
 from collections.abc import Callable
@@ -16,16 +17,16 @@ from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.config.fast_paths import keep_logits_setting
 from mcore_rl.config.machine import ranks_beside_actor
-from mcore_rl.config.model import RolloutEngineName
+from mcore_rl.config.model import MEGATRON_HF_ASSETS, RolloutEngineName
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
 from mcore_rl.controller.resources import cluster_cpus, ray_shut_down_on_failure
 from mcore_rl.controller.watchdog import GRACE_S
-from mcore_rl.data.tokenizer import Tokenizer
+from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.engine.rollout.vllm_engine import VLLMRolloutConfig
 from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
 from mcore_rl.engine.workers.critic import CriticSpec, CriticWorker
-from mcore_rl.engine.workers.reward_model import RewardModelSpec
+from mcore_rl.engine.workers.reward_model import RewardModelSpec, reward_model_arch
 from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.launch_env import free_local_port
@@ -48,8 +49,40 @@ def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, st
     the training, validation and test data -> where a row of it is), tools or a chat template a multi-turn
     rollout cannot use."""
     check_vocab(cfg, tokenizer)
+    check_reward_model_tokens(cfg, tokenizer)
     check_scorers(cfg.reward, data_sources)
     check_multi_turn(cfg, tokenizer)
+
+
+def check_reward_model_tokens(cfg: RunConfig, tokenizer: Tokenizer) -> None:
+    """The reward model reads the policy's token ids as they are: its vocabulary must cover them, and where its
+    folder has a tokenizer, it must be the policy's (verl re-tokenizes for a different one; a different one
+    here scored ids that meant other text, or read unloaded embedding padding rows, in silence)."""
+    path = cfg.reward_model.path
+    if path is None:
+        return
+    vocab_size = reward_model_arch(path).vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"reward_model.path {path}: its vocab_size={vocab_size} is smaller than the policy's tokenizer "
+            f"({tokenizer.vocab_size} tokens); the reward model must share the policy's tokenizer"
+        )
+    for folder in (path, os.path.join(path, MEGATRON_HF_ASSETS)):
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")) or glob.glob(
+            os.path.join(folder, "*.model")
+        ):
+            if _token_table(load_tokenizer(folder)) != _token_table(tokenizer):
+                raise ConfigError(
+                    f"reward_model.path {path}: its tokenizer ({folder}) differs from the policy's "
+                    f"(model.tokenizer_path {cfg.model.tokenizer_path}); the reward model reads the policy's "
+                    "token ids, so it must share its tokenizer (re-tokenizing for it is not supported)"
+                )
+            return
+
+
+def _token_table(tokenizer: Tokenizer) -> list[str]:
+    """Each id's text: two tokenizers with equal tables give the same ids the same meaning."""
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.vocab_size)]
 
 
 def row_checks(cfg: RunConfig) -> Callable[[str, Any, dict[str, Any]], tuple[str, str] | None]:
@@ -76,13 +109,19 @@ def check_vocab(cfg: RunConfig, tokenizer: Tokenizer) -> None:
         )
 
 
+def router_aux_loss_weight(cfg: RunConfig) -> float:
+    """``model.moe_aux_loss_coeff``, or the checkpoint's own coefficient (HF ``router_aux_loss_coef``)."""
+    if cfg.model.moe_aux_loss_coeff is not None:
+        return cfg.model.moe_aux_loss_coeff
+    moe = cfg.model.arch().moe
+    return moe.router_aux_loss_coef if moe is not None else 0.0
+
+
 def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None = None) -> WorkerSpec:
     """What every rank builds, from the run config (checked by ``config.validate``)."""
     megatron = cfg.model.is_megatron_checkpoint()
     arch = cfg.model.arch()
-    aux = cfg.model.moe_aux_loss_coeff
-    if aux is None:  # the checkpoint's own coefficient (HF router_aux_loss_coef)
-        aux = arch.moe.router_aux_loss_coef if arch.moe is not None else 0.0
+    aux = router_aux_loss_weight(cfg)
     return WorkerSpec(
         arch=arch,
         optim=cfg.optim,
@@ -131,19 +170,30 @@ def vllm_rollout_config(cfg: RunConfig) -> VLLMRolloutConfig | None:
     )
 
 
-def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps: int) -> CriticGroup:
-    """The critic on the actor's ranks (colocated), started from ``critic.model_path`` or the actor."""
-    path = cfg.critic.model_path
-    spec = CriticSpec(
+def critic_spec(cfg: RunConfig, total_optimizer_steps: int) -> CriticSpec:
+    """What every critic rank builds: started from ``critic.model_path`` or the actor."""
+    own_pp = (
+        (cfg.critic.parallel or cfg.parallel).pipeline_model_parallel_size if not cfg.critic.colocate else 1
+    )
+    return CriticSpec(
         arch=cfg.model.arch(),
         optim=cfg.critic.optim,
         total_optimizer_steps=total_optimizer_steps,
         cliprange_value=cfg.critic.cliprange_value,
         dtype=cfg.model.dtype,
-        hf_path=path,
-        remove_padding=bool(cfg.model.use_remove_padding),
+        hf_path=cfg.critic.model_path,
+        # packing needs PP1: a pool of its own at PP > 1 keeps padded rows (auto packing followed the actor's)
+        remove_padding=bool(cfg.model.use_remove_padding) and own_pp == 1,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
+        moe_aux_loss_coeff=router_aux_loss_weight(cfg),  # a MoE critic's routers train as the actor's
+        moe_z_loss_coeff=cfg.model.moe_z_loss_coeff,
     )
+
+
+def build_critic_group(cfg: RunConfig, actors: ActorGroup, total_optimizer_steps: int) -> CriticGroup:
+    """The critic on the actor's ranks (colocated), started from ``critic.model_path`` or the actor."""
+    path = cfg.critic.model_path
+    spec = critic_spec(cfg, total_optimizer_steps)
     if cfg.critic.colocate:
         critic = CriticGroup(actors.backend)
         critic.build(spec)

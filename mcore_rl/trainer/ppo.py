@@ -10,7 +10,8 @@ Scoring, log-probs and values depend only on the rollout: they are started toget
 while the workers compute; likewise the critic's and the actor's updates, which read the same batch. With
 ``algorithm.use_kl_in_reward`` the outcome reward is penalised per token by the KL of the rollout policy to the
 reference (``algo/kl_reward.py``; its controller is checkpointed driver state). During the first
-``critic.warmup_steps`` steps only the critic learns: the actor is frozen, as in verl's ``critic_warmup``.
+``critic.warmup_steps`` steps only the critic learns: the actor is frozen for exactly that many steps (verl's
+``critic_warmup=N`` freezes N - 1: it trains the actor from global step N, counted from 1).
 """
 
 from __future__ import annotations

@@ -132,3 +132,19 @@ def test_the_actor_lr_schedule_ends_after_the_critic_warm_up(tmp_path) -> None:
     assert actor_optimizer_steps(ppo_cfg, 2) == 0
     grpo_cfg = tiny_run_config(str(tmp_path), overrides)  # the warm-up is PPO's alone
     assert actor_optimizer_steps(grpo_cfg, 10) == 10 * 2 * 2
+
+
+def test_the_critic_spec_follows_its_own_layout_and_the_actors_router_losses(tmp_path) -> None:
+    """A critic pool at PP2 took the actor's packing (PP1 only: it failed at its first pass); a MoE critic's
+    routers trained without the load-balancing and z-losses the actor's have."""
+    from mcore_rl.trainer.build import critic_spec
+
+    pool = ["algorithm.adv_estimator=gae", "critic.colocate=false", "critic.num_ranks=2"]
+    pp2 = tiny_run_config(str(tmp_path), [*pool, "critic.parallel.pipeline_model_parallel_size=2"])
+    assert pp2.model.use_remove_padding and not critic_spec(pp2, 1).remove_padding
+    assert critic_spec(
+        tiny_run_config(str(tmp_path), pool), 1
+    ).remove_padding  # its own PP1 packs as the actor
+    losses = ["algorithm.adv_estimator=gae", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
+    spec = critic_spec(tiny_run_config(str(tmp_path / "moe"), losses, family="qwen3_moe"), 1)
+    assert (spec.moe_aux_loss_coeff, spec.moe_z_loss_coeff) == (0.01, 0.001)

@@ -62,6 +62,9 @@ class CriticSpec:
     only, so rows are cut after their last response position."""
     on_nonfinite: str = "stop"
     """``trainer.on_nonfinite_loss``: a NaN/inf critic loss or gradient stops the run or skips the update."""
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts critics: the router losses' weights, the actor's (``model.moe_*_coeff``)."""
 
 
 class Critic:
@@ -69,7 +72,12 @@ class Critic:
 
     def __init__(self, ctx: ParallelContext, spec: CriticSpec, init_from: TrainEngine | None = None) -> None:
         self.ctx, self.spec = ctx, spec
-        options = ModelOptions(dtype=getattr(torch, spec.dtype), value_head=True)
+        options = ModelOptions(
+            dtype=getattr(torch, spec.dtype),
+            value_head=True,
+            moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+            moe_z_loss_coeff=spec.moe_z_loss_coeff,
+        )
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if spec.hf_path is not None:
             self.load_body(load_hf_full_state(spec.hf_path, spec.arch, options.dtype))

@@ -4,7 +4,9 @@ rollouts like ``transformers`` does, within 1e-4 (fp32); a classifier with more 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from mcore_rl.engine.workers.reward_model import (
     last_token_values,
     reward_model_arch,
 )
+from mcore_rl.io.errors import ConfigError
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import RolloutBatch
@@ -171,3 +174,46 @@ def test_the_trainer_converts_an_hf_reward_model_once_and_the_ranks_load_the_che
     assert os.path.isfile(run / "reward_model" / "metadata.json")
     assert info.extra["converted_from"] == os.path.abspath(folder)
     assert len(records) == 1 and records[0]["num_optimizer_steps"] == 1
+
+
+def test_a_reward_model_that_does_not_share_the_policys_tokenizer_is_refused(tmp_path) -> None:
+    """The reward model reads the policy's ids as they are: a smaller vocabulary scored ids past it from
+    unloaded embedding padding rows (transformers raises on them), another tokenizer read other text."""
+    import shutil
+
+    from mcore_rl.data.tokenizer import load_tokenizer
+    from mcore_rl.trainer.build import check_reward_model_tokens
+    from tests.trainer.common import tiny_run_config
+
+    small = str(tmp_path / "small")
+    _save_classifier(small, "llama", vocab=10)
+    cfg = tiny_run_config(str(tmp_path / "run"), [f"reward_model.path={small}"])
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+    with pytest.raises(ConfigError, match=r"reward_model\.path .*vocab_size=10 is smaller than the policy's"):
+        check_reward_model_tokens(cfg, tokenizer)
+
+    shared = str(tmp_path / "shared")
+    _save_classifier(shared, "llama", vocab=14)
+    for name in os.listdir(cfg.model.tokenizer_path):  # the policy's own tokenizer files: accepted
+        shutil.copy(os.path.join(cfg.model.tokenizer_path, name), shared)
+    check_reward_model_tokens(
+        dataclasses.replace(cfg, reward_model=dataclasses.replace(cfg.reward_model, path=shared)), tokenizer
+    )
+
+    other = str(tmp_path / "other")
+    _save_classifier(other, "llama", vocab=14)
+    with open(os.path.join(shared, "tokenizer.json")) as f:
+        table = json.load(f)
+    vocab = table["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[3:5]  # two ordinary tokens swap ids
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    for name in os.listdir(shared):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(shared, name), other)
+    with open(os.path.join(other, "tokenizer.json"), "w") as f:
+        json.dump(table, f)
+    with pytest.raises(ConfigError, match=r"reward_model\.path .*its tokenizer .* differs from the policy's"):
+        check_reward_model_tokens(
+            dataclasses.replace(cfg, reward_model=dataclasses.replace(cfg.reward_model, path=other)),
+            tokenizer,
+        )
