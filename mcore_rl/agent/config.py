@@ -67,7 +67,7 @@ class MultiTurnConfig:
     prompt). A sample's reward is their score plus the rewards its tools and environment returned."""
     log_conversation_freq: int = 10
     """Every this many RL steps, one sampled conversation (with its tool calls, answers and reward) is
-    appended to ``<log_dir>/conversations.jsonl`` (and TensorBoard's text tab); 0: never."""
+    appended to ``<log_dir>/generations.jsonl`` (and TensorBoard's text tab); 0: never."""
 
     def __post_init__(self) -> None:
         check_section(

@@ -140,7 +140,7 @@ def turn_metrics(conversations: list[Conversation]) -> dict[str, float]:
 
 
 def conversation_record(c: Conversation, score: float | None = None) -> dict[str, Any]:
-    """One conversation for ``conversations.jsonl``: its messages, how it ended, its counts and reward."""
+    """One conversation for ``generations.jsonl``: its messages, how it ended, its counts and reward."""
     record: dict[str, Any] = {
         "row": c.row,
         "where": c.where,
