@@ -85,6 +85,12 @@ class ModelConfig:
     projections at ``initializer_range / sqrt(2 x layers)``; false draws every linear layer at
     ``initializer_range``, as transformers initialises Llama and Qwen2. On a 2-layer model the scaled init
     made SFT stall for hundreds of steps on some seeds (see recipes/demo_cpu.yaml)."""
+    recompute: str = "none"
+    """Activation recomputation in the actor's, critic's and DPO policy's training passes (megatron's
+    ``recompute_granularity``; verl sets it through ``override_transformer_config``): none; selective (each
+    layer's core attention recomputed in the backward); full (each layer keeps only its input and is run again
+    in the backward: about a third more compute for the least activation memory). ``mcore-rl plan``'s
+    ``--recompute`` and its layout proposals say which a run needs."""
     use_remove_padding: bool | None = None
     """Pack each micro-batch's rows end to end (megatron's ``PackedSeqParams``, ``thd``) for the actor's,
     reference's and critic's passes and SFT, so no padding column is computed (verl's ``use_remove_padding``); losses and
@@ -141,6 +147,7 @@ class ModelConfig:
             self,
             {
                 "dtype": one_of(*DTYPES),
+                "recompute": one_of("none", "selective", "full"),
                 "keep_logits_gib": Rule(">= 0 or null", lambda v: v is None or v >= 0),
                 "moe_aux_loss_coeff": Rule(">= 0 or null", lambda v: v is None or v >= 0),
                 "moe_z_loss_coeff": NON_NEGATIVE,

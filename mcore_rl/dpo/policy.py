@@ -57,6 +57,8 @@ class PolicySpec:
     The reference would then be the base without it, not the policy DPO starts from: it needs
     ``with_reference=False`` (precomputed reference log-probs, or reference-free)."""
     pad_token_id: int = 0
+    recompute: str = "none"
+    """Activation recomputation (``model.recompute``)."""
     on_nonfinite: str = "stop"
     """stop (raise, naming the step) or skip (drop the update)."""
 
@@ -89,6 +91,7 @@ class DPOPolicy:
             scaled_output_init=spec.scaled_output_init,
             lora=spec.lora,
             keep_logits_bytes=spec.keep_logits_bytes,
+            recompute=spec.recompute,
         )
         engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if full_state is not None:

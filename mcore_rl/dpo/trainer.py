@@ -413,6 +413,7 @@ def policy_spec(cfg: RunConfig, total_steps: int, pad_token_id: int) -> PolicySp
         keep_logits_bytes=keep_logits_setting(cfg),
         lora=cfg.model.lora_spec(),
         lora_adapter_path=cfg.model.lora_adapter_path,
+        recompute=cfg.model.recompute,
         pad_token_id=pad_token_id,
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
     )

@@ -43,8 +43,9 @@ class ModelOptions:
     """Vocab is padded to a multiple of this times TP, as megatron does."""
     max_sequence_length: int | None = None
     """Longest prompt+response the model will see; defaults to the HF ``max_position_embeddings``."""
-    recompute_activations: bool = False
-    """Full-layer activation recomputation (trades compute for memory on long sequences)."""
+    recompute: str = "none"
+    """Activation recomputation (``model.recompute``): none, selective (core attention) or full (each layer
+    keeps its input and runs again in the backward)."""
     scaled_output_init: bool = True
     """megatron's random init of the attention and MLP output projections at ``std / sqrt(2 x layers)``;
     False: at ``std`` like every other linear layer (transformers' Llama init)."""
@@ -130,8 +131,10 @@ def _optional_config(arch: ModelArch, ctx: ParallelContext, options: ModelOption
     """The ``TransformerConfig`` fields that only some models, layouts or options set."""
     layout = ctx.layout
     extra: dict[str, Any] = {}
-    if options.recompute_activations:
+    if options.recompute == "full":
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif options.recompute == "selective":  # megatron's default module list: core attention
+        extra.update(recompute_granularity="selective")
     if layout.pp == 2:  # megatron crosses the shapes of a two-stage exchange (compat/pipeline_shapes.py)
         from mcore_rl.compat.pipeline_shapes import patch_shape_exchange
 

@@ -72,7 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu", default=None, choices=sorted(GPU_MEMORY_BYTES), help=f"GPU model (default {DEFAULT_GPU})"
     )
-    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recompute")
+    parser.add_argument(
+        "--recompute",
+        default=None,
+        choices=RECOMPUTE_MODES,
+        help="activation recompute (default: model.recompute)",
+    )
     parser.add_argument("--model-config", help="HF config.json (instead of the recipe's model.path)")
     parser.add_argument("--no-flash-attention", action="store_true", help="attention stores s x s scores")
     parser.add_argument("--no-propose", action="store_true", help="skip the search for a fitting layout")
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 def _common(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "gpu": args.gpu or DEFAULT_GPU,
-        "recompute": args.recompute,
+        **({} if args.recompute is None else {"recompute": args.recompute}),
         "flash_attention": not args.no_flash_attention,
     }
 

@@ -66,7 +66,7 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         reshard_inflight_bytes=hybrid.max_inflight_bytes or 2 * hybrid.bucket_bytes,
         # the rollout runs in rollout_dtype or model.dtype (trainer/build.py); the same dtype is no cast
         rollout_dtype=hybrid.rollout_dtype if hybrid.rollout_dtype != cfg.model.dtype else None,
-        **{"critic": algo.adv_estimator == "gae", **planner},
+        **{"critic": algo.adv_estimator == "gae", "recompute": cfg.model.recompute, **planner},
     )
 
 

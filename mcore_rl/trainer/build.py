@@ -143,6 +143,7 @@ def worker_spec(cfg: RunConfig, total_optimizer_steps: int, load_dir: str | None
         router_replay=cfg.actor.router_replay,
         lora=cfg.model.lora_spec(),
         lora_adapter_path=cfg.model.lora_adapter_path,
+        recompute=cfg.model.recompute,
     )
 
 
@@ -187,6 +188,7 @@ def critic_spec(cfg: RunConfig, total_optimizer_steps: int) -> CriticSpec:
         on_nonfinite=cfg.trainer.on_nonfinite_loss,
         moe_aux_loss_coeff=router_aux_loss_weight(cfg),  # a MoE critic's routers train as the actor's
         moe_z_loss_coeff=cfg.model.moe_z_loss_coeff,
+        recompute=cfg.model.recompute,
     )
 
 

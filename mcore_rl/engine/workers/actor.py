@@ -108,6 +108,8 @@ class WorkerSpec:
     """LoRA adapters on the frozen actor (``model.lora_*``); None trains every weight."""
     lora_adapter_path: str | None = None
     """A PEFT adapter folder loaded into the adapters after the base weights (``model.lora_adapter_path``)."""
+    recompute: str = "none"
+    """Activation recomputation of the training passes (``model.recompute``)."""
 
 
 class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
@@ -125,6 +127,7 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
             moe_z_loss_coeff=spec.moe_z_loss_coeff,
             lora=spec.lora,
+            recompute=spec.recompute,
         )
         # vLLM first: on a GPU it checks at construction that its share of the device is still free.
         vllm = build_vllm_rollout(spec.arch, ctx, spec.rollout_tp, spec.vllm) if spec.vllm else None

@@ -65,6 +65,8 @@ class CriticSpec:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     """Mixture-of-experts critics: the router losses' weights, the actor's (``model.moe_*_coeff``)."""
+    recompute: str = "none"
+    """Activation recomputation (``model.recompute``), as the actor's."""
 
 
 class Critic:
@@ -77,6 +79,7 @@ class Critic:
             value_head=True,
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
             moe_z_loss_coeff=spec.moe_z_loss_coeff,
+            recompute=spec.recompute,
         )
         self.engine = TrainEngine.build(spec.arch, ctx, options, spec.optim)
         if spec.hf_path is not None:
