@@ -16,6 +16,7 @@ Nothing here imports megatron or torch: ``mcore-rl config show`` stays instant.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -178,6 +179,35 @@ class ModelConfig:
         if not isinstance(self.path, str) or self.path.startswith("${"):
             return False
         return all(os.path.isfile(os.path.join(self.path, n)) for n in ("metadata.json", MEGATRON_MODEL_INFO))
+
+    def generation_stop_ids(self) -> list[int]:
+        """The ids ``generation_config.json`` ends a response with (its ``eos_token_id``, one or a list: Qwen2.5-
+        Instruct's ``<|im_end|>`` and ``<|endoftext|>``, Llama-3.1-Instruct's ``<|eot_id|>``, ``<|eom_id|>`` and
+        ``<|end_of_text|>``), as vLLM and transformers stop on them; [] without the file. A megatron checkpoint
+        keeps it in its ``hf_assets/``."""
+        if not isinstance(self.path, str) or self.path.startswith("${"):
+            return []
+        folder = os.path.join(self.path, MEGATRON_HF_ASSETS) if self.is_megatron_checkpoint() else self.path
+        path = os.path.join(folder, "generation_config.json")
+        if not os.path.isfile(path):
+            return []
+        import json
+
+        from mcore_rl.io.errors import ConfigError
+
+        try:
+            with open(path) as f:
+                ids = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ConfigError(f"{path}: not a JSON object ({err})") from None
+        ids = [ids] if isinstance(ids, int) else ids
+        if ids is None:
+            return []
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise ConfigError(f"{path}: eos_token_id={ids!r} is not a token id or a list of them")
+        return ids
 
     def hf_config_dict(self) -> dict[str, Any]:
         """The effective ``config.json``: the folder's (when ``path`` is set; a megatron checkpoint's is in its
@@ -342,13 +372,19 @@ class RolloutConfig:
         )
 
     def sampling_params(
-        self, eos_token_id: int, pad_token_id: int, seed: int | None, validation: bool = False
+        self,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int | None,
+        validation: bool = False,
+        model_stops: Sequence[int] = (),
     ) -> SamplingParams:
-        """Engine sampling parameters; stop ids are ``eos_token_id`` plus ``stop_token_ids``."""
+        """Engine sampling parameters; stop ids are ``eos_token_id``, the model's own (``model_stops``: its
+        ``generation_config.json``'s) and ``stop_token_ids``, each once."""
         from mcore_rl.engine.rollout.base import SamplingParams
 
         source: RolloutConfig | ValSampling = self.val_kwargs if validation else self
-        stops = [eos_token_id, *(t for t in self.stop_token_ids if t != eos_token_id)]
+        stops = list(dict.fromkeys([eos_token_id, *model_stops, *self.stop_token_ids]))
         return SamplingParams(
             temperature=source.temperature,
             top_p=source.top_p,

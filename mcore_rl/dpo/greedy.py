@@ -45,7 +45,9 @@ class GreedyScorer:
         params = SamplingParams(
             temperature=0.0,
             max_new_tokens=self.cfg.data.max_response_length,
-            stop_token_ids=[self.tokenizer.eos_token_id],
+            stop_token_ids=list(
+                dict.fromkeys([self.tokenizer.eos_token_id, *self.cfg.model.generation_stop_ids()])
+            ),
             pad_token_id=self.tokenizer.pad_token_id,
         )
         self._hybrid.to_rollout()

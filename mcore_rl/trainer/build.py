@@ -49,6 +49,7 @@ def check_start(cfg: RunConfig, tokenizer: Tokenizer, data_sources: dict[str, st
     the training, validation and test data -> where a row of it is), tools or a chat template a multi-turn
     rollout cannot use."""
     check_vocab(cfg, tokenizer)
+    cfg.model.generation_stop_ids()  # a broken generation_config.json named before any worker starts
     check_reward_model_tokens(cfg, tokenizer)
     check_scorers(cfg.reward, data_sources)
     check_multi_turn(cfg, tokenizer)

@@ -92,6 +92,8 @@ class StepBase:
         """With ``reward_model.path``: its score joins the rules' (``reward_model.weight``)."""
         self.loss = loss_settings(cfg)
         self.plan = update_plan(cfg)
+        self._model_stops = cfg.model.generation_stop_ids()
+        """The model's own stop ids (``generation_config.json``), where the tokenizer names one EOS."""
         self._pending: _Pending | None = None
         """One-step-off: the next step's prompts and their rollout (a wait: on a pool it is still running),
         started before this step's update."""
@@ -178,7 +180,9 @@ class StepBase:
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step
         tok = self.tokenizer
-        return self.cfg.rollout.sampling_params(tok.eos_token_id, tok.pad_token_id, seed, validation)
+        return self.cfg.rollout.sampling_params(
+            tok.eos_token_id, tok.pad_token_id, seed, validation, self._model_stops
+        )
 
     # --- scores ---------------------------------------------------------------------------------------------
     def turns_of(self, rollout: RolloutBatch) -> MultiTurnOutput | None:
