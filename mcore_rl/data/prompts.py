@@ -167,12 +167,12 @@ def _file_change(file: str, saved: dict[str, Any], now: dict[str, Any], rows: li
 
 
 def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat_template: bool) -> list[int]:
-    """Plain text as it is; messages through the chat template (or joined contents when it is off)."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if chat_template:
+    """Plain text as the tokenizer encodes a text on its own (its BOS first where it adds one: Llama's); messages
+    through the chat template, which writes its own (or their joined contents, as plain text, when it is off)."""
+    if not isinstance(prompt, str) and chat_template:
         return tokenizer.encode(tokenizer.chat_text(prompt, add_generation_prompt=True))
-    return tokenizer.encode("".join(m["content"] for m in prompt))
+    text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+    return [*getattr(tokenizer, "text_prefix", []), *tokenizer.encode(text)]
 
 
 RowCheck = Callable[[str, Any, dict[str, Any]], "tuple[str, str] | None"]

@@ -154,6 +154,17 @@ class HFTokenizer:
         self.eos_token_id = int(eos)
         self.pad_token_id = int(eos if pad is None else pad)
         self._warned = False
+        self.text_prefix = self._bos_prefix()
+        """What the tokenizer puts before a text it encodes on its own (Llama's BOS; [] for Qwen): a prompt
+        given as plain text starts with it, as ``tokenizer(text)`` would (a chat template writes its own)."""
+
+    def _bos_prefix(self) -> list[int]:
+        if self._hf is not None:
+            ids = list(self._hf.encode("", add_special_tokens=True))
+            return ids if len(ids) == 1 and ids[0] == self._hf.bos_token_id else []
+        encoding = self._raw.encode("", add_special_tokens=True)
+        special = {t.content for t in self._raw.get_added_tokens_decoder().values() if t.special}
+        return list(encoding.ids) if len(encoding.ids) == 1 and encoding.tokens[0] in special else []
 
     def encode(self, text: str) -> list[int]:
         if self._hf is not None:
