@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,12 @@ def test_wandb_offline_run_is_written_under_the_log_folder(
     _write(_log(tmp_path, wandb=True))
     (run,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
     (records,) = run.glob("run-*.wandb")
-    rows = [{k: v for k, v in row.items() if not k.startswith("_")} for row in _wandb_history(records)]
+    # W&B's core is a process of its own that may still be writing the file when finish() has returned
+    # (a full CI run under load read it empty once): wait for the history, up to a bound
+    deadline = time.monotonic() + 30
+    while not (history := _wandb_history(records)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    rows = [{k: v for k, v in row.items() if not k.startswith("_")} for row in history]
     assert rows == [
         {"sft/loss": 2.0, "sft/lr": 1e-3, "sft/step": 1},
         {"sft/loss": 1.5, "sft/val_accuracy": 0.25, "sft/step": 2},
