@@ -254,7 +254,7 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         problems.append("sft.enable=true needs sft.train_files")
     if cfg.sft.enable and cfg.sft.target_val_accuracy is not None and not cfg.sft.val_files:
         problems.append(f"sft.target_val_accuracy={cfg.sft.target_val_accuracy} needs sft.val_files")
-    kl = [k for k in ("use_kl_loss", "use_kl_in_reward") if getattr(cfg.algorithm, k)]
+    kl = _kl_terms(cfg)
     if cfg.sft.enable and cfg.model.lora_rank and kl:
         problems.append(
             f"sft.enable=true with model.lora_rank={cfg.model.lora_rank} and algorithm.{kl[0]}=true: the KL "
@@ -320,6 +320,11 @@ def _algorithm_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def _kl_terms(cfg: RunConfig) -> list[str]:
+    """The ``algorithm`` KL keys switched on: each needs a reference policy."""
+    return [k for k in ("use_kl_loss", "use_kl_in_reward") if getattr(cfg.algorithm, k)]
+
+
 def _adapter_reference_problems(cfg: RunConfig) -> list[str]:
     """``model.lora_adapter_path`` with a reference model: a LoRA run's reference is its base with the adapters
     off (``TrainEngine.frozen_copy``), not the base + loaded adapter the run starts from, so its KL (RL) or
@@ -339,7 +344,7 @@ def _adapter_reference_problems(cfg: RunConfig) -> list[str]:
             "a LoRA run's reference is its base with the adapters off, not the adapter DPO starts from; set "
             f"dpo.precompute_ref_log_probs=true (the reference is then the policy as loaded), or {merge}"
         ]
-    kl = [k for k in ("use_kl_loss", "use_kl_in_reward") if getattr(cfg.algorithm, k)]
+    kl = _kl_terms(cfg)
     if not kl:
         return []
     return [

@@ -145,7 +145,7 @@ class WithTools:
         self.vocab_size = tokenizer.vocab_size
         self.has_chat_template = tokenizer.has_chat_template
         self.path = getattr(tokenizer, "path", "the tokenizer")
-        self.text_prefix = getattr(tokenizer, "text_prefix", [])
+        self.text_prefix = tokenizer.text_prefix
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)

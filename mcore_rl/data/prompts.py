@@ -172,7 +172,7 @@ def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat
     if not isinstance(prompt, str) and chat_template:
         return tokenizer.encode(tokenizer.chat_text(prompt, add_generation_prompt=True))
     text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
-    return [*getattr(tokenizer, "text_prefix", []), *tokenizer.encode(text)]
+    return [*tokenizer.text_prefix, *tokenizer.encode(text)]
 
 
 RowCheck = Callable[[str, Any, dict[str, Any]], "tuple[str, str] | None"]

@@ -74,6 +74,9 @@ class Tokenizer(Protocol):
     pad_token_id: int
     vocab_size: int
     has_chat_template: bool
+    text_prefix: list[int]
+    """What the tokenizer puts before a text it encodes on its own (Llama's BOS; [] for Qwen): a prompt given
+    as plain text starts with it, as ``tokenizer(text)`` would (a chat template writes its own)."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, no BOS/EOS added."""
@@ -155,8 +158,6 @@ class HFTokenizer:
         self.pad_token_id = int(eos if pad is None else pad)
         self._warned = False
         self.text_prefix = self._bos_prefix()
-        """What the tokenizer puts before a text it encodes on its own (Llama's BOS; [] for Qwen): a prompt
-        given as plain text starts with it, as ``tokenizer(text)`` would (a chat template writes its own)."""
 
     def _bos_prefix(self) -> list[int]:
         if self._hf is not None:
@@ -221,6 +222,7 @@ class SentencePieceTokenizer:
         self.eos_token_id = int(eos)
         self.pad_token_id = int(pad if pad >= 0 else eos)
         self.vocab_size = int(self._sp.get_piece_size())
+        self.text_prefix: list[int] = []  # its encode adds no BOS, and this reader never did
         self._warned = False
 
     def encode(self, text: str) -> list[int]:

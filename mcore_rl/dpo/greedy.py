@@ -24,6 +24,8 @@ class GreedyScorer:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
+        self._stops = list(dict.fromkeys([tokenizer.eos_token_id, *cfg.model.generation_stop_ids()]))
+        """The tokenizer's EOS and the model's own (``generation_config.json``), read once."""
         self._hybrid: Any = None
         self._rollout: Any = None
         self._scorer: Any = None
@@ -45,9 +47,7 @@ class GreedyScorer:
         params = SamplingParams(
             temperature=0.0,
             max_new_tokens=self.cfg.data.max_response_length,
-            stop_token_ids=list(
-                dict.fromkeys([self.tokenizer.eos_token_id, *self.cfg.model.generation_stop_ids()])
-            ),
+            stop_token_ids=self._stops,
             pad_token_id=self.tokenizer.pad_token_id,
         )
         self._hybrid.to_rollout()

@@ -146,9 +146,7 @@ def balanced_for_experts(
         return micro_batches
     count = torch.tensor([len(micro_batches)], dtype=torch.int64)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.ep_group)
-    width = ctx.sequence_multiple  # sequence parallelism splits every sequence over TP
-    filler = FillerMicroBatch(torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0))
-    return micro_batches + [filler] * (int(count) - len(micro_batches))  # type: ignore[list-item]
+    return micro_batches + _fillers(ctx, int(count) - len(micro_batches))
 
 
 def filled_for_interleaving(
@@ -165,9 +163,15 @@ def filled_for_interleaving(
     count = -(-len(micro_batches) // pp) * pp
     if not forward_only:
         count = max(count, 2 * pp)
+    return micro_batches + _fillers(ctx, count - len(micro_batches))
+
+
+def _fillers(ctx: ParallelContext, count: int) -> list[MicroBatch]:
+    """``count`` one-row filler micro-batches, as short as a sequence may be (sequence parallelism splits
+    every sequence over TP, context parallelism into 2 x CP chunks)."""
     width = ctx.sequence_multiple
     filler = FillerMicroBatch(torch.zeros(1, width, dtype=torch.int64), torch.arange(width).unsqueeze(0))
-    return micro_batches + [filler] * (count - len(micro_batches))  # type: ignore[list-item]
+    return [filler] * count  # type: ignore[list-item]
 
 
 @dataclass
