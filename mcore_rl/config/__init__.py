@@ -61,10 +61,11 @@ Python API::
 """
 
 from mcore_rl.algo.settings import KLControl
+from mcore_rl.config.algorithm import AlgorithmConfig
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
 from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
-from mcore_rl.config.model import AlgorithmConfig, ModelConfig, RolloutConfig, ValSampling
+from mcore_rl.config.model import ModelConfig, RolloutConfig, ValSampling
 from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.config.run import RunConfig, SFTConfig, TrainerConfig
 from mcore_rl.config.run_folder import claim_run_folders

@@ -10,9 +10,10 @@ from typing import ClassVar
 
 from omegaconf import II
 
+from mcore_rl.config.algorithm import AlgorithmConfig
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
-from mcore_rl.config.model import ActorConfig, AlgorithmConfig, ModelConfig, RolloutConfig
+from mcore_rl.config.model import ActorConfig, ModelConfig, RolloutConfig
 from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.data.config import DataConfig
 from mcore_rl.engine.optim import OptimConfig

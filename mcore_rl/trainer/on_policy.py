@@ -5,7 +5,8 @@ the run logs once saying which applies and why."""
 from __future__ import annotations
 
 from mcore_rl.config import AlgorithmConfig
-from mcore_rl.config.model import ModelConfig, RecomputeOldLogProbs
+from mcore_rl.config.algorithm import RecomputeOldLogProbs
+from mcore_rl.config.model import ModelConfig
 from mcore_rl.trainer.groups.actor import UpdatePlan
 
 
