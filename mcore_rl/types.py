@@ -32,6 +32,11 @@ class PromptBatch:
     """[B]"""
     origins: list[str] = field(default_factory=list)
     """[B] ``file row N`` of each prompt, for messages (e.g. ``ScoreRequest.where``)."""
+    messages: list[list[dict[str, Any]]] = field(default_factory=list)
+    """[B][m_b] each prompt as its dataset row's chat messages (``{"role", "content", ...}``; a plain-text prompt
+    as one ``user`` message): the opening of a multi-turn conversation as its environment, tools and logged
+    record read it. The model reads ``prompt_ids`` (the chat template's rendering), never these. Empty: not
+    known (a batch built from token ids alone)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -61,6 +66,7 @@ class PromptBatch:
             self.ground_truths[rows],
             self.extra_infos[rows],
             self.origins[rows],
+            self.messages[rows],
         )
 
     def parts(self, size: int | None) -> list[PromptBatch]:

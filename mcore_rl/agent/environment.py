@@ -2,11 +2,18 @@
 after every model turn without a tool call, ``step`` reads the conversation so far and says what comes next.
 
     class Guess:                                   # rollout.multi_turn.environment: my_pkg.envs:Guess
-        def step(self, conversation, extra_info):   # conversation: [{"role", "content"}, ...], last = model's
-            guess = conversation[-1]["content"]
+        def step(self, conversation, extra_info):   # conversation: the row's messages (e.g. system, user),
+            guess = conversation[-1]["content"]     # then the turns since; the last is the model's
             if guess == extra_info["ground_truth"]:
                 return EnvStep(None, reward=1.0, done=True)
             return EnvStep("higher" if ... else "lower", reward=0.0, done=False)
+
+``conversation`` is a list of ``{"role", "content", ...}`` messages: the dataset row's prompt as its own
+messages (verl's ``raw_prompt``, NeMo-RL's ``message_log``: system, user, ... with any other fields they carry;
+a plain-text prompt is one ``user`` message), then every turn since: ``assistant`` (the model's text as the
+tool parser reads it, without the stop token that ended it), ``tool`` (tool answers) and this environment's
+observations, the last one the model's. It is the environment's own copy. What the chat template adds when
+it renders the prompt (a default system prompt, the tool list) is not in it: the model reads that rendering.
 
 One instance per worker process (built once, called many times), so ``step`` must not keep a conversation's
 state between calls: everything it needs is in the conversation and ``extra_info`` (the row's ``extra_info``

@@ -48,8 +48,10 @@ class Conversation:
     where: str
     """For messages: ``sample 5 (train.parquet row 17)``."""
     segments: list[Segment] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
-    """The conversation as chat messages: the decoded prompt as ``user``, then each turn."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation as chat messages: the dataset row's own (``PromptBatch.messages``: system, user, ...;
+    the decoded prompt as one ``user`` message where a batch has none), then each model, tool and environment
+    turn. What the environment's ``step`` reads and ``generations.jsonl`` records."""
     finish: str = ""
     reward: float = 0.0
     """The tools' and environment's rewards, summed."""

@@ -22,6 +22,7 @@ conversation and counted; none stops the rollout.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -120,8 +121,11 @@ class MultiTurnRollout:
             "data_source": prompts.data_sources[p] if prompts.data_sources else None,
         }
         ids = list(prompts.prompt_ids[p])
-        opening = {"role": "user", "content": self.chat.answer_text(ids)}
-        return Conversation(row, p, ids, extra, f"sample {row} ({origin})", messages=[opening])
+        if prompts.messages:  # the row's own messages; copies: an environment may edit what it is given
+            opening = copy.deepcopy(prompts.messages[p])
+        else:  # a batch of token ids alone: the decoded prompt (template text and all) as one user message
+            opening = [{"role": "user", "content": self.chat.answer_text(ids)}]
+        return Conversation(row, p, ids, extra, f"sample {row} ({origin})", messages=opening)
 
     def _model_turn(
         self, engine: ConversationEngine, active: list[Conversation], params: SamplingParams, turn: int
@@ -161,7 +165,8 @@ class MultiTurnRollout:
                 if self.executor.environment is None:
                     c.finish = "answered"
                     continue
-                new = [EnvTask(list(c.messages), c.extra_info, c.where)]
+                # the environment's own copy with num_workers=0 too, as a worker's is (pickled)
+                new = [EnvTask(copy.deepcopy(c.messages), c.extra_info, c.where)]
             else:
                 c.tool_calls += len(calls)
                 if last_turn:

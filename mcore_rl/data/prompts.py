@@ -37,6 +37,9 @@ class PromptRecord:
     """``reward_model.ground_truth``: only the scorer sees it."""
     extra_info: dict[str, Any]
     """``extra_info`` as stored (an empty dict when absent)."""
+    messages: tuple[dict[str, Any], ...]
+    """The prompt as chat messages (:func:`opening_messages`), for multi-turn conversations; the model reads
+    ``prompt_ids``."""
     file: str
     row: int
     """Where the prompt came from (0-based row), for error messages and debugging."""
@@ -100,6 +103,7 @@ class PromptDataset:
             ground_truths=[r.ground_truth for r in picked],
             extra_infos=[r.extra_info for r in picked],
             origins=[f"{r.file} row {r.row}" for r in picked],
+            messages=[list(r.messages) for r in picked],
         )
 
     def fingerprint(self) -> str:
@@ -175,6 +179,13 @@ def encode_prompt(prompt: str | list[dict[str, str]], tokenizer: Tokenizer, chat
     return [*tokenizer.text_prefix, *tokenizer.encode(text)]
 
 
+def opening_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt column as the chat messages a conversation starts with (verl's ``raw_prompt``, NeMo-RL's
+    ``message_log``): the row's own messages, plain text as one ``user`` message. Whatever :func:`encode_prompt`
+    made of it (template or joined text), an environment reads the row's messages."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
 RowCheck = Callable[[str, Any, dict[str, Any]], "tuple[str, str] | None"]
 """``(data_source, ground_truth, extra_info) -> (field, problem) or None``: a row's fitness for its scorer."""
 
@@ -199,7 +210,8 @@ def _record(raw: Any, file: str, row: int, tokenizer: Tokenizer, cfg: DataConfig
     if len(ids) > cfg.max_prompt_length:
         reason = f"prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length}"
         raise BadRowError(RowProblem(file, row, cfg.prompt_key, reason))
-    return PromptRecord(tuple(ids), str(data_source), ground_truth, dict(extra_info), file, row)
+    messages = tuple(opening_messages(prompt))
+    return PromptRecord(tuple(ids), str(data_source), ground_truth, dict(extra_info), messages, file, row)
 
 
 class PromptLoader:

@@ -1,7 +1,7 @@
 """The multi-turn loop: tool calls parsed, run in worker processes and answered as the template's tool turn; bad
 calls, raising and hanging tools answered with errors and counted; limits; the model-token mask; and, with the
 embedded engine, every conversation's turns continued from its KV cache with log-probs a whole-sequence
-forward agrees with."""
+forward agrees with; the conversation an environment reads opens with the dataset row's own messages."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ import torch
 from mcore_rl.agent.chat import load_parser
 from mcore_rl.agent.config import MultiTurnConfig
 from mcore_rl.agent.executor import ToolExecutor
-from mcore_rl.agent.rollout import MultiTurnRollout
+from mcore_rl.agent.records import conversation_record
+from mcore_rl.agent.rollout import MultiTurnOutput, MultiTurnRollout
 from mcore_rl.agent.tools import load_tools
+from mcore_rl.config import DataConfig
 from mcore_rl.data.chat_format import ChatFormat
+from mcore_rl.data.prompts import PromptDataset
+from mcore_rl.data.rows import write_rows
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout import SamplingParams
 from mcore_rl.scoring.process_pool import TaskLimits
@@ -287,3 +291,72 @@ def test_the_embedded_engine_continues_every_conversation_from_its_cache(tokeniz
         assert (got[~mask] == 0).all() and int(mask.sum()) == c.model_tokens
     assert "go on 36" in tokenizer.decode(out.conversations[0].context, skip_special_tokens=False)
     assert out.tool_rewards.max() == pytest.approx(1.5)
+
+
+def _recorded_rollout(tmp_path, tokenizer, prompt) -> tuple[PromptDataset, MultiTurnOutput, list[dict]]:
+    """One dataset row with ``prompt``, loaded as a training run loads it, in a multi-turn rollout on the
+    embedded engine whose RecordingEnv writes down every conversation it is given (two steps each)."""
+    seen, data = tmp_path / "seen.jsonl", str(tmp_path / "train.jsonl")
+    row = {
+        "data_source": "mcore_rl/tool_calc",
+        "prompt": prompt,
+        "reward_model": {"ground_truth": "15"},
+        "extra_info": {"row": 0, "record_to": str(seen)},
+    }
+    write_rows(data, [row])
+    dataset = PromptDataset.from_files([data], tokenizer, DataConfig(max_prompt_length=64))
+    cfg = MultiTurnConfig(enable=True, environment="tests.agent.user_tools:RecordingEnv", num_workers=0)
+    stops = [tokenizer.eos_token_id, *range(40, 128, 3)]  # turns of a few tokens from a random model
+    params = SamplingParams(seed=1, stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id)
+    out = _rollout(tokenizer, cfg, response_length=200).run(
+        _engine_for(tokenizer), dataset.batch([0]), params
+    )
+    return dataset, out, [json.loads(line) for line in seen.read_text().splitlines()]
+
+
+def _check_opening(tokenizer, out: MultiTurnOutput, seen: list[dict], opening: list[dict]) -> None:
+    """The environment read ``opening`` and then the turns, each step the whole conversation so far; the
+    logged conversation is the same, untouched by the environment's edits of its copy."""
+    (c,) = out.conversations
+    assert c.finish == "env_done" and c.turns == 2 and len(seen) == 2
+    chat = ChatFormat(tokenizer)
+    model_turns = [{"role": "assistant", "content": chat.turn_text(s.ids)} for s in c.segments if s.model]
+    assert seen[0]["conversation"] == [*opening, model_turns[0]]
+    again = {"role": "user", "content": "again"}
+    assert seen[1]["conversation"] == [*opening, model_turns[0], again, model_turns[1]]
+    assert c.messages == seen[1]["conversation"]
+    assert conversation_record(c)["messages"] == c.messages
+
+
+def test_the_environment_reads_the_rows_own_messages(tmp_path, tokenizer) -> None:
+    """verl's ``raw_prompt`` / NeMo-RL's ``message_log``: a chat-format row's system and user messages open the
+    conversation (they were the chat template's rendered prompt, flattened into one user message), while the
+    model still reads the template's rendering."""
+    messages = [
+        {"role": "system", "content": "Add the numbers."},
+        {"role": "user", "content": "12+3="},
+    ]
+    dataset, out, seen = _recorded_rollout(tmp_path, tokenizer, messages)
+    rendered = tokenizer.encode(tokenizer.chat_text(messages, add_generation_prompt=True))
+    assert out.conversations[0].prompt == rendered  # the model's input is unchanged
+    _check_opening(tokenizer, out, seen, messages)
+    assert list(dataset.records[0].messages) == messages  # the environment edited copies
+    assert dataset.batch([0]).part(slice(0, 1)).messages == [messages]
+
+
+def test_a_plain_text_prompt_opens_as_one_user_message(tmp_path, tokenizer) -> None:
+    dataset, out, seen = _recorded_rollout(tmp_path, tokenizer, "12+3=")
+    assert out.conversations[0].prompt == [*tokenizer.text_prefix, *tokenizer.encode("12+3=")]
+    _check_opening(tokenizer, out, seen, [{"role": "user", "content": "12+3="}])
+    assert list(dataset.records[0].messages) == [{"role": "user", "content": "12+3="}]
+
+
+def test_a_batch_without_messages_opens_with_the_decoded_prompt(tokenizer) -> None:
+    """A batch built from token ids alone (no row messages) keeps the decoded prompt as one user message."""
+    cfg = MultiTurnConfig(enable=True, tools=[CALC], num_workers=0)
+    batch = prompts(tokenizer, ["12+3="], ["15"])
+    out = _rollout(tokenizer, cfg).run(
+        ScriptedTurns(tokenizer, {0: ["15"]}), batch, SamplingParams(pad_token_id=tokenizer.pad_token_id)
+    )
+    decoded = tokenizer.decode(batch.prompt_ids[0], skip_special_tokens=True)
+    assert out.conversations[0].messages[0] == {"role": "user", "content": decoded}

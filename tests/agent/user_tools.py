@@ -101,3 +101,19 @@ class BracketParser:
 
         names = re.findall(r"\[\[(\w+)\]\]", text)
         return ParsedTurn(re.sub(r"\[\[\w+\]\]", "", text), [ToolCall(n, {}) for n in names])
+
+
+class RecordingEnv:
+    """Appends each conversation it is given to the JSON-lines file ``extra_info["record_to"]``, then edits it
+    (what it was handed must be its own copy), says ``again`` once and ends the conversation at the next step."""
+
+    def step(self, conversation: list[dict[str, Any]], extra_info: dict[str, Any]) -> EnvStep:
+        import json
+
+        with open(extra_info["record_to"], "a") as f:
+            f.write(json.dumps({"row": extra_info["row"], "conversation": conversation}) + "\n")
+        for message in conversation:
+            message["content"] = "edited by the environment"
+        if sum(m["role"] == "assistant" for m in conversation) >= 2:
+            return EnvStep(None, reward=1.0, done=True)
+        return EnvStep("again", reward=0.0)

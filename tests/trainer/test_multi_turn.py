@@ -87,6 +87,9 @@ def test_grpo_steps_on_multi_turn_rollouts_train_on_the_model_tokens(tmp_path) -
     messages = conversations[0]["conversation"]["messages"]
     assert [m["role"] for m in messages[:4]] == ["user", "assistant", "user", "assistant"]
     assert messages[2]["content"].startswith("go on ")
+    with open(tmp_path / "data" / "train.jsonl") as f:
+        row_prompts = [json.loads(line)["prompt"] for line in f]
+    assert messages[:1] in row_prompts  # the row's own messages, carried from the data to the agent loop
     assert any(s["stage"] == "test" and "conversation" in s for s in samples)  # the held-out test, multi-turn
 
 
