@@ -130,6 +130,10 @@ def decode_attention(
     scale: float,
 ) -> Tensor:
     if _native_fp32(qkv, cos, sin, keys, values):
+        if (
+            start is not None
+        ):  # the kernel reads int64 starts; int32 ones (as the reference takes) are widened
+            start = start.to(torch.int64).contiguous()
         return torch.ops.mcore_rl.decode_attention(
             qkv, cos, sin, keys, values, column, start, num_heads, scale
         )

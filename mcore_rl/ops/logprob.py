@@ -301,14 +301,21 @@ def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...])
     hidden, weight, targets, vocab_start, vocab_size, inv_t, vocab_chunk_size, _, keep_chunks = inputs
     ctx.save_for_backward(hidden, weight, targets, output[2], output[3])
     ctx.args = (vocab_start, vocab_size, inv_t, vocab_chunk_size, keep_chunks)
+    # Outputs without a gradient come to the backward as None, not zeros: the kept logits' would be a second
+    # block of their size (up to model.keep_logits_gib) zeroed at every backward; an unused entropy's a row.
+    ctx.set_materialize_grads(False)
 
 
-def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, *_: Tensor) -> tuple[Any, ...]:
+def _linear_backward(
+    ctx: Any, grad_logprob: Tensor | None, grad_entropy: Tensor | None, *_: Tensor | None
+) -> tuple[Any, ...]:
     hidden, weight, targets, softmax_stats, kept = ctx.saved_tensors
     vocab_start, vocab_size, inv_t, chunk, keep_chunks = ctx.args
     # Accumulate dL/dhidden over vocab chunks in fp32; padding rows of the weight get zero gradient.
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    grad_weight = torch.zeros_like(weight)
+    # A frozen head (LoRA without the output layer as a target) gets no [vocab, hidden] gradient: neither
+    # its buffer nor its GEMM, a third of the head's backward.
+    grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
     chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk)
     logits_buffer, grad_buffer = _ChunkBuffer(hidden, chunks[keep_chunks:]), _ChunkBuffer(hidden, chunks)
     # In place where the dtypes allow (fp32): no [N, hidden] or [chunk, hidden] temporary per chunk.
@@ -333,10 +340,12 @@ def _linear_backward(ctx: Any, grad_logprob: Tensor, grad_entropy: Tensor, *_: T
         )
         if accumulate:
             gemm_into(grad_hidden, grad_logits, w, accumulate=True)
-            gemm_into(grad_weight[start:stop], grad_logits.T, hidden, accumulate=False)
+            if grad_weight is not None:
+                gemm_into(grad_weight[start:stop], grad_logits.T, hidden, accumulate=False)
         else:
             grad_hidden += grad_logits @ w
-            grad_weight[start:stop] = grad_logits.T @ hidden
+            if grad_weight is not None:
+                grad_weight[start:stop] = grad_logits.T @ hidden
     return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None
 
 

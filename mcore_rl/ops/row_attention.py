@@ -103,7 +103,8 @@ def row_attention(
     theirs, e.g. 0); ``segment_starts`` [segments + 1] bounds the packed segments, each holding every token
     its rows read (one shared prompt's group)."""
     if _native_ok(query, key, value):
-        starts = segment_starts.to(torch.int64)
+        # the kernel reads int64 indices; int32 ones (as the reference takes them) are widened, not refused
+        source, home, starts = (t.to(torch.int64).contiguous() for t in (source, home, segment_starts))
         return _RowAttention.apply(query, key, value, source, home, starts, rows, scale)
     return row_attention_reference(query, key, value, source, home, rows, scale)
 

@@ -64,6 +64,21 @@ def test_decode_attention_start_hides_earlier_columns(impl) -> None:
     assert torch.equal(first, second)
 
 
+def test_decode_attention_takes_int32_starts_as_the_reference_does(impl) -> None:
+    """The kernel reads int64 starts; the wrapper widens int32 ones rather than refusing what the reference
+    (and any caller on a path without the extension) takes."""
+    gen = torch.Generator().manual_seed(1)
+    qkv, cos, sin = torch.randn(2, 4 * 8, generator=gen), torch.ones(1, 8), torch.zeros(1, 8)
+    keys, values = _cache(2, 1, 8, 12, gen)
+    outs = [
+        decode.decode_attention(
+            qkv, cos, sin, keys.clone(), values.clone(), 9, torch.tensor([4, 7], dtype=t), 2, 0.5
+        )
+        for t in (torch.int64, torch.int32)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
 @pytest.mark.parametrize("k_dim, n_dim", [(33, 23), (64, 16), (256, 1000), (40, 8)])
 @pytest.mark.parametrize("add", ["none", "bias", "residual"])

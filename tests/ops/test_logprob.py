@@ -253,6 +253,72 @@ def test_logits_are_kept_only_for_a_gradient(monkeypatch: pytest.MonkeyPatch) ->
     assert asked == [0, 2, 0]
 
 
+def test_the_kept_logits_get_no_zero_gradient_of_their_size() -> None:
+    """The kept logits are an output no loss reads: autograd used to hand the backward a zero gradient for
+    them, a second block of their size zeroed at every backward (up to ``model.keep_logits_gib``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargeResults(TorchDispatchMode):
+        def __init__(self, at_least: int) -> None:
+            super().__init__()
+            self.at_least, self.seen = at_least, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() >= self.at_least and "zero" in str(func):
+                self.seen.append(str(func))
+            return out
+
+    hidden, weight = torch.randn(64, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (64,))
+    kwargs = {"vocab_start": 0, "vocab_size": 300, "vocab_chunk_size": 64, "keep_logits_bytes": 1 << 30}
+    lp, _ = linear_logprob_entropy(hidden, weight, targets, **kwargs)  # all five chunks kept
+    with LargeResults(at_least=64 * 300) as spy:
+        lp.sum().backward()
+    assert spy.seen == []
+    assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_head_gets_no_weight_gradient_work(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """LoRA freezes the output layer: the backward then neither allocates a [vocab, hidden] gradient nor runs
+    its GEMM per chunk (a third of the head's backward), and the hidden gradient is the trainable head's."""
+    import mcore_rl.ops.logprob as logprob
+
+    gen = torch.Generator().manual_seed(7)
+    hidden0 = torch.randn(9, 16, generator=gen).to(dtype)
+    weight0 = (torch.randn(300, 16, generator=gen) / 3).to(dtype)
+    targets, g1, g2 = torch.randint(0, 300, (9,), generator=gen), torch.randn(9), torch.randn(9)
+    kwargs = {"vocab_start": 0, "vocab_size": 300, "vocab_chunk_size": 64}
+    products: list[tuple[int, ...]] = []
+    gemm, mm = logprob.gemm_into, torch.Tensor.__matmul__
+
+    def counted_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+        products.append(tuple(out.shape))
+        gemm(out, a, b, accumulate)
+
+    def counted_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = mm(a, b)
+        products.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(logprob, "gemm_into", counted_gemm)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counted_mm)
+    grads, weight_products = [], []
+    for trainable in (True, False):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_(trainable)
+        lp, ent = linear_logprob_entropy(hidden, weight, targets, **kwargs)
+        products.clear()
+        (lp * g1 + ent * g2).sum().backward()
+        grads.append(hidden.grad)
+        weight_products.append(sum(1 for shape in products if shape[-1] == 16 and shape[0] != 9))
+        assert (weight.grad is not None) == trainable
+    assert weight_products == [5, 0]  # one per vocab chunk of 64 rows, none when frozen
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_native_kernels(dtype: torch.dtype) -> None:

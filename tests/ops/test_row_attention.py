@@ -70,6 +70,26 @@ def test_kernel_matches_the_reference_forward_and_backward(heads, kv_heads, head
         assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
 
 
+def test_int32_index_maps_give_the_int64_result() -> None:
+    """The kernel reads int64 maps; the wrapper widens int32 ones (the reference takes either)."""
+    params, _ = _packing(groups=2, n=3, prompt=5, width=12, seed=3)
+    q, k, v = _operands(params.positions.numel(), 4, 2, 8, seed=1)
+    outs = [
+        row_attention(
+            q,
+            k,
+            v,
+            params.row_source.to(t),
+            params.token_home.to(t),
+            params.cu_seqlens_q.to(t),
+            params.rows,
+            0.3,
+        )
+        for t in (torch.int64, torch.int32)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("layout", ["expanded", "column-strided"])
 def test_the_backward_takes_a_gradient_of_any_layout(layout: str) -> None:
     # out.sum().backward() sends an expanded (stride 0) gradient; the kernel wants unit-stride rows
