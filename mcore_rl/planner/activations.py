@@ -27,9 +27,27 @@ split by SP), plus one layer's full set while that layer is recomputed.
 
 Pipelining: the first stage holds its ``L / pp`` layers for every micro-batch in flight: ``min(pp, m)``
 with 1F1B, and ``pp * (1 + (pp - 1) / (pp * vpp))`` with the interleaved schedule (megatron's penalty).
-The last stage also holds one micro-batch's logits: the output layer's ``s b V_pad / t`` in the compute
-dtype, and in bf16 one fp32 copy for the loss (an upper bound for our fused log-prob op, which keeps its fp32
-temporaries to a chunk of rows).
+
+The last stage also holds its LM head's working set for one micro-batch (``LM head``). The head never
+materialises the ``n x V_pad / t`` logits (``n = s b / cp`` tokens, every position on every TP rank: SP
+gathers them): ``engine/lm_head.py`` runs the fused ``ops.logprob.linear_logprob_entropy`` on a masked copy of
+the final hidden states, whose forward streams vocab chunks of ``c = min(4096, V_pad / t)`` columns (real rows
+only) keeping only per-row statistics (on a GPU no chunk's logits are kept, ``lm_head.keep_logits_bytes``) and
+whose backward recomputes each chunk. Its peak is in that backward, in bytes with ``e`` the compute dtype's
+size:
+
+    saved hidden rows (the masked copy)                          e n h
+    their gradient, accumulated in fp32                          4 n h
+    one logits block and one gradient block, reused by chunks    2 e n c
+    the output weight's gradient, a trainable head only          e h V_pad / t
+    bf16 only, the largest temporary of the update               e h max(n, c), frozen head e h n
+        (the [n, h] product added to the fp32 accumulator, or its final cast to bf16; the [c, h]
+        weight-gradient block. fp32 accumulates both in place and its cast is a no-op)
+
+LoRA freezes the output layer (its adapters sit in the decoder layers only): no weight gradient, no [c, h]
+block. Left out: per-row statistics and incoming gradients (a few fp32 per token), and the logits a GPU run
+keeps only when it sets ``model.keep_logits_gib``. The forward's own peak (``e n h + e n c``) is below the
+backward's. ``tests/planner/test_lm_head.py`` runs the real head on CPU and finds these bytes at its peak.
 
 Mixture-of-experts layers keep the same attention side and norms (the router's input is the pre-MLP norm's
 output, the "fc1 input" above) but no dense MLP: their expert activations and router tensors are their own
@@ -40,6 +58,7 @@ inputs of MoE layers too, plus one layer's whole set (the largest of the stage's
 from __future__ import annotations
 
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
+from mcore_rl.ops.logprob import DEFAULT_VOCAB_CHUNK
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.moe import expert_activation_bytes, router_bytes
 from mcore_rl.planner.spec import PlanInput
@@ -120,11 +139,17 @@ def activation_terms(plan: PlanInput) -> dict[str, int]:
     return {name: int(value) for name, value in zip(names, stored, strict=False)}
 
 
-def logits_bytes(plan: PlanInput) -> int:
-    """One micro-batch's vocab-parallel logits on the last stage (this CP rank's tokens): compute dtype plus
-    one fp32 copy."""
+def lm_head_bytes(plan: PlanInput) -> int:
+    """The LM head's peak on the last stage for one micro-batch of this CP rank's tokens: the fused log-prob
+    op's backward (module docstring), with a weight gradient only when the head trains (not under LoRA)."""
     e = 2 if plan.bf16 else 4
+    hidden = plan.arch.hidden_size
     vocab_rows = padded_vocab_size(plan.arch.vocab_size, plan.tp, VOCAB_DIVISIBLE_BY) // plan.tp
     tokens = plan.seq_length * plan.micro_batch_size // plan.cp  # each CP rank projects its own tokens
-    fp32_copy = 4 if plan.bf16 else 0  # .float() of fp32 logits is the same tensor
-    return tokens * vocab_rows * (e + fp32_copy)
+    columns = min(DEFAULT_VOCAB_CHUNK, vocab_rows, plan.arch.vocab_size)  # widest chunk: rank 0's real rows
+    trainable_head = plan.lora_rank == 0
+    weight_grad = e * vocab_rows * hidden if trainable_head else 0
+    temporary = 0  # fp32: the op accumulates both gradients in place and its final cast is a no-op
+    if plan.bf16:
+        temporary = e * hidden * max(tokens, columns if trainable_head else 0)
+    return e * tokens * hidden + 4 * tokens * hidden + 2 * e * tokens * columns + weight_grad + temporary

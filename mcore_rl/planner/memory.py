@@ -17,7 +17,7 @@ MoE layer that this rank holds, each split over ETP (``params.py``).
 
 The phases follow the hybrid engine's state machine (``mcore_rl.parallel.reshard.hybrid``):
 
-    train    actor (and critic) weights + grads + optimizer, reference weights, activations, logits;
+    train    actor (and critic) weights + grads + optimizer, reference weights, activations, LM head;
              never the rollout's weights: the colocated vLLM engine sleeps at level 2 (every step's sync
              rewrites all its weights, so it keeps none), the embedded engine at level 1 moves them to host
              memory and at level 2 drops them; for MoE also the experts' activations, the routers' tensors and the dispatcher's buffers
@@ -40,7 +40,7 @@ each training rank's experts to every rollout rank that needs a slice of them.
 
 Each phase must fit ``GPU memory - reserved_bytes``; the run needs ``max`` over the phases, not their sum.
 Each term is taken at its own worst pipeline stage (weights at the most loaded one, activations at the
-first, logits at the last), so with PP > 1 the train total is an upper bound.
+first, the LM head at the last), so with PP > 1 the train total is an upper bound.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from mcore_rl.engine.params import (
 )
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
-from mcore_rl.planner.activations import activation_terms, logits_bytes
+from mcore_rl.planner.activations import activation_terms, lm_head_bytes
 from mcore_rl.planner.lora import stage_adapter_params, stage_merged_params
 from mcore_rl.planner.moe import dispatcher_bytes, rollout_mlp_token_bytes, rollout_weight_numel
 from mcore_rl.planner.spec import PlanInput
@@ -317,7 +317,7 @@ def plan_memory(plan: PlanInput) -> MemoryPlan:
     kept.update(critic_state)
 
     state = {**actor_state, **critic_state}
-    train_terms = {**weights, **state, **activation_terms(plan), "logits": logits_bytes(plan)}
+    train_terms = {**weights, **state, **activation_terms(plan), "LM head": lm_head_bytes(plan)}
     if plan.arch.moe is not None:
         train_terms["dispatcher buffers"] = dispatcher_bytes(plan)
     switch_terms = {**kept, "rollout weights": rollout_weights}

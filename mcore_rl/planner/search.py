@@ -102,7 +102,7 @@ SPLIT_FREE_TERMS = (
     "expert optimizer",
     "activations",
     "router logits",
-    "logits",
+    "LM head",
 )
 """Train-phase terms no expert split of a (world, tp, pp, recompute) changes: the dense state and
 activations, and the expert optimizer, ``12 E x / (tp dp)`` bytes per rank for experts of ``x`` parameters

@@ -38,7 +38,7 @@ def test_flags_form_too_big_proposes_a_layout(llama8b_config, capsys):
     out = capsys.readouterr().out
     assert "verdict: DOES NOT FIT" in out
     assert "train phase needs" in out and "(largest term: activations)" in out
-    assert "smallest layout that fits: 8 x A100-40: tp=4" in out
+    assert "smallest layout that fits: 4 x A100-40: tp=4" in out
 
 
 def test_bad_layout_is_one_line_naming_the_field(llama8b_config, capsys):

@@ -231,12 +231,14 @@ def test_search_proposes_a_fitting_expert_parallel_layout():
     proposal = smallest_fitting_layout(asked)
     assert proposal is not None and proposal.fits
     p = proposal.plan
-    # slime's layout for this model on one node: TP4 (SP) x EP8, ETP1, the experts' EP group the whole node.
-    assert (p.world_size, p.tp, p.pp, p.ep, p.layout.expert_tp, p.sp) == (8, 4, 1, 8, 1, True)
-    # The smaller model-parallel split TP2 does not fit on 8 GPUs even with its best split and full recompute.
+    # On one node: TP2 (SP) x EP8, ETP1, the experts' EP group the whole node, with full recompute (0.4 GiB to
+    # spare; slime's TP4 x EP8 leaves more, the search takes the smallest model-parallel split that fits).
+    assert (p.world_size, p.tp, p.pp, p.ep, p.layout.expert_tp, p.sp) == (8, 2, 1, 8, 1, True)
+    assert p.recompute == "full"
+    # The smaller split TP1 does not fit on 8 GPUs even with its best expert split and full recompute.
     for rollout_tp in (1, 2, 4):
-        tp2 = asked.with_layout(tp=2, sp=True, ep=8, etp=1, recompute="full", rollout_tp=rollout_tp)
-        assert not plan_memory(tp2).fits
+        tp1 = asked.with_layout(ep=8, etp=1, recompute="full", rollout_tp=rollout_tp)
+        assert not plan_memory(tp1).fits
 
 
 def test_check_rank_compares_the_expert_optimizer_over_the_expert_dp_group():

@@ -16,7 +16,7 @@ GIB = 1 << 30
 
 # recipe -> (model config, world, tp, pp, vpp, dp, rollout tp, GiB to spare in the worst phase)
 RECIPES = {
-    "recipes/llama3_8b_grpo_a100.yaml": (LLAMA31_8B, 8, 2, 1, None, 4, 2, 21),
+    "recipes/llama3_8b_grpo_a100.yaml": (LLAMA31_8B, 8, 2, 1, None, 4, 2, 22),
     "recipes/llama3_70b_grpo_a100.yaml": (LLAMA31_70B, 32, 8, 4, 5, 1, 8, 30),
 }
 
@@ -76,7 +76,7 @@ def test_llama_8b_recipe_numbers_in_its_comments():
     assert result.kv_cache_tokens // 1536 == 340
     tp1 = plan_memory(plan.with_layout(tp=1, sp=False))
     assert round((tp1.actor.weights_bytes + tp1.actor.grads_bytes + tp1.actor.optimizer_bytes) / GIB) == 56
-    assert not tp1.train.fits and round(tp1.train.total_bytes / GIB) == 101
+    assert not tp1.train.fits and round(tp1.train.total_bytes / GIB) == 98
 
 
 def test_qwen25_7b_ppo_recipe_plans_a_critic_and_the_numbers_in_its_comments():
@@ -91,7 +91,7 @@ def test_qwen25_7b_ppo_recipe_plans_a_critic_and_the_numbers_in_its_comments():
     result = plan_memory(plan)
     assert result.fits, result.problems
     assert round(result.peak_bytes / GIB, 1) == round(result.rollout.total_bytes / GIB, 1) == 58.9
-    assert round(result.train.total_bytes / GIB, 1) == 52.2
+    assert round(result.train.total_bytes / GIB, 1) == 51.5
     rollout = result.rollout.terms  # the critic's gradients and optimizer stay through the rollout
     assert round((rollout["critic gradients"] + rollout["critic optimizer"]) / GIB, 1) == 16.5
     state = result.train.terms
@@ -101,7 +101,7 @@ def test_qwen25_7b_ppo_recipe_plans_a_critic_and_the_numbers_in_its_comments():
     assert round(result.kv_cache_tokens, -5) == 900_000
     # The rejected alternative: TP2 (DP4) does not fit the train phase.
     tp2 = plan_memory(plan.with_layout(tp=2))
-    assert not tp2.train.fits and round(tp2.train.total_bytes / GIB) == 84
+    assert not tp2.train.fits and round(tp2.train.total_bytes / GIB) == 82
 
 
 def test_qwen3_8b_recipe_fits_an_h100_80_with_the_numbers_in_its_comments(tmp_path):
@@ -115,8 +115,8 @@ def test_qwen3_8b_recipe_fits_an_h100_80_with_the_numbers_in_its_comments(tmp_pa
     result = plan_memory(plan)
     assert result.fits, result.problems
     assert round(result.actor.params / 1e9, 1) == 4.1
-    assert round(result.train.total_bytes / GIB, 1) == 57.7 and result.peak_bytes == result.train.total_bytes
-    assert round((result.train.capacity_bytes - result.peak_bytes) / GIB) == 19
+    assert round(result.train.total_bytes / GIB, 1) == 55.9 and result.peak_bytes == result.train.total_bytes
+    assert round((result.train.capacity_bytes - result.peak_bytes) / GIB) == 21
     assert round(result.kv_cache_tokens, -4) == 460_000 and result.kv_bytes_per_token == 73_728
 
 
@@ -159,7 +159,7 @@ def test_qwen3_30b_a3b_recipe_fits_two_h100_nodes_with_the_figures_in_its_header
                 "reference weights",
                 "expert activations",
                 "activations",
-                "logits",
+                "LM head",
                 "dispatcher buffers",
                 "router logits",
             )
