@@ -45,8 +45,10 @@ size:
         weight-gradient block. fp32 accumulates both in place and its cast is a no-op)
 
 LoRA freezes the output layer (its adapters sit in the decoder layers only): no weight gradient, no [c, h]
-block. Left out: per-row statistics and incoming gradients (a few fp32 per token), and the logits a GPU run
-keeps only when it sets ``model.keep_logits_gib``. The forward's own peak (``e n h + e n c``) is below the
+block. Logits the forward keeps (``model.keep_logits_gib``, ``keep_logits_bytes``; none on a GPU unless set)
+add ``e n k`` for the ``k`` columns of the whole chunks the budget holds, held from the forward to the
+backward; with every chunk kept there is no logits block to recompute into. Left out: per-row statistics
+and incoming gradients (a few fp32 per token). The forward's own peak (``e n h + e n c``) is below the
 backward's. ``tests/planner/test_lm_head.py`` runs the real head on CPU and finds these bytes at its peak.
 
 Mixture-of-experts layers keep the same attention side and norms (the router's input is the pre-MLP norm's
@@ -146,10 +148,28 @@ def lm_head_bytes(plan: PlanInput) -> int:
     hidden = plan.arch.hidden_size
     vocab_rows = padded_vocab_size(plan.arch.vocab_size, plan.tp, VOCAB_DIVISIBLE_BY) // plan.tp
     tokens = plan.seq_length * plan.micro_batch_size // plan.cp  # each CP rank projects its own tokens
-    columns = min(DEFAULT_VOCAB_CHUNK, vocab_rows, plan.arch.vocab_size)  # widest chunk: rank 0's real rows
+    real_rows = min(vocab_rows, plan.arch.vocab_size)  # rank 0's: the most real vocab rows of any rank
+    columns = min(DEFAULT_VOCAB_CHUNK, real_rows)  # the widest chunk
+    kept = _kept_columns(plan.keep_logits_bytes // max(1, e * tokens), columns, real_rows)
     trainable_head = plan.lora_rank == 0
     weight_grad = e * vocab_rows * hidden if trainable_head else 0
     temporary = 0  # fp32: the op accumulates both gradients in place and its final cast is a no-op
     if plan.bf16:
         temporary = e * hidden * max(tokens, columns if trainable_head else 0)
-    return e * tokens * hidden + 4 * tokens * hidden + 2 * e * tokens * columns + weight_grad + temporary
+    blocks = 2 if kept < real_rows else 1  # every chunk kept: no logits block to recompute into
+    return (
+        e * tokens * hidden
+        + 4 * tokens * hidden
+        + blocks * e * tokens * columns
+        + e * tokens * kept
+        + weight_grad
+        + temporary
+    )
+
+
+def _kept_columns(budget_columns: int, chunk: int, real_rows: int) -> int:
+    """The logits columns the fused op keeps within a budget of ``budget_columns``: whole chunks from column 0
+    (the last one as narrow as the real rows leave it)."""
+    if budget_columns >= real_rows:
+        return real_rows
+    return budget_columns // chunk * chunk

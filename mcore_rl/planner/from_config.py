@@ -16,6 +16,7 @@ Which key feeds which planner field (the run config stays the one schema; the pl
     optim.use_distributed_optimizer             use_distributed_optimizer
     algorithm.use_kl_loss / use_kl_in_reward    reference (a frozen reference policy is colocated)
     model.lora_rank, model.target_modules       lora_rank, lora_targets (planner/lora.py)
+    model.keep_logits_gib                       keep_logits_bytes (unset: 0, the GPU default)
     algorithm.adv_estimator == gae              critic (PPO: a value-head critic on the actor's GPUs)
     rollout.tensor_model_parallel_size          rollout_tp
     rollout.gpu_memory_utilization              rollout_memory_fraction
@@ -59,6 +60,7 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         reference=algo.use_kl_loss or algo.use_kl_in_reward,
         lora_rank=cfg.model.lora_rank,
         lora_targets=_lora_targets(cfg),
+        keep_logits_bytes=round((cfg.model.keep_logits_gib or 0) * (1 << 30)),
         rollout_tp=rollout.tensor_model_parallel_size,
         rollout_memory_fraction=rollout.gpu_memory_utilization,
         offload_optimizer=hybrid.offload_optimizer,

@@ -97,6 +97,9 @@ class PlanInput:
     optimizer state for the adapters only (``planner/lora.py``)."""
     lora_targets: tuple[str, ...] = LORA_ALL_LINEAR
     """The adapted HF projections of every decoder layer (``model.target_modules``)."""
+    keep_logits_bytes: int = 0
+    """Logits of one micro-batch the LM head's forward keeps for its backward (``model.keep_logits_gib``; none
+    on a GPU unless set): whole vocab chunks, each one GEMM the backward skips."""
     rollout_tp: int = 1
     """Rollout tensor-parallel size (the rollout engine's own layout)."""
     rollout_memory_fraction: float = 0.5
@@ -150,6 +153,10 @@ class PlanInput:
             raise PlanError(
                 f"lora_targets={list(self.lora_targets)!r}: choose some of {list(LORA_ALL_LINEAR)}"
             )
+        if isinstance(self.keep_logits_bytes, bool) or not isinstance(self.keep_logits_bytes, int):
+            raise PlanError(f"keep_logits_bytes must be an integer >= 0, got {self.keep_logits_bytes!r}")
+        if self.keep_logits_bytes < 0:
+            raise PlanError(f"keep_logits_bytes must be an integer >= 0, got {self.keep_logits_bytes!r}")
         if self.lora_rank and self.arch.moe is not None:
             raise PlanError(f"lora_rank={self.lora_rank}: LoRA on mixture-of-experts models is not supported")
 
