@@ -1,4 +1,5 @@
-"""A decode step's projections on this CPU: our column panels and MKL's packed GEMM against ATen's plain GEMM.
+"""A decode step's projections on this CPU: our column panels, MKL's packed GEMM and oneDNN's GEMM (what
+prefill runs on AMD CPUs with AVX-512, ``ops.gemm``) against ATen's plain GEMM.
 
 The embedded engine's decode steps multiply a few rows (one token per sequence) by every weight of a layer and
 by the LM head. Which packed form runs them is decided per machine by ``projection.panels_pay``: our panels
@@ -28,6 +29,7 @@ from mcore_rl.engine.rollout import rollout_param_shapes
 from mcore_rl.engine.rollout.projection import panels_pay
 from mcore_rl.io.host import cpu_vendor
 from mcore_rl.ops import decode as fused
+from mcore_rl.ops.gemm import onednn_available
 
 # the workloads' models: bench_train's tiny (multi-head, issue 17's), the realistic one, Qwen2.5-0.5B's shape
 MODELS = {"tiny": {"kv_heads": 8}, "realistic": {}, "qwen05b": {}}
@@ -54,8 +56,9 @@ def _seconds(fn: Callable[[], object], reps: int) -> float:
 
 def layer_seconds(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, float]:
     """Seconds of one layer's projections plus the head, per form, the forms alternating per shape."""
-    total = {"plain": 0.0, "mkl_packed": 0.0, "panels": 0.0, "panels_avx2": 0.0}
+    total = {"plain": 0.0, "onednn": 0.0, "mkl_packed": 0.0, "panels": 0.0, "panels_avx2": 0.0}
     wide = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    onednn = onednn_available()
     for k, n in shapes.values():
         weight_t = torch.randn(k, n) * 0.02  # [in, out] contiguous: the column-major view of [out, in]
         x = torch.randn(rows, k)
@@ -63,6 +66,8 @@ def layer_seconds(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, fl
         mkl = fused.mkl_pack(weight_t, rows) if fused.mkl_packing_available(x.device, x.dtype) else None
         panels = fused.pack_panels(weight_t) if fused.packing_enabled(x.device, x.dtype) else None
         total["plain"] += _seconds(partial(torch.mm, x, weight_t), reps)
+        if onednn:  # oneDNN's GEMM, what prefill runs on AMD CPUs with AVX-512 (``ops.gemm``)
+            total["onednn"] += _seconds(partial(torch.ops.mcore_rl.gemm, x, weight_t, None), reps)
         if mkl is not None:
             total["mkl_packed"] += _seconds(
                 partial(fused.mkl_linear, x, mkl, weight_t, None, rows=rows), reps

@@ -4,8 +4,12 @@ All three sample at temperature 1 with no top-k/top-p and no EOS (no stop ids; v
 produces exactly ``sequences * new_tokens`` tokens; the same random fp32 weights are loaded into all three.
 Runs alternate in the ``--engines`` order (ours, vLLM, HF, ours, ...) so that load from other processes hits
 every engine alike; the report gives medians and the min-max spread of tok/s (wall clock) and the ratios of
-the medians, ours/vLLM and ours/HF. Before the table, a sanity check: greedy continuations of vLLM and HF
-must equal ours token for token (same weights, same function, both fp32).
+the medians, ours/vLLM and ours/HF, and beside them the cell's compute limit in tok/s (its matmul FLOPs as
+our engine runs them at the machine's fastest fp32 GEMM rate at the cell's prefill and decode shapes,
+``grpo_step_limits.rollout_limit``, probed after every round) with each engine's share of it: where two
+engines both sit near 100%, neither can lead by more than the runs' spread. Before the table, a sanity
+check: greedy continuations of vLLM and HF must equal ours token for token (same weights, same function,
+both fp32).
 
     python bench/bench_rollout.py [--model tiny] [--engines ours,vllm,hf] [--batch 16] [--n 1]
         [--prompt-len 32] [--new-tokens 128] [--threads 2] [--repeats 5]
@@ -79,8 +83,10 @@ from mcore_rl.engine.rollout import LocalRolloutEngine, SamplingParams
 
 if __package__:  # python -m bench.bench_rollout, or imported (bench_grpo_step reads HF_CONFIG)
     from bench._rollout_models import MODELS, VLLMSide, build_hf, hf_to_rollout, kv_cache_bytes, model_config
+    from bench.grpo_step_limits import GemmRate, rollout_gemm_shapes, rollout_limit, step_flops
 else:  # python bench/bench_rollout.py
     from _rollout_models import MODELS, VLLMSide, build_hf, hf_to_rollout, kv_cache_bytes, model_config
+    from grpo_step_limits import GemmRate, rollout_gemm_shapes, rollout_limit, step_flops
 
 ENGINES = ("ours", "vllm", "hf")
 HF_CONFIG = MODELS["tiny"]
@@ -218,12 +224,16 @@ class Bench:
         runners = {"ours": run_ours, "vllm": run_vllm, "hf": run_hf}
         return {name: runners[name] for name in self.engines}
 
-    def measure(self, cell: Cell, repeats: int) -> dict[str, list[float]]:
-        """tok/s of each engine over ``repeats`` interleaved runs (after one warm-up each)."""
+    def measure(self, cell: Cell, repeats: int) -> tuple[dict[str, list[float]], float]:
+        """tok/s of each engine over ``repeats`` interleaved runs (after one warm-up each), and the cell's
+        compute limit in tok/s: its matmul FLOPs as the engine runs them (each prompt prefilled once, the
+        head at its last token, then ``new - 1`` decode steps) at the machine's fastest fp32 GEMM rate at the
+        cell's prefill and decode shapes, probed after every round, the best round kept."""
         self.prepare(cell)
         runners = self._runners(cell)
         before = {"vllm": self.vllm.reset} if self.vllm is not None else {}
         rates: dict[str, list[float]] = {name: [] for name in runners}
+        gemm = GemmRate(rollout_gemm_shapes(self.arch, cell.prompts, self.prompt_len, cell.sequences))
         for rep in range(repeats + 1):
             for name, fn in runners.items():
                 before.get(name, lambda: None)()
@@ -234,7 +244,9 @@ class Bench:
                     raise RuntimeError(f"{name} ran with {threads} threads, the cell asks for {cell.threads}")
                 if rep:  # the first round warms up
                     rates[name].append(cell.tokens / elapsed)
-        return rates
+            gemm.step()
+        flops = step_flops(self.arch, cell.sequences, self.prompt_len, cell.new_tokens, cell.n)
+        return rates, cell.tokens / rollout_limit(flops, gemm.best)
 
     def close(self) -> None:
         if self.vllm is not None:
@@ -246,15 +258,20 @@ def _header(engines: tuple[str, ...]) -> str:
     rates = " ".join(f"{names[e] + ' tok/s':>11}" for e in engines)
     ratios = " ".join(f"{'ours/' + names[e]:>9}" for e in engines if e != "ours" and "ours" in engines)
     spreads = " ".join(f"{'spread ' + names[e]:<15}" for e in engines)
-    return f"  seq   new thr | {rates} | {ratios} | {spreads}"
+    shares = " ".join(f"{names[e] + '/limit':>11}" for e in engines)
+    return f"  seq   new thr | {rates} | {ratios} | {spreads} | limit tok/s {shares}"
 
 
-def _row(cell: Cell, rates: dict[str, list[float]]) -> str:
+def _row(cell: Cell, rates: dict[str, list[float]], limit: float) -> str:
     median = {name: statistics.median(r) for name, r in rates.items()}
     values = " ".join(f"{median[e]:11.0f}" for e in rates)
     ratios = " ".join(f"{median['ours'] / median[e]:8.2f}x" for e in rates if e != "ours" and "ours" in rates)
     spread = " ".join(f"{min(r):6.0f}-{max(r):<8.0f}" for r in rates.values())
-    return f"{cell.sequences:5d} {cell.new_tokens:5d} {cell.threads:3d} | {values} | {ratios} | {spread}"
+    shares = " ".join(f"{median[e] / limit:11.0%}" for e in rates)
+    return (
+        f"{cell.sequences:5d} {cell.new_tokens:5d} {cell.threads:3d} | {values} | {ratios} | {spread} | "
+        f"{limit:11.0f} {shares}"
+    )
 
 
 def _parse() -> argparse.Namespace:
@@ -338,7 +355,7 @@ def main() -> None:
         )
         print(_header(args.engines))
         for cell in cells:
-            print(_row(cell, bench.measure(cell, args.repeats)), flush=True)
+            print(_row(cell, *bench.measure(cell, args.repeats)), flush=True)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,22 @@ def gemm_shapes(arch: ModelArch, n: int, prompt: int, new: int) -> dict[str, lis
     return {"decode": decode, "train": forward + input_grad + weight_grad}
 
 
+def rollout_gemm_shapes(arch: ModelArch, prompts: int, prompt: int, sequences: int) -> dict[str, list[Gemm]]:
+    """A rollout's GEMMs as the engine runs them: ``prefill``, the ``prompts`` prompts' linears over all their
+    tokens and the head at each one's last token; ``decode``, one decode step of ``sequences`` rows."""
+    layers, h, vocab = arch.num_layers, arch.hidden_size, arch.vocab_size
+    prefill = [(prompts * prompt, k, c, layers) for k, c in linear_shapes(arch)] + [(prompts, h, vocab, 1)]
+    return {"prefill": prefill, "decode": gemm_shapes(arch, sequences, prompt, 0)["decode"]}
+
+
+def rollout_limit(flops: dict[str, float], gflops: dict[str, float]) -> float:
+    """Seconds a rollout (:func:`step_flops`' ``generate_*``) needs at the rates of
+    :func:`rollout_gemm_shapes`' GEMMs."""
+    return flops["generate_prefill"] / (gflops["prefill"] * 1e9) + flops["generate_decode"] / (
+        gflops["decode"] * 1e9
+    )
+
+
 def gemm_flops(gemms: list[Gemm]) -> float:
     return float(sum(2 * m * k * c * count for m, k, c, count in gemms))
 
@@ -119,7 +135,8 @@ class GemmRate:
         self.shapes = shapes
         self.best = {kind: 0.0 for kind in shapes}
 
-    def step(self, prompts: torch.Tensor, seed: int) -> dict[str, float]:
+    def step(self, prompts: torch.Tensor | None = None, seed: int = 0) -> dict[str, float]:
+        """One probe of every shape (the signature of a bench side's step, which it runs beside)."""
         start = time.perf_counter()
         for kind, gemms in self.shapes.items():
             # small GEMMs take more repeats: a few tenths of a millisecond are noisy

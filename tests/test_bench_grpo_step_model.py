@@ -16,6 +16,8 @@ from bench.grpo_step_limits import (
     linear_shapes,
     param_count,
     phase_limits,
+    rollout_gemm_shapes,
+    rollout_limit,
     step_flops,
 )
 from mcore_rl.engine.arch import ModelArch
@@ -89,6 +91,23 @@ def test_phase_limits() -> None:
         {**flops, "generate_prefill": 1e9}, {"decode": 10.0, "train": 100.0}, 1e9, 1000, 0
     )
     assert prefilled["generate"] == pytest.approx(0.01 + 0.1)
+
+
+def test_rollout_shapes_hold_the_generation_flops() -> None:
+    """``bench_rollout``'s limit: the prefill GEMMs are each prompt's linears over its tokens and one head row,
+    the decode GEMMs one step of every sequence; the FLOPs beside them are attention's."""
+    arch, prompts = _arch("realistic"), N // SAMPLES
+    flops = step_flops(arch, N, PROMPT, NEW, SAMPLES)
+    shapes = rollout_gemm_shapes(arch, prompts, PROMPT, N)
+    assert gemm_flops(shapes["prefill"]) == pytest.approx(
+        flops["generate_prefill"] - prompts * _attention(arch, PROMPT)
+    )
+    assert shapes["decode"] == gemm_shapes(arch, N, PROMPT, NEW)["decode"]
+    assert (prompts * PROMPT, 512, 768, 8) in shapes["prefill"] and (prompts, 512, 32000, 1) in shapes[
+        "prefill"
+    ]
+    seconds = rollout_limit(flops, {"prefill": 100.0, "decode": 10.0})
+    assert seconds == pytest.approx(flops["generate_prefill"] / 100e9 + flops["generate_decode"] / 10e9)
 
 
 def _update_grads(micro_batch_tokens: int | None) -> dict[str, torch.Tensor]:
