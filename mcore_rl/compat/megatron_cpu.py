@@ -379,9 +379,11 @@ def _patch_torch_cuda_queries() -> None:
 
 
 def _silence_known_warnings() -> None:
-    """Benign on CPU and repeated every step: missing Apex/TE, gloo's deprecated collective names, and
-    megatron reading ``.grad`` of non-leaf tensors."""
+    """Benign on CPU and repeated every step: missing Apex/TE, gloo's deprecated collective names,
+    megatron reading ``.grad`` of non-leaf tensors, and megatron's DDP buffer offload resizing
+    ``Tensor.storage()`` (torch's TypedStorage deprecation, printed on the console of ``mcore-rl dpo``)."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
     warnings.filterwarnings("ignore", message=".*\\.grad attribute of a Tensor that is not a leaf.*")
     # The RNG tracker's fork checks that the CPU generator is untouched inside a "GPU" stream; here the

@@ -162,3 +162,20 @@ def _distopt_state_load_keeps_step() -> dict:
 def test_distributed_optimizer_state_load_keeps_adam_step(run_distributed):
     for out in run_distributed(_distopt_state_load_keeps_step):
         assert out == {"copied": True, "step_kept": True}
+
+
+def test_megatrons_typed_storage_use_stays_off_the_console(monkeypatch) -> None:
+    """megatron's DDP buffer offload resizes ``Tensor.storage()``; torch's deprecation of it printed on the
+    console of ``mcore-rl dpo`` and in-process ``eval``."""
+    import warnings
+
+    import torch.storage
+
+    from mcore_rl.compat import megatron_cpu
+
+    monkeypatch.setattr(torch.storage, "_always_warn_typed_storage_removal", True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        megatron_cpu._silence_known_warnings()
+        torch.zeros(4).storage().size()
+    assert not [w for w in caught if "TypedStorage" in str(w.message)]
