@@ -36,6 +36,7 @@ from mcore_rl.engine.hf.score_head import arch_of_config
 from mcore_rl.engine.hf.state import check_hf_weights
 from mcore_rl.engine.lora import merged_weight
 from mcore_rl.engine.lora_spec import LoRASpec
+from mcore_rl.io.errors import note
 from mcore_rl.io.inputs import input_file, read_json_object
 from mcore_rl.parallel.launch_env import current_rank
 
@@ -106,6 +107,29 @@ def _base_model(ckpt: str) -> str | None:
     return path if isinstance(path, str) and path else None
 
 
+def _recorded_base(source: str) -> str | None:
+    """The base model the adapters of ``source`` name: a PEFT folder's ``base_model_name_or_path``, a run
+    checkpoint's ``model.path``."""
+    if not is_peft_folder(source):
+        return _base_model(source)
+    try:
+        recorded = read_json_object(os.path.join(source, CONFIG_FILE), ConvertError).get(
+            "base_model_name_or_path"
+        )
+    except ConvertError:  # read_peft_adapter has named what is wrong with it
+        return None
+    return recorded if isinstance(recorded, str) and recorded else None
+
+
+def _note_other_base(recorded: str | None, base: str) -> None:
+    """Adapters merged into another model of the same shapes than the one they name would go unnoticed: the
+    merge goes on (a copy of the base elsewhere is fine), saying so where the named base is a folder here."""
+    if recorded and os.path.isdir(recorded) and os.path.realpath(recorded) != os.path.realpath(base):
+        note(
+            f"--base {base} is not the folder the adapters name as their base ({recorded}); merging into --base"
+        )
+
+
 def export_peft(
     ckpt: str, out: str, overwrite: bool, dtype: torch.dtype | None = None, allow_nonfinite: bool = False
 ) -> str:
@@ -159,6 +183,7 @@ def merge_lora(
             raise ConvertError(f"--base {base}: {config_file} is another model than {source} was trained on")
         for key, tensor in adapters.items():
             check_finite(tensor, key, source, allow_nonfinite)
+    _note_other_base(_recorded_base(source), base)
     reader = SafetensorsReader(base)
     dtype = check_hf_weights(arch, reader, dtype)
     maps = tensor_maps(arch)

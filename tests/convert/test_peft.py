@@ -249,3 +249,31 @@ def test_a_run_checkpoints_peft_export_takes_dtype(tmp_path) -> None:
     for key, tensor in adapters.items():
         assert written[peft_name(key)].dtype == torch.bfloat16
         assert torch.equal(written[peft_name(key)], tensor.to(torch.bfloat16))
+
+
+def test_merging_into_another_base_than_the_adapters_name_says_so(tmp_path, capsys) -> None:
+    # Adapters merged into a different model of the same shapes went through without a word.
+    named = save_hf_model(str(tmp_path / "hf"), "llama")
+    other = save_hf_model(str(tmp_path / "other"), "llama")
+    folder, adapters = _written(tmp_path)
+    write_peft_adapter(folder, SPEC, adapters, named)
+    assert _merge(tmp_path, folder, named) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "convert",
+                "mcore-to-hf",
+                "--ckpt",
+                folder,
+                "--merge-lora",
+                "--base",
+                other,
+                "--out",
+                str(tmp_path / "m2"),
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert f"note: --base {other} is not the folder the adapters name as their base ({named})" in err
