@@ -15,6 +15,7 @@ prompts.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -181,7 +182,7 @@ def eval_source(given: str) -> EvalSource:
 
     if not os.path.isdir(given):
         raise InputError(f"{given}: no such model folder or checkpoint (local folders only)")
-    exported = run_folder_model(given)
+    exported = run_folder_model(given) or run_model_folder(given)
     if exported is not None:
         return exported
     latest = os.path.join(given, "checkpoints", "latest")
@@ -215,6 +216,31 @@ def run_folder_model(run: str) -> EvalSource | None:
     return EvalSource(exported, saved)
 
 
+def run_model_folder(given: str) -> EvalSource | None:
+    """``given`` as a run folder's ``model/`` itself (``mcore-rl eval runs/rl/model``): the HF export with the
+    run's ``config.yaml`` beside it as the recipe, as :func:`run_folder_model` reads the run folder; None for
+    any other folder (one not named ``model/``, or with no run config next to it)."""
+    from mcore_rl.config.loader import CONFIG_FILE
+    from mcore_rl.convert.export import MODEL_DIR
+
+    folder = os.path.normpath(given)
+    saved = os.path.join(os.path.dirname(folder) or os.curdir, CONFIG_FILE)
+    is_export = os.path.basename(folder) == MODEL_DIR and os.path.isfile(os.path.join(given, "config.json"))
+    return EvalSource(given, saved) if is_export and os.path.isfile(saved) else None
+
+
+def shipped_tokenizer(model_path: str) -> str | None:
+    """The folder of the tokenizer files that ship with a model, where it has them: an HF folder's own (a
+    run's ``model/`` holds the run's tokenizer) or a converted megatron checkpoint's ``hf_assets/``."""
+    from mcore_rl.config.model import MEGATRON_HF_ASSETS
+
+    for folder in (model_path, os.path.join(model_path, MEGATRON_HF_ASSETS)):
+        files = [os.path.join(folder, "tokenizer.json"), *glob.glob(os.path.join(folder, "*.model"))]
+        if any(os.path.isfile(f) for f in files):
+            return folder
+    return None
+
+
 def eval_config(
     model: str,
     data_files: Sequence[str],
@@ -229,9 +255,13 @@ def eval_config(
 
     source = eval_source(model)
     base = recipe or source.recipe
+    # A run's saved model.tokenizer_path is as written where the run started (often relative): the model
+    # evaluated carries its own tokenizer files, read wherever eval runs (an override still wins).
+    tokenizer = shipped_tokenizer(source.model_path) if recipe is None and source.recipe else None
     keys = [
         *EVAL_KEYS,
         f"model.path={yaml_str(source.model_path)}",
+        *([f"model.tokenizer_path={yaml_str(tokenizer)}"] if tokenizer is not None else []),
         f"data.train_files=[{','.join(yaml_str(f) for f in data_files)}]",
         *overrides,
     ]
@@ -319,6 +349,7 @@ def _checked_config(
 ) -> Any:
     """The eval's config, refused with one line naming the field where it cannot run."""
     from mcore_rl.config import ConfigError, check_paths
+    from mcore_rl.io.errors import InputError
 
     if not data_files:
         raise ConfigError("eval: give at least one data file (.parquet or .jsonl, verl's columns)")
@@ -329,6 +360,14 @@ def _checked_config(
             f"rollout.val_kwargs.n={val.n} with rollout.val_kwargs.temperature=0 draws the greedy answer "
             f"{val.n} times; set a temperature (e.g. rollout.val_kwargs.temperature=1.0) for pass@k"
         )
+    # DATA named as typed, not as the data.train_files it is passed as; a folder is not "missing"
+    bad = [
+        f"DATA {f} {'is a folder, not a data file' if os.path.isdir(f) else 'does not exist'}"
+        for f in data_files
+        if not os.path.isfile(f)
+    ]
+    if bad:
+        raise InputError("; ".join(bad))
     check_paths(cfg)  # a missing model or data file named as itself, not as a tokenizer error
     return cfg
 

@@ -78,3 +78,19 @@ def test_an_existing_file_with_an_equals_sign_is_data(
     assert overrides == ["rollout.val_kwargs.n=8", "rollout.val_kwrags.n=8", "actor_rollout_ref.rollout.n=8"]
     Path("model.path=x").write_text("")  # a key of the config stays an override, file or not
     assert split_inputs(["model.path=x"]) == ([], ["model.path=x"])
+
+
+def test_missing_or_folder_data_is_named_as_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from mcore_rl.cli import main
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(tiny_hf_config("llama", max_position_embeddings=1024)))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for data, why in (("runs/tst.parquet", "does not exist"), ("runs", "is a folder, not a data file")):
+        assert main(["eval", "m", data, "--in-process"]) == 1
+        err = capsys.readouterr().err
+        assert err == f"mcore-rl eval: error: DATA {data} {why}\n"  # was data.train_files: ... does not exist

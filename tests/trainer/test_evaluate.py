@@ -210,3 +210,34 @@ def test_eval_data_and_model_paths_are_taken_as_written(tmp_path: Path, files: l
     cfg = eval_config(str(ckpt), files, ["data.max_prompt_length=8", "data.max_response_length=8"])
     assert cfg.data.train_files == files  # one file per path: a comma split gsm8k,v2 in two
     assert cfg.model.path == str(ckpt)
+
+
+def test_a_run_folders_model_reads_the_runs_config(tmp_path: Path) -> None:
+    # README's `mcore-rl eval runs/tool_demo/model DATA rollout.multi_turn.tools=[]`: the schema's defaults were read
+    run = tmp_path / "tool_demo"
+    model = _run_folder_with_model(run)
+    (run / "config.yaml").write_text("data: {max_response_length: 24}\n")
+    for given in (str(model), f"{model}/"):
+        source = eval_source(given)
+        assert (source.model_path, source.recipe) == (given, str(run / "config.yaml"))
+    assert eval_config(str(model), ["x.jsonl"]).data.max_response_length == 24
+    other = tmp_path / "hf" / "weights"  # a folder not named model/: an HF folder, whatever sits beside it
+    other.mkdir(parents=True)
+    (tmp_path / "hf" / "config.yaml").write_text("{}")
+    assert eval_source(str(other)).recipe is None
+
+
+def test_a_runs_config_uses_the_tokenizer_shipped_with_its_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the saved config's tokenizer path is relative to where the run started, not to where eval runs
+    run = tmp_path / "rl"
+    model = _run_folder_with_model(run)
+    (run / "config.yaml").write_text("model: {tokenizer_path: runs/demo_rev_data/tokenizer}\n")
+    monkeypatch.chdir(tmp_path)
+    assert eval_config(str(run), ["x.jsonl"]).model.tokenizer_path == "runs/demo_rev_data/tokenizer"
+    (model / "tokenizer.json").write_text("{}")
+    for given in (run, model):
+        assert eval_config(str(given), ["x.jsonl"]).model.tokenizer_path == str(model)
+    mine = ["model.tokenizer_path=tok"]  # the user's override still wins
+    assert eval_config(str(run), ["x.jsonl"], mine).model.tokenizer_path == "tok"
