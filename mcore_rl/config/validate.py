@@ -367,7 +367,11 @@ def _path_problems(cfg: RunConfig) -> list[str]:
         *(("dpo.train_files", f) for f in cfg.dpo.train_files),
         *(("dpo.val_files", f) for f in cfg.dpo.val_files),
     ]
-    problems = [f"{key}: {path} does not exist" for key, path in files if not os.path.isfile(path)]
+    problems = [
+        f"{key}: {path} {'is a folder, not a data file' if os.path.isdir(path) else 'does not exist'}"
+        for key, path in files
+        if not os.path.isfile(path)
+    ]
     folders = (get_key(cfg, key) for key in MODEL_FOLDER_KEYS)
     hub_ids = {path for path in folders if path is not None and _looks_like_hub_id(path)}
     for key in ("model.path", "model.tokenizer_path", "reward_model.path"):

@@ -347,6 +347,9 @@ def test_missing_paths_are_named_only_when_asked(tmp_path: Path) -> None:
     assert cfg.data.train_files == [f"{tmp_path}/none.parquet"]
     with pytest.raises(ConfigError, match=rf"data\.train_files: {tmp_path}/none\.parquet does not exist"):
         load_config(DEMO, [f"data.train_files=[{tmp_path}/none.parquet]"], check_paths=True)
+    # a folder where a data file belongs is said to be one, not to be missing
+    with pytest.raises(ConfigError, match=rf"data\.train_files: {tmp_path} is a folder, not a data file"):
+        load_config(DEMO, [f"data.train_files=[{tmp_path}]"], check_paths=True)
 
 
 def test_yaml_text_is_the_schema_order() -> None:
