@@ -43,6 +43,13 @@ def _refuse_replacing_log(cfg: RunConfig) -> None:
     old = previous_log(cfg.logging)
     if old is None or resume_checkpoint(cfg) is not None:
         return
+    sft = finished_sft(cfg)
+    if sft is not None:  # an SFT run saves no optimizer state: it cannot resume, only start over
+        raise OutputError(
+            f"{cfg.trainer.default_local_dir} holds a finished SFT run ({sft[0]} steps, its model in {sft[1]}), "
+            "which a new run would replace (an SFT run cannot resume): set trainer.default_local_dir to another "
+            f"folder, or move {cfg.trainer.default_local_dir} away"
+        )
     disabled = cfg.trainer.resume_mode == ResumeMode.DISABLE.value
     why = (
         "trainer.resume_mode=disable"
@@ -80,6 +87,36 @@ def _refuse_replacing_checkpoints(cfg: RunConfig) -> None:
         f"{root} holds an earlier run's checkpoints ({', '.join(ours[-3:])}), which a new run would replace "
         f"({why}): set trainer.default_local_dir to another folder, or move {cfg.trainer.default_local_dir} away"
     )
+
+
+SFT_CHECKPOINT = "sft_checkpoint"
+"""The megatron checkpoint an SFT run saves at its end (``mcore_rl/trainer/sft.py``), beside its ``model/``."""
+
+
+def finished_sft(cfg: RunConfig) -> tuple[int, str] | None:
+    """``(steps, model folder)`` of a finished SFT run in the run folder, or None. An SFT run writes no run
+    checkpoint; it is finished once its model is exported (``model/`` ours with its ``config.json``, after
+    ``sft_checkpoint/``), and its steps are those of the last ``sft`` record of its ``metrics.jsonl``."""
+    import json
+
+    from mcore_rl.convert.export import MODEL_DIR
+
+    run = cfg.trainer.default_local_dir
+    model, log = os.path.join(run, MODEL_DIR), previous_log(cfg.logging)
+    if log is None or not os.path.isdir(os.path.join(run, SFT_CHECKPOINT)) or not is_ours(model):
+        return None
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    steps = None
+    with open(log) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a crash
+                continue
+            if record.get("stage") == "sft":
+                steps = int(record["step"])
+    return None if steps is None else (steps, model)
 
 
 def is_inside(path: str, folder: str) -> bool:

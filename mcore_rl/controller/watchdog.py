@@ -16,6 +16,7 @@ model for a long time) are not phases.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import inspect
@@ -50,18 +51,25 @@ def stack_file(folder: str, worker_class: str, rank: int) -> str:
 
 class RankWatchdog:
     """One rank's side: arms faulthandler around each outermost watched call (calls a method makes on its own
-    worker are inside the same phase)."""
+    worker are inside the same phase).
+
+    Nothing is written unless a phase is late: faulthandler's own ``Timeout (h:mm:ss)!`` line heads each dump.
+    Its C thread writes to a descriptor it was given and cannot create a file when it fires, so the file is
+    opened at the first phase and kept open (no file operation per phase); the driver removes the files no
+    phase wrote into when the group shuts down (:func:`remove_unwritten`), and a rank killed first leaves at
+    most an empty one, never a line claiming a hang."""
 
     def __init__(self, path: str, timeout_s: float) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.file: IO[str] = open(path, "a")  # noqa: SIM115 (faulthandler writes to its descriptor later)
-        self.file.write(f"# pid {os.getpid()}: Python stacks of calls still running after {timeout_s:g} s\n")
-        self.file.flush()
+        self.path = path
         self.timeout_s = timeout_s
         self.depth = 0
+        self.file: IO[str] | None = None
 
     def watch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.depth == 0:
+            if self.file is None:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self.file = open(self.path, "a")  # noqa: SIM115 (faulthandler writes to its descriptor later)
             faulthandler.dump_traceback_later(self.timeout_s, repeat=False, file=self.file)
         self.depth += 1
         try:
@@ -70,6 +78,18 @@ class RankWatchdog:
             self.depth -= 1
             if self.depth == 0:
                 faulthandler.cancel_dump_traceback_later()
+
+
+def remove_unwritten(paths: Sequence[str]) -> None:
+    """The stack files no late phase wrote into (a healthy run's, empty), and their folder where that leaves it
+    empty; a file with a dump stays."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:
+                os.remove(path)
+    for folder in {os.path.dirname(p) for p in paths}:
+        with contextlib.suppress(OSError):  # not empty: another group's file or a dump in it
+            os.rmdir(folder)
 
 
 def configure(worker: Any, path: str, timeout_s: float) -> None:

@@ -390,6 +390,7 @@ class WorkerGroup:
             _exit_processes(self.actors)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        watchdog.remove_unwritten(list(self.stack_files.values()))  # a healthy run's leave no file
         if self.owns_pool:
             self.pool.remove()
 

@@ -27,6 +27,7 @@ from mcore_rl.data.arithmetic import AdditionProblem, CharTokenizer, make_proble
 from mcore_rl.data.config import GENERATED_TASKS, DataConfig
 from mcore_rl.data.rows import write_rows
 from mcore_rl.data.tokenizer import write_tokenizer_config
+from mcore_rl.io.errors import note
 
 DATA_SOURCE = "mcore_rl/arithmetic"
 """``data_source`` of the demo rows; the scorer registry maps it to exact match."""
@@ -126,12 +127,23 @@ def prepare_data(
         from mcore_rl.data.tool_task import write_tool_dataset
 
         write_tool_dataset(missing, data.seed)
-        return list(missing.values())
+        return announce_generated(data.generate, missing)
     for split in ("test", "sft"):  # files kept from an earlier run must hold this task's answers
         if wanted[split] and split not in missing:
             check_task(wanted[split][0], data.generate, reverse)
     write_demo_dataset(missing, data.seed, reverse=reverse)
-    return list(missing.values())
+    return announce_generated(data.generate, missing)
+
+
+def announce_generated(task: str, written: dict[str, str]) -> list[str]:
+    """One console line naming the files ``data.generate`` wrote because they were missing (a mistyped path
+    would otherwise train on generated data without a word); returns their paths."""
+    if written:
+        files = ", ".join(f"{path} ({split})" for split, path in written.items())
+        note(
+            f"data.generate={task}: generated {files}, which did not exist; the run trains on what it generated"
+        )
+    return list(written.values())
 
 
 def _holds_a_tokenizer(path: str) -> bool:

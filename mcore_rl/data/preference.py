@@ -269,7 +269,7 @@ def prepare_preference_data(
     writes. Returns the files written."""
     import os
 
-    from mcore_rl.data.demo_task import prepare_data, splits
+    from mcore_rl.data.demo_task import announce_generated, prepare_data, splits
     from mcore_rl.data.rows import write_rows
 
     if data.generate is None:
@@ -281,4 +281,5 @@ def prepare_preference_data(
         problems = splits(data.seed, {"sft": 0})
         for split, path in missing.items():
             write_rows(path, arithmetic_preference_rows(problems[split], seed=data.seed + len(split)))
-    return written + list(missing.values())
+    pairs = {f"dpo.{split}_files pairs": path for split, path in missing.items()}
+    return written + announce_generated(data.generate, pairs)

@@ -42,10 +42,18 @@ def rl_command(args: argparse.Namespace, model_dir: str, log_dir: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mcore_rl.trainer.sft import run_sft
+    from mcore_rl.config.run_folder import finished_sft
+    from mcore_rl.trainer.sft import run_sft, sft_config
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    summary = run_sft(args.recipe, args.overrides, use_ray=not args.in_process)
+    cfg = sft_config(args.recipe, args.overrides, max_ranks=1 if args.in_process else None)
+    done = finished_sft(cfg)
+    if done is not None and (done[0] >= cfg.sft.total_steps or cfg.sft.target_val_accuracy is not None):
+        # a finished run run again, as `train` and `dpo` answer one: nothing trained or written
+        print(f"already complete at step {done[0]} ({done[1]}); nothing to train")
+        print(f"start RL from it: {rl_command(args, done[1], cfg.logging.log_dir)}")
+        return 0
+    summary = run_sft(cfg, use_ray=not args.in_process)
     loss = f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}"
     if summary.test_after is None:
         print(

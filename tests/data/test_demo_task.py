@@ -157,3 +157,35 @@ def test_command_line_writes_the_reversed_task(tmp_path: Path, monkeypatch: pyte
 
 def _prepare(cfg):
     return demo_task.prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
+
+
+def test_each_generated_file_is_named_on_the_console(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a review: ``data.train_files=[mydata/trian.parquet]`` (a typo) on a demo recipe generated that
+    file and trained on it without a word; DPO's ``dpo.train_files`` the same."""
+    from mcore_rl.data.preference import prepare_preference_data
+
+    monkeypatch.chdir(tmp_path)
+    for split, size in SMALL.items():
+        monkeypatch.setitem(demo_task.SPLIT_SIZES, split, size)
+    cfg = load_config(RECIPE)
+    demo_task.prepare_data(cfg.data, cfg.sft.train_files, cfg.model.tokenizer_path)
+    capsys.readouterr()
+    typo = load_config(RECIPE, ["data.train_files=[mydata/trian.parquet]"])
+    assert demo_task.prepare_data(typo.data, typo.sft.train_files, typo.model.tokenizer_path) == [
+        "mydata/trian.parquet"
+    ]
+    err = capsys.readouterr().err
+    assert err == (
+        f"mcore-rl: note: data.generate={cfg.data.generate}: generated mydata/trian.parquet (train), which did not "
+        "exist; the run trains on what it generated\n"
+    )
+    assert demo_task.prepare_data(typo.data, typo.sft.train_files, typo.model.tokenizer_path) == []
+    assert capsys.readouterr().err == ""  # nothing written, nothing said
+    written = prepare_preference_data(cfg.data, ["runs/nothere.parquet"], [], cfg.model.tokenizer_path)
+    assert written == ["runs/nothere.parquet"]
+    assert capsys.readouterr().err == (
+        f"mcore-rl: note: data.generate={cfg.data.generate}: generated runs/nothere.parquet (dpo.train_files "
+        "pairs), which did not exist; the run trains on what it generated\n"
+    )

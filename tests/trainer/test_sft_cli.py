@@ -42,7 +42,7 @@ def _printed_rl_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixt
     run = Path(cfg.trainer.default_local_dir)
     model = _sft_run_folder(run)
 
-    def fake_run_sft(recipe, overrides, use_ray=True):
+    def fake_run_sft(config, overrides=(), use_ray=True):
         return SFTSummary(2, 1.0, 0.5, None, None, str(model), str(run / "sft_checkpoint"), str(run / "logs"))
 
     monkeypatch.setattr(sft, "run_sft", fake_run_sft)
@@ -85,3 +85,36 @@ def test_the_printed_rl_command_leaves_an_earlier_rl_run_alone(
     (tmp_path / "runs" / "demo_rl").mkdir(parents=True)
     line = _printed_rl_line(monkeypatch, capsys, ["sft", "demo_cpu"])
     assert "trainer.default_local_dir=runs/demo_rl2" in shlex.split(line)
+
+
+def test_a_finished_sft_run_run_again_is_already_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Found by a review: a finished ``mcore-rl sft`` run again exited 1 with "no run checkpoint in
+    runs/sftc/checkpoints to resume" (an SFT run writes none); ``train`` and ``dpo`` say already complete."""
+    import mcore_rl.trainer.sft as sft
+    from mcore_rl.cli import main
+    from mcore_rl.config import load_config
+    from mcore_rl.config.run_folder import check_run_folders
+    from mcore_rl.io.errors import OutputError
+    from mcore_rl.io.output import MARKER_FILE
+
+    monkeypatch.chdir(tmp_path)
+    model = _sft_run_folder(tmp_path / "runs" / "sftc")
+    (model / MARKER_FILE).write_text('{"tool": "mcore_rl"}')  # exported by us, as a real run's is
+    (tmp_path / "runs" / "sftc" / "logs" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"stage": "sft", "step": n, "loss": 1.0}) + "\n" for n in (10, 20))
+    )
+    monkeypatch.setattr(sft, "run_sft", lambda *a, **k: pytest.fail("a finished run trains nothing"))
+    keys = ["sft.total_steps=20", "trainer.save_freq=10", "trainer.default_local_dir=runs/sftc"]
+    assert main(["sft", "demo_cpu", *keys, "logging.log_dir=runs/sftc/logs", "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("already complete at step 20 (runs/sftc/model); nothing to train\n")
+    # more steps asked for: refused as before, but saying why and what to do (an SFT run cannot resume)
+    cfg = load_config("demo_cpu", [*keys, "sft.total_steps=40", "logging.log_dir=runs/sftc/logs"])
+    with pytest.raises(
+        OutputError,
+        match=r"holds a finished SFT run \(20 steps, its model in runs/sftc/model\)"
+        r".*cannot resume\): set trainer.default_local_dir to another folder",
+    ):
+        check_run_folders(cfg)
