@@ -185,8 +185,8 @@ def test_a_hung_phase_fails_within_seconds_naming_it_the_ranks_and_where_they_ar
     assert 2.0 < elapsed < 2.0 + 2.0 + 5, elapsed
     with open(os.path.join(stacks, "Worker_rank1.txt")) as f:
         assert "in _stuck_on_rank_1" in f.read()
-    with open(os.path.join(stacks, "Worker_rank0.txt")) as f:
-        assert "Timeout" not in f.read()  # rank 0 finished its phase: nothing dumped
+    # rank 0 finished its phase: nothing dumped, and the group's shutdown left no file of it
+    assert not os.path.exists(os.path.join(stacks, "Worker_rank0.txt"))
     _assert_cleaned_up(ray, group)
 
 
