@@ -52,6 +52,20 @@ MEGATRON_HF_ASSETS = "hf_assets"
 names of ``mcore_rl/engine/checkpoint.py``, which this module does not import: it would bring torch)."""
 
 
+def shipped_tokenizer(model_path: str) -> str | None:
+    """The folder of the tokenizer files that ship with a model, where it has them: an HF folder's own (a
+    run's ``model/`` holds the run's tokenizer) or a converted megatron checkpoint's ``hf_assets/``; what
+    ``data.tokenizer.load_tokenizer`` reads (a ``tokenizer.json`` or a sentencepiece ``.model``)."""
+    import glob
+
+    for folder in (model_path, os.path.join(model_path, MEGATRON_HF_ASSETS)):
+        if os.path.isfile(os.path.join(folder, "tokenizer.json")) or glob.glob(
+            os.path.join(folder, "*.model")
+        ):
+            return folder
+    return None
+
+
 @dataclass
 class ModelConfig:
     """The policy model: a local Hugging Face folder, or an inline architecture trained from scratch."""

@@ -10,7 +10,7 @@ import shutil
 from mcore_rl.config.run import ResumeMode, RunConfig
 from mcore_rl.io.errors import OutputError, note
 from mcore_rl.io.output import check_run_folder, claim_run_folder, is_ours
-from mcore_rl.logs.run_log import previous_log
+from mcore_rl.logs.run_log import previous_log, read_records
 
 
 def check_run_folders(cfg: RunConfig) -> None:
@@ -97,8 +97,6 @@ def finished_sft(cfg: RunConfig) -> tuple[int, str] | None:
     """``(steps, model folder)`` of a finished SFT run in the run folder, or None. An SFT run writes no run
     checkpoint; it is finished once its model is exported (``model/`` ours with its ``config.json``, after
     ``sft_checkpoint/``), and its steps are those of the last ``sft`` record of its ``metrics.jsonl``."""
-    import json
-
     from mcore_rl.convert.export import MODEL_DIR
 
     run = cfg.trainer.default_local_dir
@@ -107,16 +105,8 @@ def finished_sft(cfg: RunConfig) -> tuple[int, str] | None:
         return None
     if not os.path.isfile(os.path.join(model, "config.json")):
         return None
-    steps = None
-    with open(log) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line cut short by a crash
-                continue
-            if record.get("stage") == "sft":
-                steps = int(record["step"])
-    return None if steps is None else (steps, model)
+    steps = [record["step"] for record in read_records(log) if record["stage"] == "sft"]
+    return (steps[-1], model) if steps else None
 
 
 def is_inside(path: str, folder: str) -> bool:

@@ -220,7 +220,19 @@ _logprob_entropy_op.register_autograd(_logprob_entropy_backward, setup_context=_
 # Op fused with the output projection: logits are produced and consumed one vocab chunk at a time.
 
 
-def _vocab_chunks(num_rows: int, vocab_start: int, vocab_size: int, chunk: int) -> list[tuple[int, int]]:
+def chunks_kept(chunks: list[tuple[int, int]], keep_logits_bytes: int, row_bytes: int) -> int:
+    """How many leading vocab ``chunks`` (:func:`vocab_chunks`) the forward keeps within ``keep_logits_bytes``
+    when each logits column takes ``row_bytes`` (rows x element size): whole chunks only, from column 0."""
+    columns = keep_logits_bytes // max(1, row_bytes)
+    return sum(1 for _, stop in chunks if stop <= columns)  # chunks start at 0, back to back
+
+
+def kept_columns(chunks: list[tuple[int, int]], keep_chunks: int) -> int:
+    """The logits columns of the ``keep_chunks`` leading chunks."""
+    return sum(stop - start for start, stop in chunks[:keep_chunks])
+
+
+def vocab_chunks(num_rows: int, vocab_start: int, vocab_size: int, chunk: int) -> list[tuple[int, int]]:
     """[start, stop) row ranges of the weight shard to project: its real vocab rows only, megatron's padding
     rows never enter a GEMM (their logits would be dropped, their gradient is zero)."""
     real_rows = reference.valid_columns(vocab_start, vocab_size, num_rows)
@@ -240,10 +252,6 @@ class _ChunkBuffer:
 
     def block(self, columns: int) -> Tensor:
         return self.flat[: self.rows * columns].view(self.rows, columns)
-
-
-def _kept_columns(chunks: list[tuple[int, int]], keep_chunks: int) -> int:
-    return sum(stop - start for start, stop in chunks[:keep_chunks])
 
 
 def _chunk_logits(kept: Tensor, is_kept: bool, buffer: _ChunkBuffer, start: int, stop: int) -> Tensor:
@@ -269,9 +277,9 @@ def _linear_logprob_entropy_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     stats = torch.zeros(hidden.shape[0], 4, dtype=reference.compute_dtype(hidden.dtype), device=hidden.device)
     stats[:, 0] = float("-inf")
-    chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
+    chunks = vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
     buffer = _ChunkBuffer(hidden, chunks[keep_chunks:])
-    kept = hidden.new_empty(hidden.shape[0] * _kept_columns(chunks, keep_chunks))
+    kept = hidden.new_empty(hidden.shape[0] * kept_columns(chunks, keep_chunks))
     for index, (start, stop) in enumerate(chunks):
         logits = _chunk_logits(kept, index < keep_chunks, buffer, start, stop)
         gemm_into(logits, hidden, weight[start:stop].T, accumulate=False)
@@ -292,8 +300,8 @@ def _(
     tp_group_name: str | None,
     keep_chunks: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
-    kept = hidden.new_empty(hidden.shape[0] * _kept_columns(chunks, keep_chunks))
+    chunks = vocab_chunks(weight.shape[0], vocab_start, vocab_size, vocab_chunk_size)
+    kept = hidden.new_empty(hidden.shape[0] * kept_columns(chunks, keep_chunks))
     return (*_fake_outputs(hidden, hidden.dtype), kept)
 
 
@@ -316,7 +324,7 @@ def _linear_backward(
     # A frozen head (LoRA without the output layer as a target) gets no [vocab, hidden] gradient: neither
     # its buffer nor its GEMM, a third of the head's backward.
     grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-    chunks = _vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk)
+    chunks = vocab_chunks(weight.shape[0], vocab_start, vocab_size, chunk)
     logits_buffer, grad_buffer = _ChunkBuffer(hidden, chunks[keep_chunks:]), _ChunkBuffer(hidden, chunks)
     # In place where the dtypes allow (fp32): no [N, hidden] or [chunk, hidden] temporary per chunk.
     accumulate = hidden.dtype == torch.float32 and weight.dtype == hidden.dtype
@@ -453,9 +461,8 @@ def linear_logprob_entropy(
     differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad)
     keep = 0
     if differentiable and keep_logits_bytes > 0 and rows.shape[0] > 0:
-        chunks = _vocab_chunks(weight_shard.shape[0], vocab_start, vocab_size, vocab_chunk_size)
-        columns = keep_logits_bytes // (rows.shape[0] * rows.element_size())
-        keep = sum(1 for _, stop in chunks if stop <= columns)  # chunks start at 0, back to back
+        chunks = vocab_chunks(weight_shard.shape[0], vocab_start, vocab_size, vocab_chunk_size)
+        keep = chunks_kept(chunks, keep_logits_bytes, rows.shape[0] * rows.element_size())
     logprob, entropy, _, _ = _linear_logprob_entropy_op(
         rows,
         weight_shard,

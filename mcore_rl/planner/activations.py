@@ -60,7 +60,7 @@ inputs of MoE layers too, plus one layer's whole set (the largest of the stage's
 from __future__ import annotations
 
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
-from mcore_rl.ops.logprob import DEFAULT_VOCAB_CHUNK
+from mcore_rl.ops.logprob import DEFAULT_VOCAB_CHUNK, chunks_kept, kept_columns, vocab_chunks
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.moe import expert_activation_bytes, router_bytes
 from mcore_rl.planner.spec import PlanInput
@@ -148,9 +148,10 @@ def lm_head_bytes(plan: PlanInput) -> int:
     hidden = plan.arch.hidden_size
     vocab_rows = padded_vocab_size(plan.arch.vocab_size, plan.tp, VOCAB_DIVISIBLE_BY) // plan.tp
     tokens = plan.seq_length * plan.micro_batch_size // plan.cp  # each CP rank projects its own tokens
-    real_rows = min(vocab_rows, plan.arch.vocab_size)  # rank 0's: the most real vocab rows of any rank
-    columns = min(DEFAULT_VOCAB_CHUNK, real_rows)  # the widest chunk
-    kept = _kept_columns(plan.keep_logits_bytes // max(1, e * tokens), columns, real_rows)
+    # rank 0's chunks: the most real vocab rows of any rank, its first chunk the widest; kept as the op keeps
+    chunks = vocab_chunks(vocab_rows, 0, plan.arch.vocab_size, DEFAULT_VOCAB_CHUNK)
+    real_rows, columns = chunks[-1][1], chunks[0][1]
+    kept = kept_columns(chunks, chunks_kept(chunks, plan.keep_logits_bytes, e * tokens))
     trainable_head = plan.lora_rank == 0
     weight_grad = e * vocab_rows * hidden if trainable_head else 0
     temporary = 0  # fp32: the op accumulates both gradients in place and its final cast is a no-op
@@ -165,11 +166,3 @@ def lm_head_bytes(plan: PlanInput) -> int:
         + weight_grad
         + temporary
     )
-
-
-def _kept_columns(budget_columns: int, chunk: int, real_rows: int) -> int:
-    """The logits columns the fused op keeps within a budget of ``budget_columns``: whole chunks from column 0
-    (the last one as narrow as the real rows leave it)."""
-    if budget_columns >= real_rows:
-        return real_rows
-    return budget_columns // chunk * chunk

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mcore_rl.config.fast_paths import keep_logits_setting
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.parallel.layout import LayoutError
 from mcore_rl.planner.spec import LORA_ALL_LINEAR, PlanInput
@@ -60,7 +61,7 @@ def plan_input_from_config(cfg: RunConfig, arch: ModelArch | None = None, **plan
         reference=algo.use_kl_loss or algo.use_kl_in_reward,
         lora_rank=cfg.model.lora_rank,
         lora_targets=_lora_targets(cfg),
-        keep_logits_bytes=round((cfg.model.keep_logits_gib or 0) * (1 << 30)),
+        keep_logits_bytes=keep_logits_setting(cfg) or 0,  # as the ranks take it; unset: none on a GPU
         rollout_tp=rollout.tensor_model_parallel_size,
         rollout_memory_fraction=rollout.gpu_memory_utilization,
         offload_optimizer=hybrid.offload_optimizer,

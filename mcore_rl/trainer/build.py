@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import math
 import os
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from mcore_rl.algo.settings import AdvEstimator
 from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.config.fast_paths import keep_logits_setting
 from mcore_rl.config.machine import ranks_beside_actor
-from mcore_rl.config.model import MEGATRON_HF_ASSETS, RolloutEngineName
+from mcore_rl.config.model import RolloutEngineName, shipped_tokenizer
 from mcore_rl.controller import RayConfig, ResourcePool, WorkerGroup, available_cpus, init_ray
 from mcore_rl.controller.backend import Backend, InProcessBackend, RayBackend
 from mcore_rl.controller.resources import cluster_cpus, ray_shut_down_on_failure
@@ -68,17 +67,13 @@ def check_reward_model_tokens(cfg: RunConfig, tokenizer: Tokenizer) -> None:
             f"reward_model.path {path}: its vocab_size={vocab_size} is smaller than the policy's tokenizer "
             f"({tokenizer.vocab_size} tokens); the reward model must share the policy's tokenizer"
         )
-    for folder in (path, os.path.join(path, MEGATRON_HF_ASSETS)):
-        if os.path.isfile(os.path.join(folder, "tokenizer.json")) or glob.glob(
-            os.path.join(folder, "*.model")
-        ):
-            if _token_table(load_tokenizer(folder)) != _token_table(tokenizer):
-                raise ConfigError(
-                    f"reward_model.path {path}: its tokenizer ({folder}) differs from the policy's "
-                    f"(model.tokenizer_path {cfg.model.tokenizer_path}); the reward model reads the policy's "
-                    "token ids, so it must share its tokenizer (re-tokenizing for it is not supported)"
-                )
-            return
+    folder = shipped_tokenizer(path)
+    if folder is not None and _token_table(load_tokenizer(folder)) != _token_table(tokenizer):
+        raise ConfigError(
+            f"reward_model.path {path}: its tokenizer ({folder}) differs from the policy's "
+            f"(model.tokenizer_path {cfg.model.tokenizer_path}); the reward model reads the policy's "
+            "token ids, so it must share its tokenizer (re-tokenizing for it is not supported)"
+        )
 
 
 def _token_table(tokenizer: Tokenizer) -> list[str]:

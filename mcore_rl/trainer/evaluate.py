@@ -15,7 +15,6 @@ prompts.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -229,18 +228,6 @@ def run_model_folder(given: str) -> EvalSource | None:
     return EvalSource(given, saved) if is_export and os.path.isfile(saved) else None
 
 
-def shipped_tokenizer(model_path: str) -> str | None:
-    """The folder of the tokenizer files that ship with a model, where it has them: an HF folder's own (a
-    run's ``model/`` holds the run's tokenizer) or a converted megatron checkpoint's ``hf_assets/``."""
-    from mcore_rl.config.model import MEGATRON_HF_ASSETS
-
-    for folder in (model_path, os.path.join(model_path, MEGATRON_HF_ASSETS)):
-        files = [os.path.join(folder, "tokenizer.json"), *glob.glob(os.path.join(folder, "*.model"))]
-        if any(os.path.isfile(f) for f in files):
-            return folder
-    return None
-
-
 def eval_config(
     model: str,
     data_files: Sequence[str],
@@ -257,6 +244,8 @@ def eval_config(
     base = recipe or source.recipe
     # A run's saved model.tokenizer_path is as written where the run started (often relative): the model
     # evaluated carries its own tokenizer files, read wherever eval runs (an override still wins).
+    from mcore_rl.config.model import shipped_tokenizer
+
     tokenizer = shipped_tokenizer(source.model_path) if recipe is None and source.recipe else None
     keys = [
         *EVAL_KEYS,

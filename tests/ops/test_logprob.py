@@ -342,9 +342,9 @@ def test_native_kernels_match_their_references() -> None:
 
 def test_the_linear_op_projects_real_vocab_rows_only() -> None:
     """megatron pads the vocab (1000 -> 1024 at TP1): no GEMM of the fused LM-head op reaches a padding row."""
-    from mcore_rl.ops.logprob import _vocab_chunks
+    from mcore_rl.ops.logprob import vocab_chunks
 
-    assert _vocab_chunks(1024, 0, 1000, 1024) == [(0, 1000)]
-    assert _vocab_chunks(1024, 0, 1000, 300) == [(0, 300), (300, 600), (600, 900), (900, 1000)]
-    assert _vocab_chunks(512, 512, 1000, 512) == [(0, 488)]  # the last TP2 shard: 488 real rows
-    assert _vocab_chunks(512, 1024, 1000, 512) == []  # a shard of padding only
+    assert vocab_chunks(1024, 0, 1000, 1024) == [(0, 1000)]
+    assert vocab_chunks(1024, 0, 1000, 300) == [(0, 300), (300, 600), (600, 900), (900, 1000)]
+    assert vocab_chunks(512, 512, 1000, 512) == [(0, 488)]  # the last TP2 shard: 488 real rows
+    assert vocab_chunks(512, 1024, 1000, 512) == []  # a shard of padding only
