@@ -128,7 +128,7 @@ def test_a_missing_model_folder_is_named_as_itself(tmp_path: Path, capsys) -> No
 def test_a_checkpoint_without_tokenizer_files_asks_for_the_tokenizer(tmp_path: Path, capsys) -> None:
     from tests.models import tiny_hf_config
 
-    ckpt = tmp_path / "sft_checkpoint"  # what an SFT run leaves: a model checkpoint, no hf_assets/
+    ckpt = tmp_path / "sft_checkpoint"  # a model checkpoint without hf_assets/ (an older run's)
     ckpt.mkdir()
     (ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     info = {"hf_config": tiny_hf_config("llama", max_position_embeddings=2048), "dtype": "float32"}

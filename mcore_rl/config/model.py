@@ -187,6 +187,22 @@ class ModelConfig:
             return False
         return all(os.path.isfile(os.path.join(self.path, n)) for n in ("metadata.json", MEGATRON_MODEL_INFO))
 
+    def asset_folders(self) -> tuple[str | None, str | None]:
+        """(the tokenizer folder, the folder of the model's own side files: an HF folder, or a megatron
+        checkpoint's ``hf_assets/``), each None where it is not a folder. A checkpoint the run writes copies
+        their files into its ``hf_assets/`` so that it alone is a model to train, evaluate or convert wherever
+        it is moved."""
+
+        def folder(path: str | None) -> str | None:
+            return (
+                path if isinstance(path, str) and not path.startswith("${") and os.path.isdir(path) else None
+            )
+
+        own = self.path
+        if own is not None and self.is_megatron_checkpoint():
+            own = os.path.join(own, MEGATRON_HF_ASSETS)
+        return folder(self.tokenizer_path), folder(own)
+
     def generation_stop_ids(self) -> list[int]:
         """The ids ``generation_config.json`` ends a response with (its ``eos_token_id``, one or a list: Qwen2.5-
         Instruct's ``<|im_end|>`` and ``<|endoftext|>``, Llama-3.1-Instruct's ``<|eot_id|>``, ``<|eom_id|>`` and

@@ -384,8 +384,8 @@ def _path_problems(cfg: RunConfig) -> list[str]:
     elif _checkpoint_without_tokenizer(cfg):
         problems.append(
             f"model.tokenizer_path: model.path={cfg.model.path} is a megatron checkpoint without the "
-            "tokenizer files (hf_assets/: an SFT or run checkpoint keeps none); set model.tokenizer_path "
-            "to the tokenizer folder it was trained with"
+            "tokenizer files (hf_assets/: checkpoints written before they kept one, or a conversion from a "
+            "folder without them); set model.tokenizer_path to the tokenizer folder it was trained with"
         )
     return problems
 

@@ -15,9 +15,9 @@ import tempfile
 from typing import Any
 
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
-from mcore_rl.convert.output import copy_side_files
 from mcore_rl.io.errors import OutputError
 from mcore_rl.io.output import is_ours
+from mcore_rl.io.side_files import copy_side_files
 
 MODEL_DIR = "model"
 """The HF folder of a run, under ``trainer.default_local_dir``."""

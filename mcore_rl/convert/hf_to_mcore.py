@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from mcore_rl.convert.dcp_io import bytes_write_item, save_lazily, tensor_write_item
 from mcore_rl.convert.dist_layout import Chunk, checkpoint_plan, writer_layout
 from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
+from mcore_rl.convert.output import conversion_output
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, ModelCheckpointInfo
 from mcore_rl.engine.hf.mapping import (
@@ -42,6 +42,7 @@ from mcore_rl.engine.hf.state import check_hf_weights
 from mcore_rl.io.collective import abort_collective, begin_collective, commit_collective
 from mcore_rl.io.inputs import input_file
 from mcore_rl.io.output import OutputFolder, write_failure
+from mcore_rl.io.side_files import HF_SIDE_FILES, copy_side_files
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from mcore_rl.convert.dcp_io import DistCheckpointReader, Region
 from mcore_rl.convert.dist_layout import checkpoint_location, stored_vocab_rows
 from mcore_rl.convert.memory import release_freed_memory
-from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
+from mcore_rl.convert.output import conversion_output
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR, MODEL_INFO_FILE, STORABLE_DTYPES, ModelCheckpointInfo
 from mcore_rl.engine.hf.mapping import (
@@ -41,6 +41,7 @@ from mcore_rl.engine.hf.safetensors_io import OutputTensor, StreamingShardWriter
 from mcore_rl.engine.hf.score_head import arch_of_config, has_score_head, hf_config_of
 from mcore_rl.io.errors import note
 from mcore_rl.io.inputs import check_input_tree, input_file, read_json_object
+from mcore_rl.io.side_files import HF_SIDE_FILES, copy_side_files
 from mcore_rl.parallel.launch_env import current_rank
 from mcore_rl.parallel.sharding import ShardKind, shard_kind
 

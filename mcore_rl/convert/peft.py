@@ -19,7 +19,7 @@ import torch
 
 from mcore_rl.convert.dcp_io import DistCheckpointReader, Region
 from mcore_rl.convert.dist_layout import checkpoint_location
-from mcore_rl.convert.output import HF_SIDE_FILES, conversion_output, copy_side_files
+from mcore_rl.convert.output import conversion_output
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.checkpoint import ModelCheckpointInfo
 from mcore_rl.engine.hf.mapping import ConvertError, check_finite, hf_shapes, tensor_maps, to_full, to_hf
@@ -38,6 +38,7 @@ from mcore_rl.engine.lora import merged_weight
 from mcore_rl.engine.lora_spec import LoRASpec
 from mcore_rl.io.errors import note
 from mcore_rl.io.inputs import input_file, read_json_object
+from mcore_rl.io.side_files import HF_SIDE_FILES, copy_side_files
 from mcore_rl.parallel.launch_env import current_rank
 
 TRAINER_STATE = "trainer_state.json"  # engine/trainer_checkpoint.py's

@@ -54,9 +54,11 @@ from mcore_rl.data.tokenizer import Tokenizer, load_tokenizer
 from mcore_rl.dpo.greedy import GreedyScorer
 from mcore_rl.dpo.loss import DPOLossSettings, PairMicroBatch
 from mcore_rl.dpo.policy import DPOPolicy, PolicySpec, shard_indices
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR
 from mcore_rl.engine.hf.peft import ADAPTER_DIR, save_peft_adapter
 from mcore_rl.engine.trainer_checkpoint import read_trainer_state
 from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
+from mcore_rl.io.side_files import copy_model_assets
 from mcore_rl.logs.plots import dpo_plot
 from mcore_rl.logs.run_log import RunLog
 from mcore_rl.parallel.context import ParallelContext
@@ -306,6 +308,7 @@ class DPOTrainer:
 
         def side_files(folder: str) -> None:  # inside the staging folder: it never appears without them
             save_config(self.cfg, folder)
+            copy_model_assets(*self.cfg.model.asset_folders(), os.path.join(folder, HF_ASSETS_DIR))
             write_manifest(folder)
 
         self.policy.save_checkpoint(path, self.global_step, extra, side_files)

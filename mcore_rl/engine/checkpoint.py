@@ -29,6 +29,7 @@ from mcore_rl.io.collective import abort_collective, begin_collective, commit_co
 from mcore_rl.io.errors import ConfigError, InputError
 from mcore_rl.io.inputs import check_input_tree, input_file, read_json_object
 from mcore_rl.io.output import OutputFolder
+from mcore_rl.io.side_files import copy_model_assets
 from mcore_rl.parallel.context import ParallelContext
 
 MODEL_INFO_FILE = "mcore_rl_model.json"
@@ -190,8 +191,11 @@ def save_model(
     directory: str,
     info: ModelCheckpointInfo | None = None,
     part: StateFilter | None = None,
+    assets: tuple[str | None, str | None] = (None, None),
 ) -> None:
-    """Collective: every rank writes its shards of the model; ``directory`` appears complete at the end.
+    """Collective: every rank writes its shards of the model; ``directory`` appears complete at the end, with
+    the tokenizer and generation files of ``assets`` (its tokenizer folder, its model folder:
+    :func:`~mcore_rl.io.side_files.copy_model_assets`) in :data:`HF_ASSETS_DIR`.
 
     It replaces an earlier checkpoint of ours there, never a folder that is not ours (see
     :class:`~mcore_rl.io.output.OutputFolder`)."""
@@ -209,7 +213,13 @@ def save_model(
     except BaseException:
         abort_collective(output, ctx.rank)
         raise
-    commit_collective(output, ctx.rank, lambda: info.write(staging) if info is not None else None)
+
+    def finish() -> None:
+        if info is not None:
+            info.write(staging)
+        copy_model_assets(*assets, os.path.join(staging, HF_ASSETS_DIR))
+
+    commit_collective(output, ctx.rank, finish)
 
 
 def check_checkpoint_folder(directory: str) -> None:

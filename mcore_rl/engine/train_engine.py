@@ -270,12 +270,13 @@ class TrainEngine:
         # bf16 keeps separate fp32 main params; without this the first step would undo the load.
         self.optimizer.reload_model_params()
 
-    def save_model(self, directory: str) -> None:
+    def save_model(self, directory: str, assets: tuple[str | None, str | None] = (None, None)) -> None:
         """Collective: the model weights (not the optimizer) as a distributed checkpoint, loadable at any
-        layout by :meth:`load_model` or ``mcore-rl convert mcore-to-hf``; with LoRA the merged model."""
+        layout by :meth:`load_model` or ``mcore-rl convert mcore-to-hf``; with LoRA the merged model. The
+        tokenizer and generation files of ``assets`` (its tokenizer folder, its model folder) go with it."""
         info = ModelCheckpointInfo.for_arch(self.arch, self.config.params_dtype)
         lora = partial(merged, chunks=self.chunks) if self.options.lora else None  # a plain, merged model
-        save_model(self.chunks, self.ctx, directory, info, lora)
+        save_model(self.chunks, self.ctx, directory, info, lora, assets)
 
     def load_model(self, directory: str) -> None:
         """Collective: model weights saved at any layout (``save_model``, HF conversion) into this engine; the

@@ -2,7 +2,8 @@
 
     <default_local_dir>/checkpoints/
         global_step_<N>/     the actor's weights and optimizer (every rank's shards), PPO's critic/, the driver
-                             state, the pending rollout (one-step-off), config.yaml, manifest.json (last)
+                             state, the pending rollout (one-step-off), config.yaml, hf_assets/ (the
+                             tokenizer and generation files: the folder alone is a model), manifest.json (last)
         latest               names the newest complete one
 
 A save (:func:`staged_checkpoint`) fills a hidden staging folder beside the target (the ranks write their
@@ -38,9 +39,11 @@ from mcore_rl.config.run_folder import (
 )
 from mcore_rl.data.prompts import PromptLoader
 from mcore_rl.data.rows import DataError
+from mcore_rl.engine.checkpoint import HF_ASSETS_DIR
 from mcore_rl.io.errors import InputError, OutputError, note
 from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
 from mcore_rl.io.output import OutputFolder, write_failure
+from mcore_rl.io.side_files import copy_model_assets
 from mcore_rl.io.signals import signals_deferred
 
 CRITIC_DIR = "critic"  # engine/workers/critic.py writes PPO's critic there
@@ -184,6 +187,7 @@ def staged_checkpoint(cfg: RunConfig, step: int, path: str) -> Iterator[str]:
     staging = output.begin()
     try:
         yield staging
+        copy_model_assets(*cfg.model.asset_folders(), os.path.join(staging, HF_ASSETS_DIR))
         write_manifest(staging)
         with signals_deferred():  # the folder and `latest` change together, or neither does
             output.commit()

@@ -107,7 +107,7 @@ def export_model(trainer: Trainer) -> tuple[str, str]:
     from it on the driver (streamed tensor by tensor); returns both paths."""
     checkpoint = os.path.join(trainer.cfg.trainer.default_local_dir, CHECKPOINT_DIR)
     check_model_dir(trainer.cfg)  # before the save: a refusal costs nothing
-    trainer.actors.save_model(checkpoint)  # with LoRA the merged model
+    trainer.actors.save_model(checkpoint, trainer.cfg.model.asset_folders())  # with LoRA the merged model
     if trainer.cfg.model.lora_rank:  # and the adapter in PEFT format beside it
         trainer.actors.save_lora_adapter(lora_adapter_dir(trainer.cfg), trainer.cfg.model.path)
     return checkpoint, hf_model_from_checkpoint(trainer.cfg, checkpoint)

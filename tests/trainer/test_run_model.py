@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,8 +16,11 @@ import pytest
 import torch
 
 from mcore_rl.cli import main
+from mcore_rl.config import load_config
 from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
+from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 from mcore_rl.trainer.evaluate import ALL, evaluate_model
+from mcore_rl.trainer.run_checkpoint import verify_run_checkpoint
 from mcore_rl.trainer.trainer import Trainer
 from tests.trainer.common import MIXED_REWARD, tiny_run_config
 
@@ -112,6 +116,34 @@ def test_eval_of_the_model_checkpoint_and_conversion_equals_the_runs_test(
     assert numbers["greedy_accuracy"] == pytest.approx(summary["test_after_rl"])
     assert set(numbers) >= {"pass@1", "pass@2", "pass@4", "sampled_mean_reward"}
     assert numbers["pass@1"] <= numbers["pass@2"] <= numbers["pass@4"]
+
+
+def test_a_run_checkpoint_moved_elsewhere_is_a_model_with_its_tokenizer(
+    finished: tuple[str, dict], data: str, tmp_path: Path
+) -> None:
+    """A run checkpoint keeps the run's tokenizer (``hf_assets/``, in its manifest): copied away from the run and
+    with the tokenizer folder the run named gone, it is evaluated, converted and started from as it was."""
+    run, summary = finished
+    step = Path(run) / "checkpoints" / "global_step_2"
+    tokenizer = Path(data) / "tokenizer"
+    assert (step / "hf_assets" / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+    assert "hf_assets/tokenizer.json" in json.loads((step / "manifest.json").read_text())["files"]
+    moved = tmp_path / "elsewhere" / "global_step_2"
+    shutil.copytree(step, moved)
+    verify_run_checkpoint(str(moved))
+    hidden = tmp_path / "tokenizer_gone"
+    tokenizer.rename(hidden)
+    try:
+        report = evaluate_model(str(moved), [f"{data}/test.jsonl"], ["trainer.num_cpus=2"], use_ray=False)
+        assert report.by_source[ALL].greedy_accuracy == pytest.approx(summary["test_after_rl"])
+        hf = convert_mcore_to_hf(McoreToHfOptions(ckpt=str(moved), out=str(tmp_path / "hf")))
+        assert (Path(hf) / "tokenizer.json").read_bytes() == (
+            moved / "hf_assets" / "tokenizer.json"
+        ).read_bytes()
+        cfg = load_config(None, [f"model.path={moved}", f"data.train_files=[{data}/test.jsonl]", *EVAL_KEYS])
+        assert cfg.model.tokenizer_path == str(moved / "hf_assets")  # the default: no tokenizer key needed
+    finally:
+        hidden.rename(tokenizer)
 
 
 def test_a_megatron_checkpoint_as_model_path_loads_the_same_weights(

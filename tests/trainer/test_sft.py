@@ -87,6 +87,13 @@ def test_sft_command_writes_the_model_and_says_how_to_start_rl_from_it(data, tmp
     assert "held-out accuracy: none (set data.test_files to score one)" in out and "n/a" not in out
     assert os.path.isfile(os.path.join(run, "model", "model.safetensors"))
     assert os.path.isfile(os.path.join(run, "sft_checkpoint", "metadata.json"))
+    # the checkpoint keeps the run's tokenizer: it alone is a model to start RL from, wherever it lies
+    assets = os.path.join(run, "sft_checkpoint", "hf_assets")
+    with (
+        open(os.path.join(assets, "tokenizer.json"), "rb") as kept,
+        open(os.path.join(run, "model", "tokenizer.json"), "rb") as exported,
+    ):
+        assert kept.read() == exported.read()
 
 
 def test_sft_without_examples_is_refused_naming_the_key() -> None:

@@ -304,10 +304,11 @@ class HybridWorker(PolicyUpdateHost, CriticHost, RewardModelHost, Worker):
         """This rank's per-phase memory peaks since the last call (``trainer/memory.py``)."""
         return phase_memory(self).take()
 
-    def save_model(self, directory: str) -> None:
-        """Collective: the actor's weights alone as a model checkpoint (any layout loads it)."""
+    def save_model(self, directory: str, assets: tuple[str | None, str | None] = (None, None)) -> None:
+        """Collective: the actor's weights alone as a model checkpoint (any layout loads it), with the side
+        files of ``assets`` (its tokenizer folder, its model folder)."""
         self._to_train()
-        self.engine.save_model(directory)
+        self.engine.save_model(directory, assets)
 
     def save_lora_adapter(self, directory: str, base_model: str | None) -> None:
         """Collective: the actor's LoRA adapters as a PEFT folder (``engine/hf/peft.py``)."""

@@ -241,9 +241,10 @@ class ActorGroup:
         wait = self.backend.submit("take_phase_memory", None, "")
         return lambda: max_over_ranks(wait())
 
-    def save_model(self, directory: str) -> None:
-        """The actor's weights as a model checkpoint (``TrainEngine.save_model``; loadable at any layout)."""
-        self.backend.submit("save_model", None, "", directory)()
+    def save_model(self, directory: str, assets: tuple[str | None, str | None] = (None, None)) -> None:
+        """The actor's weights as a model checkpoint (``TrainEngine.save_model``; loadable at any layout) with
+        the tokenizer and generation files of ``assets`` (``ModelConfig.asset_folders``)."""
+        self.backend.submit("save_model", None, "", directory, assets)()
 
     def save_lora_adapter(self, directory: str, base_model: str | None) -> None:
         """The actor's LoRA adapters as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
