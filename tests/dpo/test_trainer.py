@@ -123,6 +123,9 @@ def test_run_logs_trl_metrics_and_resumes_exactly(run_distributed, folder: str) 
     out = Path(folder) / "hf"
     assert main(["convert", "mcore-to-hf", "--ckpt", str(root / "global_step_4"), "--out", str(out)]) == 0
     assert (out / "config.json").is_file() and any(p.suffix == ".safetensors" for p in out.iterdir())
+    assert (out / "tokenizer.json").read_bytes() == (
+        Path(cfg.model.tokenizer_path) / "tokenizer.json"
+    ).read_bytes()
 
     # Published whole, as an RL run's: its config and a manifest inside; a file altered since is named at
     # resume, before any weight is read.
