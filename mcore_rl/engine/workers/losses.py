@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.algo import LossAggregation, kl_loss, ppo_policy_loss, value_loss
-from mcore_rl.engine.train_engine import HeadLoss, LMHeadInput, LossFn, MicroBatch
+from mcore_rl.engine.lm_head import HeadLoss, LMHeadInput
+from mcore_rl.engine.train_engine import LossFn, MicroBatch
 from mcore_rl.ops import vocab_parallel_logprob_entropy
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.types import TrainBatch, ValueBatch

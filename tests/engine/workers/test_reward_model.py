@@ -217,3 +217,11 @@ def test_a_reward_model_that_does_not_share_the_policys_tokenizer_is_refused(tmp
             dataclasses.replace(cfg, reward_model=dataclasses.replace(cfg.reward_model, path=other)),
             tokenizer,
         )
+
+    # the same table written out again (other bytes, other key order): not byte-equal, compared id by id, accepted
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    with open(os.path.join(other, "tokenizer.json"), "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    check_reward_model_tokens(
+        dataclasses.replace(cfg, reward_model=dataclasses.replace(cfg.reward_model, path=other)), tokenizer
+    )
