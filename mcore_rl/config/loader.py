@@ -54,9 +54,16 @@ def load_config(
     merged = OmegaConf.structured(RunConfig)
     layers = _recipe_chain(_find_recipe(Path(path), None), ()) if path is not None else []
     layers.append(("overrides", _parse_overrides(overrides)))
-    for source, layer in layers:
+    problems: list[str] = []
+    for source, layer in layers:  # every layer's unknown keys at once: a verl command has dozens
         _drop_null_sections(layer, RunConfig)  # before the key check: null is not "a section expected"
-        _check_keys(OmegaConf.to_container(layer, resolve=False), RunConfig, "", source)
+        _lists_from_scalars(layer, RunConfig)
+        _check_keys(OmegaConf.to_container(layer, resolve=False), RunConfig, "", source, problems)
+    if len(problems) > 1:
+        raise ConfigError(f"{len(problems)} keys refused:\n  " + ";\n  ".join(problems))
+    if problems:
+        raise ConfigError(problems[0])
+    for source, layer in layers:
         merged = _merge(merged, layer, source)
     return check_config(merged, check_paths=check_paths, rules=rules, max_ranks=max_ranks)
 
@@ -202,11 +209,18 @@ def _recipe_chain(path: Path, seen: tuple[Path, ...]) -> list[tuple[str, DictCon
 
 
 def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    """``key=value`` items into one layer. Hydra's ``+key=value`` and ``++key=value`` (verl's scripts add keys
+    their YAML lacks that way) are ``key=value`` here: every key exists in the schema, or is named unknown."""
     merged = OmegaConf.create({})
-    for item in overrides:
+    for given in overrides:
+        item = given[2:] if given.startswith("++") else given[1:] if given.startswith("+") else given
         key = item.split("=", 1)[0]
-        if "=" not in item or not key or key.startswith(("+", "~")):
-            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        if key.startswith("~"):
+            raise ConfigError(
+                f"override {given!r}: a key cannot be removed (Hydra's ~); set it to the value wanted"
+            )
+        if "=" not in item or not key or key.startswith("+"):
+            raise ConfigError(f"override {given!r} is not of the form dotted.key=value")
         try:  # one at a time, so a value YAML cannot parse is named
             merged.merge_with(OmegaConf.from_dotlist([item]))
         except (OmegaConfBaseException, yaml.YAMLError) as err:
@@ -239,34 +253,55 @@ def _drop_null_sections(layer: DictConfig, schema: type) -> None:
             _drop_null_sections(layer[key], hint)
 
 
-def _check_keys(raw: Any, schema: type, prefix: str, source: str) -> None:
-    """Unknown keys and a scalar given for a section, named by full dotted key, before OmegaConf sees them
-    (its own message does not say which file, and a scalar-for-section error names no key at all)."""
+def _check_keys(raw: Any, schema: type, prefix: str, source: str, problems: list[str]) -> None:
+    """Unknown keys and a scalar given for a section, named by full dotted key, into ``problems`` before
+    OmegaConf sees them (its own message does not say which file, and a scalar-for-section error names no
+    key at all)."""
     if not isinstance(raw, Mapping):
-        raise ConfigError(
+        problems.append(
             f"{prefix.rstrip('.') or 'config'}: expected a section (mapping), got {raw!r} ({source})"
         )
+        return
     fields = {f.name: f for f in dataclasses.fields(schema)}
     hints = typing.get_type_hints(schema)
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            hint = key_hint(RunConfig, _first_leaf(dotted, value), list(fields), prefix)
-            raise ConfigError(
-                f"unknown key {dotted} ({source}){hint}; keys allowed under {prefix.rstrip('.') or 'the root'}: "
-                f"{', '.join(fields)}"
-            )
+            for leaf in _leaves(dotted, value):  # verl's actor_rollout_ref.* keys, each with its own hint
+                # the keys allowed there only when nothing is close: a hint says it in fewer words
+                hint = key_hint(RunConfig, leaf, list(fields), prefix) or (
+                    f"; keys allowed under {prefix.rstrip('.') or 'the root'}: {', '.join(fields)}"
+                )
+                problems.append(f"unknown key {leaf} ({source}){hint}")
+            continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            _check_keys(value, hint, f"{dotted}.", source)
+            _check_keys(value, hint, f"{dotted}.", source, problems)
 
 
-def _first_leaf(dotted: str, value: Any) -> str:
-    """The full key of the first value under ``dotted`` (``actor_rollout_ref`` -> ``..model.path``)."""
-    while isinstance(value, Mapping) and value:
-        key, value = next(iter(value.items()))
-        dotted = f"{dotted}.{key}"
-    return dotted
+def _lists_from_scalars(layer: DictConfig, schema: type) -> None:
+    """A single value given where the schema holds a list is that one-element list, and null the empty
+    list: verl's scripts pass ``data.train_files=~/data/gsm8k/train.parquet`` (verl's loader wraps a single
+    path), and OmegaConf's own refusal names no form that works."""
+    hints = typing.get_type_hints(schema)
+    raw = OmegaConf.to_container(layer, resolve=False)
+    assert isinstance(raw, dict)
+    for key, value in raw.items():
+        hint = hints.get(str(key))
+        section = _section_type(hint) if hint is not None else None
+        if section is not None and isinstance(value, Mapping):
+            _lists_from_scalars(layer[key], section)
+        elif typing.get_origin(hint) is list and not isinstance(value, list | Mapping):
+            if isinstance(value, str) and value.startswith("${"):
+                continue  # an interpolation: resolved later, checked as a list then
+            layer[key] = [] if value is None else [value]
+
+
+def _leaves(dotted: str, value: Any) -> list[str]:
+    """The full key of every value under ``dotted`` (``actor_rollout_ref`` -> ``..model.path``, ...)."""
+    if not isinstance(value, Mapping) or not value:
+        return [dotted]
+    return [leaf for key, inner in value.items() for leaf in _leaves(f"{dotted}.{key}", inner)]
 
 
 def _expected(full_key: str) -> str:

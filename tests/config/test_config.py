@@ -318,11 +318,41 @@ def test_bad_config_errors_name_the_key(overrides: list[str], expected: str) -> 
 
 def test_unknown_key_lists_the_allowed_keys_and_the_file(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"defaults: [{DEMO}]\ndata:\n  train_file: x.parquet\n")
+    recipe.write_text(f"defaults: [{DEMO}]\ndata:\n  train_file: x.parquet\n  zzz: 1\n")
     with pytest.raises(ConfigError) as info:
         load_config(recipe)
-    message = str(info.value)
-    assert "data.train_file" in message and str(recipe) in message and "train_files, val_files" in message
+    heading, typo, unknown = str(info.value).split("\n  ")  # both named, each on a line of its own
+    assert heading == "2 keys refused:" and typo.endswith(";")
+    typo = typo[:-1]
+    assert typo == f"unknown key data.train_file ({recipe}); did you mean data.train_files?"
+    assert unknown.startswith(
+        f"unknown key data.zzz ({recipe}); keys allowed under data: train_files, val_files"
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("data.train_files=/d/train.parquet", ["/d/train.parquet"]),  # verl's scripts pass one path
+        ("data.train_files=[/d/a.parquet,/d/b.parquet]", ["/d/a.parquet", "/d/b.parquet"]),
+        ("data.train_files=${data.test_files}", ["runs/demo_rev_data/test.parquet"]),  # resolved, a list
+    ],
+)
+def test_a_single_file_is_a_list_of_one(given: str, expected: list[str]) -> None:
+    assert load_config(DEMO, [given]).data.train_files == expected
+
+
+def test_single_values_and_null_for_lists_in_a_recipe(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"defaults: [{DEMO}]\ndata:\n  val_files: null\n  test_files: t.parquet\n"
+        "rollout:\n  stop_token_ids: 7\n  multi_turn:\n    tools: tools.yaml\n"
+    )
+    cfg = load_config(recipe, rules=False)
+    assert cfg.data.val_files == [] and cfg.data.test_files == ["t.parquet"]
+    assert cfg.rollout.stop_token_ids == [7] and cfg.rollout.multi_turn.tools == ["tools.yaml"]
+    with pytest.raises(ConfigError, match=r"rollout\.stop_token_ids"):  # still typed: not an id
+        load_config(DEMO, ["rollout.stop_token_ids=eos"])
 
 
 @pytest.mark.parametrize(
