@@ -17,7 +17,16 @@ from typing import Any
 import torch
 
 from mcore_rl.data.config import DataConfig
-from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
+from mcore_rl.data.rows import (
+    BadRowError,
+    DataError,
+    RowProblem,
+    column,
+    column_in_file,
+    file_columns,
+    prompt_messages,
+    read_rows,
+)
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.types import PromptBatch
@@ -70,10 +79,12 @@ class PromptDataset:
         records: list[PromptRecord] = []
         skipped: list[RowProblem] = []
         for file in files:
+            present: set[str] = set()  # columns some row of this file is known to hold
             for row, raw in read_rows(file):
                 try:
                     records.append(_checked(_record(raw, file, row, tokenizer, cfg), check))
                 except BadRowError as bad:
+                    _no_such_column(bad.error, raw, cfg, present)
                     overlong = bad.error.reason.startswith("prompt has")
                     if not (cfg.filter_overlong_prompts if overlong else cfg.skip_bad_rows):
                         hint = "data.filter_overlong_prompts" if overlong else "data.skip_bad_rows"
@@ -196,6 +207,28 @@ def _checked(record: PromptRecord, check: RowCheck | None) -> PromptRecord:
         field, problem = found
         raise BadRowError(RowProblem(record.file, record.row, field, problem))
     return record
+
+
+def _no_such_column(problem: RowProblem, raw: Any, cfg: DataConfig, present: set[str]) -> None:
+    """A column missing from every row of the file is a wrong key, named with the columns the file has; the
+    row-by-row answer told the user to skip bad rows, which then skipped them all."""
+    if problem.reason != "missing" or not isinstance(raw, dict) or problem.column in present:
+        return
+    if column_in_file(problem.file, problem.column):
+        present.add(problem.column)
+        return
+    fixes = {
+        cfg.prompt_key: f"set data.prompt_key to the column of the prompt (now {cfg.prompt_key!r})",
+        cfg.reward_fn_key: f"set data.reward_fn_key to the column naming each row's scorer (now "
+        f"{cfg.reward_fn_key!r}; verl's rows hold data_source)",
+        "reward_model.ground_truth": "RL rows hold the answer as reward_model.ground_truth, as verl's do "
+        "(`mcore-rl data prepare` writes such files)",
+    }
+    columns = ", ".join(file_columns(problem.file)) or "none"
+    raise DataError(
+        f"{problem.file}: no row has column {problem.column!r} (its columns: {columns}); "
+        f"{fixes.get(problem.column, 'check the file')}"
+    )
 
 
 def _record(raw: Any, file: str, row: int, tokenizer: Tokenizer, cfg: DataConfig) -> PromptRecord:

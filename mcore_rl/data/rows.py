@@ -8,8 +8,10 @@ A verl row (``examples/data_preprocess/gsm8k.py``)::
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {"split": "train", "index": 0, ...}}
 
-Every problem with a row is a :class:`DataError` naming file, row (0-based, as pandas/pyarrow count) and
-column; the caller decides between stopping and a counted skip.
+Every problem with a row is a :class:`DataError` naming file, row (0-based, as pandas/pyarrow count; in a
+line-based file, the line index: blank lines count) and column; the caller decides between stopping and a
+counted skip. A ``.json`` file is a JSON array of rows or
+one row per line (``datasets``' ``to_json`` writes lines).
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ class RowProblem:
 
 
 def read_rows(path: str) -> Iterator[tuple[int, Any]]:
-    """``(row number, row)`` pairs of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file."""
+    """``(row number, row)`` pairs of a ``.jsonl`` / ``.json`` (a JSON array, or one object per line) or
+    ``.parquet`` file; a line-based file's row number is its 0-based line index (blank lines count)."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such data file")
+    if path.endswith(".json") and _starts_with(path, b"["):
+        yield from enumerate(_json_array(path))
+        return
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -68,7 +74,47 @@ def read_rows(path: str) -> Iterator[tuple[int, Any]]:
                 except json.JSONDecodeError as err:
                     yield row, RowProblem(path, row, "<line>", f"not valid JSON ({err.msg})")
     else:
-        raise DataError(f"{path}: unknown data format; use .parquet or .jsonl")
+        raise DataError(f"{path}: unknown data format; use .parquet, .jsonl or .json")
+
+
+def _starts_with(path: str, prefix: bytes) -> bool:
+    """The file's first non-blank bytes are ``prefix`` (a JSON array opens with ``[``)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")  # a UTF-8 byte-order mark, whitespace
+    return head.startswith(prefix)
+
+
+def _json_array(path: str) -> list[Any]:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            rows = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: not a valid JSON array of rows ({err})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a JSON array of rows")
+    return rows
+
+
+def column_in_file(path: str, dotted: str) -> bool:
+    """Some row of ``path`` holds ``dotted`` (not null): a column every row lacks is a wrong key to name,
+    not rows to skip one by one."""
+    where = (path, 0)
+    for _, row in read_rows(path):
+        try:
+            column(row, dotted, where)
+        except BadRowError:
+            continue
+        return True
+    return False
+
+
+def file_columns(path: str) -> list[str]:
+    """The top-level columns the rows of ``path`` hold, in first-seen order (for messages)."""
+    seen: dict[str, None] = {}
+    for _, row in read_rows(path):
+        if isinstance(row, dict):
+            seen.update(dict.fromkeys(map(str, row)))
+    return list(seen)
 
 
 def write_rows(path: str, rows: list[dict[str, Any]]) -> None:

@@ -150,14 +150,69 @@ def test_bad_files_are_named(tmp_path: Path, hf_tok: Tokenizer) -> None:
     with pytest.raises(DataError, match=r"absent\.parquet: no such data file"):
         PromptDataset.from_files([str(tmp_path / "absent.parquet")], hf_tok, cfg)
     (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(DataError, match=r"d.csv: unknown data format; use .parquet or .jsonl"):
+    with pytest.raises(DataError, match=r"d.csv: unknown data format; use .parquet, .jsonl or .json"):
         PromptDataset.from_files([str(tmp_path / "d.csv")], hf_tok, cfg)
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(DataError, match=r"broken\.parquet: not a readable parquet file"):
         PromptDataset.from_files([str(tmp_path / "broken.parquet")], hf_tok, cfg)
-    write_rows(str(tmp_path / "e.jsonl"), [_without("prompt")])
+    write_rows(str(tmp_path / "e.jsonl"), [row(0, prompt="  "), row(1, prompt=[])])
     with pytest.raises(DataError, match="no usable prompts"):
         PromptDataset.from_files([str(tmp_path / "e.jsonl")], hf_tok, DataConfig(skip_bad_rows=True))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize(
+    ("drop", "expected"),
+    [
+        ("prompt", "set data.prompt_key to the column of the prompt (now 'prompt')"),
+        ("data_source", "set data.reward_fn_key to the column naming each row's scorer"),
+        ("reward_model", "RL rows hold the answer as reward_model.ground_truth, as verl's do"),
+    ],
+)
+def test_a_column_no_row_has_is_a_wrong_key_named_with_the_files_columns(
+    drop: str, expected: str, skip: bool, tmp_path: Path, hf_tok: Tokenizer
+) -> None:
+    """Said row by row before, with advice to skip bad rows, which then skipped every row."""
+    path = str(tmp_path / "q.parquet")
+    rows = [row(i) for i in range(3)]
+    for r in rows:
+        r["question"] = r.pop("prompt") if drop == "prompt" else "q"
+        r.pop(drop, None)
+    write_rows(path, rows)
+    with pytest.raises(DataError) as refused:
+        PromptDataset.from_files([path], hf_tok, DataConfig(max_prompt_length=64, skip_bad_rows=skip))
+    message = str(refused.value)
+    column = "reward_model.ground_truth" if drop == "reward_model" else drop
+    assert message.startswith(f"{path}: no row has column {column!r} (its columns: ") and expected in message
+    assert "question" in message and "skip_bad_rows" not in message
+
+
+def test_a_column_some_rows_have_is_still_a_bad_row(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    path = str(tmp_path / "d.jsonl")
+    write_rows(path, [_without("prompt"), row(1), _without("prompt")])
+    with pytest.raises(DataError, match=rf"{path}: row 0: column 'prompt': missing \(set data.skip_bad_rows"):
+        PromptDataset.from_files([path], hf_tok, DataConfig(max_prompt_length=64))
+    kept = PromptDataset.from_files([path], hf_tok, DataConfig(max_prompt_length=64, skip_bad_rows=True))
+    assert len(kept) == 1 and len(kept.skipped) == 2
+
+
+def test_a_json_file_is_an_array_of_rows_or_one_row_per_line(tmp_path: Path, hf_tok: Tokenizer) -> None:
+    """A .json array was read line by line: its first line '[' made row 0 'not valid JSON'."""
+    cfg = DataConfig(max_prompt_length=64)
+    lines = str(tmp_path / "lines.jsonl")
+    write_rows(lines, [row(0), row(1)])
+    expected = PromptDataset.from_files([lines], hf_tok, cfg)
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([row(0), row(1)], indent=2))
+    as_lines = tmp_path / "lines.json"
+    as_lines.write_text(Path(lines).read_text())
+    for path in (array, as_lines):
+        loaded = PromptDataset.from_files([str(path)], hf_tok, cfg)
+        assert [r.prompt_ids for r in loaded.records] == [r.prompt_ids for r in expected.records]
+        assert [r.ground_truth for r in loaded.records] == ["0", "1"]
+    array.write_text('[{"prompt": "x"},')
+    with pytest.raises(DataError, match=r"array\.json: not a valid JSON array of rows"):
+        PromptDataset.from_files([str(array)], hf_tok, cfg)
 
 
 def test_sft_examples_mask_the_prompt_and_name_bad_rows(tmp_path: Path, hf_tok: Tokenizer) -> None:
