@@ -11,6 +11,19 @@ die() {
     exit 1
 }
 
+# -h / --help as a script's first argument: its header comment (the usage, examples and environment it
+# reads), then exit 0. Called before any other argument is read, so help never starts a run.
+help_on_request() {
+    local script=$1
+    shift
+    case ${1:-} in
+        -h | --help)
+            sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$script"
+            exit 0
+            ;;
+    esac
+}
+
 # A command as one line a shell reads back into the same words (printf %q), for dry runs and logs.
 quote_cmd() {
     local out

@@ -14,6 +14,7 @@ LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$LAUNCH_DIR/lib.sh"
 # shellcheck source=launch/env.sh
 source "$LAUNCH_DIR/env.sh"
+help_on_request "$0" "$@"
 
 (($#)) || die "usage: launch/local.sh RECIPE [key=value ...]"
 recipe=$1

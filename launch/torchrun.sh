@@ -25,6 +25,7 @@ LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$LAUNCH_DIR/lib.sh"
 # shellcheck source=launch/env.sh
 source "$LAUNCH_DIR/env.sh"
+help_on_request "$0" "$@"
 
 nnodes=${NNODES:-${SLURM_NNODES:-1}}
 node_rank=${NODE_RANK:-${SLURM_NODEID:-0}}
@@ -41,7 +42,7 @@ while (($#)); do
         --master-port) master_port=$2 && shift 2 ;;
         --rdzv) rdzv=$2 && shift 2 ;;
         --) shift && break ;;
-        -*) die "unknown option $1 (see the header of $0)" ;;
+        -*) die "unknown option $1 ($0 --help lists them)" ;;
         *) break ;;
     esac
 done

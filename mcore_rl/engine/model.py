@@ -154,7 +154,19 @@ def _optional_config(arch: ModelArch, ctx: ParallelContext, options: ModelOption
         extra.update(_moe_config(arch, ctx, options))
     else:
         extra["moe_token_dispatcher_type"] = "alltoall"  # dense; megatron rejects its default without experts
+    if _has_config_field("cuda_graph_scope"):
+        # megatron 0.16's default "full" warns on every config built ("full scope is deprecated", on the
+        # console of every eval and torchrun rank); [] is the same whole-layer scope in its newer spelling
+        extra["cuda_graph_scope"] = []
     return extra
+
+
+def _has_config_field(name: str) -> bool:
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    return name in {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
 def _cp_comm_type(arch: ModelArch, cp: int) -> str | None:

@@ -138,7 +138,8 @@ def dpo_plot(records: list[dict[str, Any]], log_dir: str) -> str | None:
     for ax in (left, right):
         _whole_steps(ax)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a run without held-out pairs plots nothing on the right
+            ax.legend()
     return _save(plt, fig, os.path.join(log_dir, "dpo.png"))
 
 

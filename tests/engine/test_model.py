@@ -159,6 +159,25 @@ def test_local_spec_is_used_without_transformer_engine():
     assert "TE" not in repr(spec.submodules.self_attention.submodules.linear_qkv)
 
 
+def test_the_config_builds_without_megatrons_deprecation_warning(run_distributed):
+    """megatron 0.16's default cuda_graph_scope warned 'full scope is deprecated' on every rank's console."""
+    run_distributed(_config_warnings, world_size=1)
+
+
+def _config_warnings() -> None:
+    import warnings
+
+    from mcore_rl.engine.model import transformer_config
+
+    with ParallelContext.initialize(ParallelConfig()) as ctx, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = transformer_config(tiny_arch("llama"), ctx, ModelOptions())
+    assert not [w for w in caught if "scope is deprecated" in str(w.message)], [
+        str(w.message) for w in caught
+    ]
+    assert list(config.cuda_graph_scope) == []  # the whole layer, as "full" meant
+
+
 def test_model_options_validate_dtype():
     with pytest.raises(ValueError, match=r"dtype must be torch\.float32 or torch\.bfloat16"):
         ModelOptions(dtype=torch.float16)

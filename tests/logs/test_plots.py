@@ -93,3 +93,16 @@ def test_rewards_below_zero_are_drawn() -> None:
     low, high = ax.get_ylim()
     assert low < -0.6 and high >= 1.0
     plt.close(fig)
+
+
+def test_a_dpo_run_without_held_out_pairs_plots_without_a_legend_warning(tmp_path) -> None:
+    """matplotlib warned 'No artists with labels found to put in legend' at the end of such a run."""
+    import warnings
+
+    from mcore_rl.logs.plots import dpo_plot
+
+    records = [{"stage": "train", "step": s, "loss": 0.7 - 0.1 * s, "rewards/accuracies": 0.5} for s in (1, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = dpo_plot(records, str(tmp_path))
+    assert path is not None and (tmp_path / "dpo.png").stat().st_size > 0
