@@ -101,7 +101,9 @@ def test_a_dpo_run_without_held_out_pairs_plots_without_a_legend_warning(tmp_pat
 
     from mcore_rl.logs.plots import dpo_plot
 
-    records = [{"stage": "train", "step": s, "loss": 0.7 - 0.1 * s, "rewards/accuracies": 0.5} for s in (1, 2)]
+    records = [
+        {"stage": "train", "step": s, "loss": 0.7 - 0.1 * s, "rewards/accuracies": 0.5} for s in (1, 2)
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path = dpo_plot(records, str(tmp_path))
