@@ -41,7 +41,7 @@ the meaning is the same::
     logging:    log_dir, jsonl, tensorboard, progress_bar, plot, token_mult_prob_error_threshold,
                 log_val_generations, wandb, wandb_mode, mlflow, mlflow_tracking_uri, tracker_project,
                 tracker_run_name
-    sft:        enable, train_files, val_files, response_key, total_steps, train_batch_size,
+    sft:        enable, train_files, val_files, response_key, messages_key, total_steps, train_batch_size,
                 micro_batch_size_per_gpu, max_length, optim {as optim}, test_freq, target_val_accuracy
     dpo:        train_files, val_files, chosen_key, rejected_key, loss_type, beta, label_smoothing,
                 reference_free, precompute_ref_log_probs, sft_loss_weight, max_length, train_batch_size,

@@ -190,11 +190,17 @@ class SFTConfig:
     enable: bool = False
     """Run SFT before RL in ``mcore-rl train`` (the warm start)."""
     train_files: list[str] = field(default_factory=list)
-    """Labelled examples: the ``data.prompt_key`` column plus ``response_key``."""
+    """Labelled examples: the ``data.prompt_key`` column plus ``response_key``, or a ``messages_key`` chat."""
     val_files: list[str] = II("data.val_files")  # noqa: RUF009 (an interpolation string, immutable)
     """Prompts whose greedy accuracy decides early stopping; follows ``data.val_files``."""
     response_key: str = "response"
-    """Column holding the target response text (EOS is appended)."""
+    """Column holding the target response text (EOS is appended), or a list of chat turns after the prompt (a
+    multi-turn trace: its assistant turns are the targets)."""
+    messages_key: str = "messages"
+    """Column holding a whole chat instead, a list of ``{role, content}`` turns (verl multi-turn SFT's, TRL's and
+    NeMo-RL's ``messages``), read in rows without ``data.prompt_key`` + ``response_key``: the turns before the
+    first assistant turn (a user turn among them) are the prompt, the rest a multi-turn trace whose assistant
+    turns are the targets. A row holding both layouts is read as prompt + response."""
     total_steps: int = 1000
     """Optimizer steps at most."""
     train_batch_size: int = 64

@@ -5,12 +5,22 @@ EOS only (prompt tokens are never a target). A response may also be a multi-turn
 messages after the prompt (``assistant`` turns, with tool calls as the model writes them, and the ``tool``
 or ``user`` turns that answer them): its tokens are those a multi-turn rollout of the same turns holds
 (``chat_format.conversation_ids``) and only the assistant's tokens and stop tokens are targets.
+
+Two row layouts are read (the column names are settings, defaults here):
+
+- ``prompt`` (``data.prompt_key``) plus ``response`` (``sft.response_key``), as above;
+- ``messages`` (``sft.messages_key``), one chat list as verl's multi-turn SFT, TRL and NeMo-RL keep it: the
+  turns before the first ``assistant`` turn are the prompt (a user turn among them), the rest is a multi-turn
+  response trace, so every assistant turn is a target and the user or tool turns between them are not.
+
+A row holding both reads ``prompt`` + ``response``; a row with ``prompt`` but no ``response`` reads its
+``messages`` (HF chat sets such as UltraChat keep the first user turn as ``prompt`` beside the chat).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +84,15 @@ class SFTDataset:
         data: DataConfig,
         response_key: str = "response",
         max_length: int | None = None,
+        messages_key: str = "messages",
     ) -> SFTDataset:
         max_length = max_length or data.max_prompt_length + data.max_response_length
+        columns = SFTColumns(data.prompt_key, response_key, messages_key)
         records, skipped = [], []
         for file in files:
-            for row, raw in read_rows(file):
+            for row, raw in _rows_with_a_layout(file, columns):
                 try:
-                    records.append(_record(raw, (file, row), tokenizer, data, response_key, max_length))
+                    records.append(_record(raw, (file, row), tokenizer, columns, data, max_length))
                 except BadRowError as bad:
                     overlong = bad.error.reason.startswith("example has")
                     if not (records or data.skip_bad_rows) and _no_response_column(
@@ -114,6 +126,51 @@ class SFTDataset:
         return EpochSampler(len(self), batch_size, True, seed, True, f"sft:{len(self)}")
 
 
+@dataclass(frozen=True)
+class SFTColumns:
+    """Where an SFT row keeps its example: ``prompt`` + ``response``, or one ``messages`` chat list."""
+
+    prompt: str
+    response: str
+    messages: str
+
+
+def _holds(raw: Any, key: str) -> bool:
+    return isinstance(raw, dict) and _value(raw, key) is not None
+
+
+def _value(raw: dict[str, Any], dotted: str) -> Any:
+    value: Any = raw
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _rows_with_a_layout(file: str, columns: SFTColumns) -> Iterator[tuple[int, Any]]:
+    """The rows of ``file``, refused as a whole when no row holds the prompt or the messages column: a wrong
+    key or another format, not rows to skip one by one. Rows before the first holding one wait for it, so a
+    file that never shows one is named before any of its rows is."""
+    waiting: list[tuple[int, Any]] | None = []  # None once a row has shown a layout
+    seen: set[str] = set()
+    for row, raw in read_rows(file):
+        if waiting is None:
+            yield row, raw
+        elif _holds(raw, columns.prompt) or _holds(raw, columns.messages):
+            yield from waiting
+            yield row, raw
+            waiting = None
+        else:
+            waiting.append((row, raw))
+            seen |= set(raw) if isinstance(raw, dict) else set()
+    if waiting and seen:
+        raise DataError(
+            f"{file}: no row holds {columns.prompt!r} or {columns.messages!r}; it has columns "
+            f"{', '.join(sorted(seen))}: SFT reads data.prompt_key {columns.prompt!r} with sft.response_key "
+            f"{columns.response!r}, or a chat list in sft.messages_key {columns.messages!r}"
+        )
+    yield from waiting or ()  # rows that are not objects (bad JSON) name their own problem
+
+
 def _no_response_column(problem: RowProblem, raw: Any, response_key: str) -> bool:
     """The first row has no ``response_key``: most likely a wrong key rather than one bad row to skip."""
     return isinstance(raw, dict) and (problem.column, problem.reason) == (response_key, "missing")
@@ -123,12 +180,11 @@ def _record(
     raw: Any,
     where: tuple[str, int],
     tokenizer: Tokenizer,
+    columns: SFTColumns,
     data: DataConfig,
-    response_key: str,
     max_length: int,
 ) -> SFTRecord:
-    prompt = prompt_messages(column(raw, data.prompt_key, where), data.prompt_key, where)
-    response = column(raw, response_key, where)
+    prompt, response, response_key = _example(raw, where, columns)
     prompt_ids = encode_prompt(prompt, tokenizer, data.apply_chat_template)
     target_mask = None
     if _is_trace(response):
@@ -147,6 +203,42 @@ def _record(
     return SFTRecord(
         tuple(prompt_ids), tuple(response_ids), None if target_mask is None else tuple(target_mask)
     )
+
+
+def _example(raw: Any, where: tuple[str, int], columns: SFTColumns) -> tuple[Any, Any, str]:
+    """``(prompt, response, the column a problem with the response is reported under)`` in the row's layout."""
+    if isinstance(raw, RowProblem):
+        raise BadRowError(raw)
+    prompt_layout = _holds(raw, columns.prompt) and _holds(raw, columns.response)
+    if not prompt_layout and _holds(raw, columns.messages):
+        prompt, trace = _split_chat(column(raw, columns.messages, where), columns.messages, where)
+        return prompt, trace, columns.messages
+    if not _holds(raw, columns.prompt):
+        reason = f"missing, and no chat list in {columns.messages!r} either"
+        raise BadRowError(RowProblem(*where, columns.prompt, reason))
+    prompt = prompt_messages(column(raw, columns.prompt, where), columns.prompt, where)
+    return prompt, column(raw, columns.response, where), columns.response
+
+
+def _split_chat(chat: Any, key: str, where: tuple[str, int]) -> tuple[Any, list[dict[str, Any]]]:
+    """A chat list as (prompt, trace): the turns before its first assistant turn, and that turn on."""
+    if not isinstance(chat, list):
+        raise BadRowError(RowProblem(*where, key, f"expected a list of chat messages, got {chat!r:.60}"))
+    for i, turn in enumerate(chat):
+        # parquet gives a message without a field that field as null
+        if not isinstance(turn, dict) or turn.get("role") is None or turn.get("content") is None:
+            reason = f"message {i} needs 'role' and 'content', got {turn!r:.80}"
+            raise BadRowError(RowProblem(*where, key, reason))
+    roles = [turn["role"] for turn in chat]
+    if "assistant" not in roles:
+        raise BadRowError(RowProblem(*where, key, "no assistant turn to train on"))
+    first = roles.index("assistant")
+    if first == 0:
+        raise BadRowError(RowProblem(*where, key, "starts with an assistant turn: no prompt turn before it"))
+    if "user" not in roles[:first]:
+        reason = f"no user turn before the first assistant turn (roles {roles[: first + 1]})"
+        raise BadRowError(RowProblem(*where, key, reason))
+    return prompt_messages(chat[:first], key, where), chat[first:]
 
 
 def _is_trace(response: Any) -> bool:

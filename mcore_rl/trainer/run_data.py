@@ -48,7 +48,12 @@ def load_run_data(cfg: RunConfig) -> RunData:
 
     sft = (
         SFTDataset.from_files(
-            cfg.sft.train_files, tokenizer, cfg.data, cfg.sft.response_key, cfg.sft.max_length
+            cfg.sft.train_files,
+            tokenizer,
+            cfg.data,
+            cfg.sft.response_key,
+            cfg.sft.max_length,
+            cfg.sft.messages_key,
         )
         if cfg.sft.enable
         else None
