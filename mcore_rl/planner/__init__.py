@@ -15,11 +15,12 @@ from mcore_rl.engine.params import (
     stage_split,
 )
 from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, TrainState, plan_memory, train_state
-from mcore_rl.planner.search import smallest_fitting_layout
+from mcore_rl.planner.search import MARGIN_FRACTION, recommended_layout, smallest_fitting_layout
 from mcore_rl.planner.spec import GPU_MEMORY_BYTES, PlanError, PlanInput
 
 __all__ = [
     "GPU_MEMORY_BYTES",
+    "MARGIN_FRACTION",
     "MemoryPlan",
     "PhaseMemory",
     "PlanError",
@@ -31,6 +32,7 @@ __all__ = [
     "model_params",
     "plan_memory",
     "rank_params",
+    "recommended_layout",
     "smallest_fitting_layout",
     "stage_params",
     "stage_split",

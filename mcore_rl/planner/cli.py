@@ -1,7 +1,7 @@
 """``mcore-rl plan``: per-GPU memory of a run, phase by phase, and whether it fits, before anything launches.
 
     mcore-rl plan RECIPE [key=value ...] [--gpu A100-80] [--recompute none|selective|full]
-                  [--model-config config.json]
+                  [--model-config config.json] [--margin 0.1]
     mcore-rl plan --model-config config.json --gpu A100-80 --nodes 1 --gpus-per-node 8 --tp 2 [--pp 1]
                   [--vpp V] [--sp] [--cp C] [--ep E] [--etp T] [--seq-length 4096] [--micro-batch-size 1]
                   [--global-batch-size 256]
@@ -10,6 +10,8 @@
 With a recipe the layout, batch and rollout settings come from the run config (``key=value`` overrides as
 everywhere); ``--model-config`` stands in for ``model.path``'s ``config.json`` when the model folder is not
 on this machine. Exit status: 0 fits, 1 does not fit (a smaller fitting layout is proposed), 2 bad input.
+When the asked layout does not fit, or fits without ``--margin`` of its usable memory free, the report also
+recommends a layout on all the run's GPUs (:func:`~mcore_rl.planner.search.recommended_layout`).
 
 ``--self-check`` (under ``launch/torchrun.sh``) builds the real training engine at the layout, with the
 launcher's world size, and compares every rank's weight, gradient and optimizer bytes with the planner
@@ -26,7 +28,7 @@ from mcore_rl.engine.arch import ModelArch
 from mcore_rl.io.errors import ConfigError
 from mcore_rl.planner.memory import plan_memory
 from mcore_rl.planner.report import format_plan
-from mcore_rl.planner.search import smallest_fitting_layout
+from mcore_rl.planner.search import MARGIN_FRACTION, has_margin, recommended_layout, smallest_fitting_layout
 from mcore_rl.planner.spec import GPU_MEMORY_BYTES, RECOMPUTE_MODES, PlanError, PlanInput
 
 _LAYOUT_FLAGS = {
@@ -82,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flash-attention", action="store_true", help="attention stores s x s scores")
     parser.add_argument("--no-propose", action="store_true", help="skip the search for a fitting layout")
     parser.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN_FRACTION,
+        help=f"share of usable GPU memory a recommended layout leaves free (default {MARGIN_FRACTION})",
+    )
+    parser.add_argument(
         "--self-check",
         action="store_true",
         help="under torchrun: build the training engine at this layout and compare every rank's tensor bytes",
@@ -99,6 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if not 0 <= args.margin < 1:
+            raise PlanError(f"--margin must be a fraction in [0, 1), got {args.margin}")
         plan = _plan_from_recipe(args) if args.recipe else _plan_from_flags(args)
         if args.self_check:
             from mcore_rl.planner.selfcheck import run_self_check
@@ -108,10 +118,14 @@ def run(args: argparse.Namespace) -> int:
     except (PlanError, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    proposal = None if result.fits or args.no_propose else smallest_fitting_layout(plan)
+    proposal = recommended = None
+    if not args.no_propose:
+        proposal = None if result.fits else smallest_fitting_layout(plan)
+        if not has_margin(result, args.margin):  # a tight fit gets a safer layout on the same GPUs too
+            recommended = recommended_layout(plan, args.margin)
     if args.gpu is None:  # the GPU decides the verdict: say which one was assumed
         print(f"gpu: {DEFAULT_GPU} assumed (--gpu names yours: {', '.join(sorted(GPU_MEMORY_BYTES))})")
-    print(format_plan(result, proposal, searched=not args.no_propose))
+    print(format_plan(result, proposal, not args.no_propose, recommended, args.margin))
     return 0 if result.fits else 1
 
 

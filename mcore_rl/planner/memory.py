@@ -259,6 +259,16 @@ class MemoryPlan:
     def peak_bytes(self) -> int:
         return max(phase.total_bytes for phase in self.phases)
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable bytes per GPU (every phase has the same)."""
+        return self.train.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Usable bytes left free at the peak phase (negative when it does not fit)."""
+        return self.capacity_bytes - self.peak_bytes
+
 
 def _training_state_terms(
     plan: PlanInput,

@@ -7,6 +7,8 @@ from typing import Any
 from mcore_rl.engine.rollout.layout import VOCAB_DIVISIBLE_BY
 from mcore_rl.parallel.layout import padded_vocab_size
 from mcore_rl.planner.memory import MemoryPlan, PhaseMemory, gib
+from mcore_rl.planner.search import MARGIN_FRACTION, has_margin, knob_changes
+from mcore_rl.planner.spec import PlanInput
 
 
 def _phase_lines(phase: PhaseMemory) -> list[str]:
@@ -65,7 +67,51 @@ def _padding_note(p: Any) -> str:
     )
 
 
-def format_plan(result: MemoryPlan, proposal: MemoryPlan | None = None, searched: bool = False) -> str:
+_KNOB_NAMES = {"rollout_memory_fraction": "rollout_memory_fraction (vLLM gpu_memory_utilization)"}
+
+
+def _headroom(result: MemoryPlan, margin: float) -> str:
+    """What the peak leaves free, marked TIGHT under the margin (a layout that fits at 99% is not a plan)."""
+    text = (
+        f"headroom {gib(result.headroom_bytes)} = {result.headroom_bytes / result.capacity_bytes:.1%} "
+        f"of {gib(result.capacity_bytes)} usable"
+    )
+    return text if has_margin(result, margin) else f"{text}: TIGHT, under the {margin * 100:g}% margin"
+
+
+def _proposal_lines(label: str, asked: PlanInput, proposal: MemoryPlan, margin: float) -> list[str]:
+    """One proposed layout, its peak and headroom, and each knob beyond the layout it changes, with why."""
+    lines = [
+        f"{label}: {describe_layout(proposal)} (peak {gib(proposal.peak_bytes)}, {_headroom(proposal, margin)})"
+    ]
+    for change in knob_changes(asked, proposal, margin):
+        name = _KNOB_NAMES.get(change.name, change.name)
+        lines.append(
+            f"    changes {name} from {change.asked} to {change.proposed}: at {change.asked}, {change.reason}"
+        )
+    return lines
+
+
+def _recommended_lines(asked: PlanInput, recommended: MemoryPlan, margin: float) -> list[str]:
+    where = f"recommended on all {asked.world_size} GPUs of the run"
+    if has_margin(recommended, margin):
+        label = (
+            f"{where} (least recompute, then least model parallelism, leaving the {margin * 100:g}% margin)"
+        )
+    else:
+        label = f"{where}: none leaves the {margin * 100:g}% margin; the most headroom"
+    return _proposal_lines(label, asked, recommended, margin)
+
+
+def format_plan(
+    result: MemoryPlan,
+    proposal: MemoryPlan | None = None,
+    searched: bool = False,
+    recommended: MemoryPlan | None = None,
+    margin: float = MARGIN_FRACTION,
+) -> str:
+    """The report; ``proposal`` is the smallest layout that fits (when the asked one does not),
+    ``recommended`` the layout on the asked GPUs (:func:`~mcore_rl.planner.search.recommended_layout`)."""
     p = result.plan
     lines = [
         _model_line(result),
@@ -79,15 +125,16 @@ def format_plan(result: MemoryPlan, proposal: MemoryPlan | None = None, searched
         f"rollout KV cache: {result.kv_cache_tokens:,} tokens per rollout rank "
         f"({result.kv_bytes_per_token:,} B/token, {result.kv_cache_tokens // p.seq_length} full sequences)"
     )
-    lines.append(f"peak: {gib(result.peak_bytes)} per GPU")
     if result.fits:
-        lines.append("verdict: fits")
-        return "\n".join(lines)
-    lines += ["verdict: DOES NOT FIT", *(f"  - {problem}" for problem in result.problems)]
-    if proposal is not None:
-        lines.append(
-            f"smallest layout that fits: {describe_layout(proposal)} (peak {gib(proposal.peak_bytes)})"
-        )
-    elif searched:
-        lines.append("no layout up to the search limit fits; shorten seq_length or the micro-batch")
+        lines.append(f"peak: {gib(result.peak_bytes)} per GPU, {_headroom(result, margin)}")
+        lines.append("verdict: fits" + ("" if has_margin(result, margin) else ", but TIGHT"))
+    else:
+        lines.append(f"peak: {gib(result.peak_bytes)} per GPU")
+        lines += ["verdict: DOES NOT FIT", *(f"  - {problem}" for problem in result.problems)]
+        if proposal is not None:
+            lines += _proposal_lines("smallest layout that fits", p, proposal, margin)
+        elif searched:
+            lines.append("no layout up to the search limit fits; shorten seq_length or the micro-batch")
+    if recommended is not None:
+        lines += _recommended_lines(p, recommended, margin)
     return "\n".join(lines)

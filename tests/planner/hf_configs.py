@@ -57,6 +57,17 @@ QWEN25_7B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen/Qwen2.5-32B-Instruct's config.json: the 7B's fields at its sizes.
+QWEN25_32B: dict[str, Any] = {
+    **QWEN25_7B,
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+}
+
 
 def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> dict[str, Any]:
     return {
