@@ -98,14 +98,7 @@ def _json_array(path: str) -> list[Any]:
 def column_in_file(path: str, dotted: str) -> bool:
     """Some row of ``path`` holds ``dotted`` (not null): a column every row lacks is a wrong key to name,
     not rows to skip one by one."""
-    where = (path, 0)
-    for _, row in read_rows(path):
-        try:
-            column(row, dotted, where)
-        except BadRowError:
-            continue
-        return True
-    return False
+    return any(has_column(row, dotted) for _, row in read_rows(path))
 
 
 def file_columns(path: str) -> list[str]:
@@ -138,11 +131,23 @@ def column(row: Any, dotted: str, where: tuple[str, int]) -> Any:
     """The value at ``dotted`` (e.g. ``reward_model.ground_truth``); :class:`RowProblem` when absent/null."""
     if isinstance(row, RowProblem):
         raise BadRowError(row)
+    value = _lookup(row, dotted)
+    if value is None:
+        raise BadRowError(RowProblem(where[0], where[1], dotted, "missing"))
+    return value
+
+
+def has_column(row: Any, dotted: str) -> bool:
+    """``row`` holds ``dotted``, not null: :func:`column` would return it."""
+    return _lookup(row, dotted) is not None
+
+
+def _lookup(row: Any, dotted: str) -> Any:
     value = row
     for part in dotted.split("."):
-        if not isinstance(value, dict) or value.get(part) is None:
-            raise BadRowError(RowProblem(where[0], where[1], dotted, "missing"))
-        value = value[part]
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
     return value
 
 

@@ -34,6 +34,7 @@ from mcore_rl.data.rows import (
     DataError,
     RowProblem,
     column,
+    has_column,
     message_text,
     prompt_messages,
     read_rows,
@@ -135,17 +136,6 @@ class SFTColumns:
     messages: str
 
 
-def _holds(raw: Any, key: str) -> bool:
-    return isinstance(raw, dict) and _value(raw, key) is not None
-
-
-def _value(raw: dict[str, Any], dotted: str) -> Any:
-    value: Any = raw
-    for part in dotted.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
-
-
 def _rows_with_a_layout(file: str, columns: SFTColumns) -> Iterator[tuple[int, Any]]:
     """The rows of ``file``, refused as a whole when no row holds the prompt or the messages column: a wrong
     key or another format, not rows to skip one by one. Rows before the first holding one wait for it, so a
@@ -155,7 +145,7 @@ def _rows_with_a_layout(file: str, columns: SFTColumns) -> Iterator[tuple[int, A
     for row, raw in read_rows(file):
         if waiting is None:
             yield row, raw
-        elif _holds(raw, columns.prompt) or _holds(raw, columns.messages):
+        elif has_column(raw, columns.prompt) or has_column(raw, columns.messages):
             yield from waiting
             yield row, raw
             waiting = None
@@ -209,11 +199,11 @@ def _example(raw: Any, where: tuple[str, int], columns: SFTColumns) -> tuple[Any
     """``(prompt, response, the column a problem with the response is reported under)`` in the row's layout."""
     if isinstance(raw, RowProblem):
         raise BadRowError(raw)
-    prompt_layout = _holds(raw, columns.prompt) and _holds(raw, columns.response)
-    if not prompt_layout and _holds(raw, columns.messages):
+    prompt_layout = has_column(raw, columns.prompt) and has_column(raw, columns.response)
+    if not prompt_layout and has_column(raw, columns.messages):
         prompt, trace = _split_chat(column(raw, columns.messages, where), columns.messages, where)
         return prompt, trace, columns.messages
-    if not _holds(raw, columns.prompt):
+    if not has_column(raw, columns.prompt):
         reason = f"missing, and no chat list in {columns.messages!r} either"
         raise BadRowError(RowProblem(*where, columns.prompt, reason))
     prompt = prompt_messages(column(raw, columns.prompt, where), columns.prompt, where)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mcore_rl.io.inputs import copy_input_file
 
-HF_SIDE_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -19,10 +19,10 @@ HF_SIDE_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
 )
+"""The files that decide a tokenizer's ids (a ``tokenizer.json`` or a sentencepiece ``tokenizer.model``, the
+rest as the tokenizer has them)."""
+HF_SIDE_FILES = (*TOKENIZER_FILES, "chat_template.jinja", "chat_template.json", "generation_config.json")
 """Tokenizer and generation files of an HF model folder, copied verbatim when present."""
 GENERATION_CONFIG = "generation_config.json"
 

@@ -6,10 +6,10 @@ communication), then the recompute mode (less recompute, less compute), then the
 model are the user's and stay fixed; SP is switched on whenever TP > 1 (it only removes memory, and megatron
 requires it for mixture-of-experts models with TP > 1).
 
-"Recommended" takes the same order on the asked world size alone (DP fills what TP x PP x CP leave), and the
-first candidate whose peak leaves :data:`MARGIN_FRACTION` of the usable memory free: the least model
-parallelism that is safe to run. When none does, the fitting candidate with the most headroom, reported as
-tight. Either proposal names every knob beyond the layout it changed, and why (:func:`knob_changes`).
+"Recommended" takes the candidates of the asked world size alone (DP fills what TP x PP x CP leave), ordered
+by recompute mode first, then model-parallel size (:func:`recommended_layout` says why), and the first whose
+peak leaves :data:`MARGIN_FRACTION` of the usable memory free. When none does, the fitting candidate with the
+most headroom, reported as tight. Either proposal names every knob beyond the layout it changed, and why (:func:`knob_changes`).
 
 Mixture-of-experts models also choose the expert split at each of those steps (``_expert_splits``): expert
 parallelism ``ep`` among the divisors of the expert count, expert TP ``etp`` either 1 or ``tp``, with
@@ -196,10 +196,8 @@ def recommended_layout(plan: PlanInput, margin: float = MARGIN_FRACTION) -> Memo
         _fitting_layouts(plan, [plan.world_size]),
         key=lambda r: (rank[r.plan.recompute], r.plan.tp * r.plan.pp, r.plan.pp),
     )
-    with_margin = [result for result in fitting if has_margin(result, margin)]
-    if with_margin:
-        return with_margin[0]
-    return max(fitting, key=lambda result: result.headroom_bytes, default=None)
+    safe = next((result for result in fitting if has_margin(result, margin)), None)
+    return safe or max(fitting, key=lambda result: result.headroom_bytes, default=None)
 
 
 KNOBS = ("recompute", "rollout_tp", "rollout_memory_fraction")

@@ -27,6 +27,7 @@ from mcore_rl.engine.workers.actor import HybridWorker, WorkerSpec
 from mcore_rl.engine.workers.critic import CriticSpec, CriticWorker
 from mcore_rl.engine.workers.reward_model import RewardModelSpec, reward_model_arch
 from mcore_rl.engine.workers.rollout import RolloutSpec, RolloutWorker
+from mcore_rl.io.side_files import TOKENIZER_FILES
 from mcore_rl.parallel.config import ParallelConfig
 from mcore_rl.parallel.launch_env import free_local_port
 from mcore_rl.scoring import RewardScorer
@@ -78,17 +79,6 @@ def check_reward_model_tokens(cfg: RunConfig, tokenizer: Tokenizer) -> None:
         )
 
 
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "added_tokens.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-)
-
-
 def _same_tokenizer_files(folder: str, other: str | None) -> bool:
     """Both folders hold the same tokenizer files, byte for byte (the usual case: a reward model trained from
     the policy's base): the same ids without decoding every id of both (about 1 s at Qwen's 151k)."""
@@ -96,13 +86,13 @@ def _same_tokenizer_files(folder: str, other: str | None) -> bool:
 
     if other is None or not os.path.isdir(other):
         return False
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         mine, theirs = os.path.join(folder, name), os.path.join(other, name)
         if os.path.isfile(mine) != os.path.isfile(theirs):
             return False
         if os.path.isfile(mine) and not filecmp.cmp(mine, theirs, shallow=False):
             return False
-    return any(os.path.isfile(os.path.join(folder, n)) for n in _TOKENIZER_FILES[:2])
+    return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer.model"))
 
 
 def _token_table(tokenizer: Tokenizer) -> list[str]:
