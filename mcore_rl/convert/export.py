@@ -2,7 +2,7 @@
 with the run's ``config.json`` and tokenizer files, into a folder that is replaced only when it is an earlier
 export of ours.
 
-    export_hf_model(checkpoint, "<run>/model", hf_config, tokenizer_dir)   # -> "<run>/model"
+    export_hf_model(checkpoint, "<run>/model", hf_config, cfg.model.asset_folders())   # -> "<run>/model"
 
 The drivers choose the checkpoint and the folder (``mcore_rl/trainer/export.py``, ``mcore_rl/dpo/trainer.py``).
 """
@@ -17,7 +17,7 @@ from typing import Any
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 from mcore_rl.io.errors import OutputError
 from mcore_rl.io.output import is_ours
-from mcore_rl.io.side_files import copy_side_files
+from mcore_rl.io.side_files import copy_model_assets
 
 MODEL_DIR = "model"
 """The HF folder of a run, under ``trainer.default_local_dir``."""
@@ -32,15 +32,19 @@ def check_export_folder(out: str) -> None:
         )
 
 
-def export_hf_model(checkpoint: str, out: str, hf_config: dict[str, Any], tokenizer_dir: str | None) -> str:
+def export_hf_model(
+    checkpoint: str, out: str, hf_config: dict[str, Any], asset_folders: tuple[str | None, str | None]
+) -> str:
     """Convert the megatron ``checkpoint`` into the HF folder ``out`` with ``hf_config`` as its
-    ``config.json`` and the tokenizer files of ``tokenizer_dir``; returns ``out``'s path."""
+    ``config.json``, the tokenizer files of ``asset_folders``' tokenizer folder and the model's
+    ``generation_config.json`` (its stop ids: from the model folder when the tokenizer folder has none), the
+    pair ``ModelConfig.asset_folders`` gives; returns ``out``'s path."""
     check_export_folder(out)
     with tempfile.TemporaryDirectory(prefix="mcore_rl_model_assets_") as assets:
-        # config.json of the run's model and its tokenizer files, so that model.path alone describes it.
+        # config.json of the run's model, its tokenizer and generation files, so that model.path alone
+        # describes it.
         with open(os.path.join(assets, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2, sort_keys=True)
-        if tokenizer_dir and os.path.isdir(tokenizer_dir):
-            copy_side_files(tokenizer_dir, assets)
+        copy_model_assets(*asset_folders, assets)
         options = McoreToHfOptions(ckpt=checkpoint, out=out, hf_config_from=assets, overwrite=True)
         return convert_mcore_to_hf(options)

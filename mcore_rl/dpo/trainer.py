@@ -339,7 +339,7 @@ class DPOTrainer:
         with self.ctx.guard("exporting the model"):
             if rank == 0:
                 try:
-                    export_hf_model(checkpoint, out, cfg.model.hf_config_dict(), cfg.model.tokenizer_path)
+                    export_hf_model(checkpoint, out, cfg.model.hf_config_dict(), cfg.model.asset_folders())
                 finally:
                     if not saved:
                         shutil.rmtree(checkpoint, ignore_errors=True)

@@ -50,8 +50,8 @@ def lora_adapter_dir(cfg: RunConfig) -> str:
 
 def hf_model_from_checkpoint(cfg: RunConfig, checkpoint: str) -> str:
     """Convert the megatron ``checkpoint`` of the run's model into ``<default_local_dir>/model``, with the
-    run's ``config.json`` (``model.hf_config`` merged in) and its tokenizer files; returns the folder."""
-    return export_hf_model(checkpoint, model_dir(cfg), cfg.model.hf_config_dict(), cfg.model.tokenizer_path)
+    run's ``config.json`` (``model.hf_config`` merged in), its tokenizer and generation files; returns the folder."""
+    return export_hf_model(checkpoint, model_dir(cfg), cfg.model.hf_config_dict(), cfg.model.asset_folders())
 
 
 def export_run_model(cfg: RunConfig, save_model: Callable[[str], None], checkpoint: str | None) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from mcore_rl.cli import main
 from mcore_rl.config import load_config
+from mcore_rl.convert.export import export_hf_model
 from mcore_rl.convert.hf_to_mcore import HfToMcoreOptions, convert_hf_to_mcore
 from mcore_rl.convert.mcore_to_hf import McoreToHfOptions, convert_mcore_to_hf
 from mcore_rl.trainer.evaluate import ALL, evaluate_model
@@ -144,6 +145,24 @@ def test_a_run_checkpoint_moved_elsewhere_is_a_model_with_its_tokenizer(
         assert cfg.model.tokenizer_path == str(moved / "hf_assets")  # the default: no tokenizer key needed
     finally:
         hidden.rename(tokenizer)
+
+
+def test_an_export_keeps_the_models_generation_config_beside_another_tokenizer_folder(
+    finished: tuple[str, dict], data: str, tmp_path: Path
+) -> None:
+    """A run whose tokenizer folder is not its model folder (model.path an Instruct model, tokenizer_path
+    elsewhere) exports the model folder's generation_config.json (its stop ids) with the tokenizer's files."""
+    run, _ = finished
+    model = tmp_path / "instruct"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+    step = str(Path(run) / "checkpoints" / "global_step_2")
+    config = json.loads((Path(run) / "model" / "config.json").read_text())
+    out = export_hf_model(step, str(tmp_path / "model"), config, (f"{data}/tokenizer", str(model)))
+    assert json.loads((Path(out) / "generation_config.json").read_text()) == {"eos_token_id": [3, 4]}
+    assert (Path(out) / "tokenizer.json").read_bytes() == (
+        Path(data) / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
 
 
 def test_a_megatron_checkpoint_as_model_path_loads_the_same_weights(
