@@ -34,7 +34,15 @@ import torch
 from mcore_rl.data.chat_format import chat_format_of
 from mcore_rl.data.config import DataConfig
 from mcore_rl.data.prompts import encode_prompt
-from mcore_rl.data.rows import BadRowError, DataError, RowProblem, column, prompt_messages, read_rows
+from mcore_rl.data.rows import (
+    BadRowError,
+    DataError,
+    RowProblem,
+    column,
+    prompt_messages,
+    read_rows,
+    refuse_a_column_no_row_has,
+)
 from mcore_rl.data.tokenizer import Tokenizer
 from mcore_rl.io.errors import InputError
 
@@ -120,10 +128,15 @@ class PreferenceDataset:
         overlong: list[RowProblem] = []
         bad: list[RowProblem] = []
         for file in files:
+            present: set[str] = set()  # columns some row of this file is known to hold
             for row, raw in read_rows(file):
                 try:
                     records.append(_record(raw, (file, row), tokenizer, data, keys, limit))
                 except BadRowError as err:
+                    if not _is_ranked(raw, data.prompt_key):
+                        refuse_a_column_no_row_has(
+                            err.error, raw, present, _column_fixes(data.prompt_key, keys)
+                        )
                     is_long = err.error.reason.startswith(("prompt has", "pair has"))
                     allowed = data.filter_overlong_prompts if is_long else data.skip_bad_rows
                     if not allowed:
@@ -154,6 +167,21 @@ class PreferenceDataset:
         return digest.hexdigest()[:16]
 
 
+def _column_fixes(prompt_key: str, keys: tuple[str, str]) -> dict[str, str]:
+    """What to set when no row of a file has one of the columns a pair is read from."""
+    ranked = "or give NeMo-RL's ranked rows (context + completions)"
+    return {
+        prompt_key: f"set data.prompt_key to the column of the prompt (now {prompt_key!r}), {ranked}",
+        keys[0]: f"set dpo.chosen_key to the column of the preferred completion (now {keys[0]!r}), {ranked}",
+        keys[1]: f"set dpo.rejected_key to the column of the other completion (now {keys[1]!r}), {ranked}",
+    }
+
+
+def _is_ranked(raw: Any, prompt_key: str) -> bool:
+    """NeMo-RL's ranked layout (read by :func:`_from_ranked`) rather than prompt + chosen + rejected."""
+    return isinstance(raw, dict) and prompt_key not in raw and {"context", "completions"} <= raw.keys()
+
+
 def _record(
     raw: Any,
     where: tuple[str, int],
@@ -162,7 +190,7 @@ def _record(
     keys: tuple[str, str],
     max_length: int,
 ) -> PreferenceRecord:
-    if isinstance(raw, dict) and data.prompt_key not in raw and {"context", "completions"} <= raw.keys():
+    if _is_ranked(raw, data.prompt_key):
         raw = _from_ranked(raw, where, data.prompt_key, keys)
     prompt = prompt_messages(column(raw, data.prompt_key, where), data.prompt_key, where)
     prompt_ids = encode_prompt(prompt, tokenizer, data.apply_chat_template)

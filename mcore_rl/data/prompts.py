@@ -22,10 +22,9 @@ from mcore_rl.data.rows import (
     DataError,
     RowProblem,
     column,
-    column_in_file,
-    file_columns,
     prompt_messages,
     read_rows,
+    refuse_a_column_no_row_has,
 )
 from mcore_rl.data.sampler import EpochSampler
 from mcore_rl.data.tokenizer import Tokenizer
@@ -210,13 +209,7 @@ def _checked(record: PromptRecord, check: RowCheck | None) -> PromptRecord:
 
 
 def _no_such_column(problem: RowProblem, raw: Any, cfg: DataConfig, present: set[str]) -> None:
-    """A column missing from every row of the file is a wrong key, named with the columns the file has; the
-    row-by-row answer told the user to skip bad rows, which then skipped them all."""
-    if problem.reason != "missing" or not isinstance(raw, dict) or problem.column in present:
-        return
-    if column_in_file(problem.file, problem.column):
-        present.add(problem.column)
-        return
+    """A column missing from every row of the file is a wrong key, named with what to set."""
     fixes = {
         cfg.prompt_key: f"set data.prompt_key to the column of the prompt (now {cfg.prompt_key!r})",
         cfg.reward_fn_key: f"set data.reward_fn_key to the column naming each row's scorer (now "
@@ -224,11 +217,7 @@ def _no_such_column(problem: RowProblem, raw: Any, cfg: DataConfig, present: set
         "reward_model.ground_truth": "RL rows hold the answer as reward_model.ground_truth, as verl's do "
         "(`mcore-rl data prepare` writes such files)",
     }
-    columns = ", ".join(file_columns(problem.file)) or "none"
-    raise DataError(
-        f"{problem.file}: no row has column {problem.column!r} (its columns: {columns}); "
-        f"{fixes.get(problem.column, 'check the file')}"
-    )
+    refuse_a_column_no_row_has(problem, raw, present, fixes)
 
 
 def _record(raw: Any, file: str, row: int, tokenizer: Tokenizer, cfg: DataConfig) -> PromptRecord:

@@ -101,6 +101,24 @@ def column_in_file(path: str, dotted: str) -> bool:
     return any(has_column(row, dotted) for _, row in read_rows(path))
 
 
+def refuse_a_column_no_row_has(
+    problem: RowProblem, raw: Any, present: set[str], fixes: dict[str, str]
+) -> None:
+    """Raise when ``problem`` is a column missing from every row of its file: a wrong key, named with the
+    columns the file has and ``fixes[column]`` (what to set); said row by row, the advice to skip bad rows
+    skipped them all. ``present`` caches the columns some row of the file holds (one read per column)."""
+    if problem.reason != "missing" or not isinstance(raw, dict) or problem.column in present:
+        return
+    if column_in_file(problem.file, problem.column):
+        present.add(problem.column)
+        return
+    columns = ", ".join(file_columns(problem.file)) or "none"
+    raise DataError(
+        f"{problem.file}: no row has column {problem.column!r} (its columns: {columns}); "
+        f"{fixes.get(problem.column, 'check the file')}"
+    )
+
+
 def file_columns(path: str) -> list[str]:
     """The top-level columns the rows of ``path`` hold, in first-seen order (for messages)."""
     seen: dict[str, None] = {}

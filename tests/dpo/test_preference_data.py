@@ -137,7 +137,6 @@ def test_overlong_pairs_refused_or_dropped_with_a_count(digits, tmp_path: Path, 
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"prompt": "1+1=", "chosen": "2"}, "row 0: column 'rejected': missing"),
         ({"prompt": "1+1=", "chosen": "2", "rejected": ""}, "row 0: column 'rejected': empty prompt"),
         (
             {"prompt": "1+1=", "chosen": [{"content": "2"}], "rejected": "3"},
@@ -147,7 +146,6 @@ def test_overlong_pairs_refused_or_dropped_with_a_count(digits, tmp_path: Path, 
             {"prompt": "1+1=", "chosen": 2, "rejected": "3"},
             "row 0: column 'chosen': expected text or a list of messages",
         ),
-        ({"chosen": "2", "rejected": "3"}, "row 0: column 'prompt': missing"),
     ],
 )
 def test_bad_rows_are_named(digits, tmp_path: Path, row: dict, message: str) -> None:
@@ -155,6 +153,43 @@ def test_bad_rows_are_named(digits, tmp_path: Path, row: dict, message: str) -> 
     write_rows(path, [row])
     with pytest.raises(DataError, match=f"{path}: {message}"):
         PreferenceDataset.from_files([path], digits, data_config())
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize(
+    ("drop", "expected"),
+    [
+        (
+            "prompt",
+            "set data.prompt_key to the column of the prompt (now 'prompt'), or give NeMo-RL's ranked",
+        ),
+        ("chosen", "set dpo.chosen_key to the column of the preferred completion (now 'chosen')"),
+        ("rejected", "set dpo.rejected_key to the column of the other completion (now 'rejected')"),
+    ],
+)
+def test_a_column_no_row_has_is_a_wrong_key_named_with_the_files_columns(
+    digits, tmp_path: Path, drop: str, expected: str, skip: bool
+) -> None:
+    """Said row by row before, with advice to skip bad rows, which then skipped every row."""
+    path = str(tmp_path / "pairs.parquet")
+    rows = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": "0", "question": "q"} for i in range(3)]
+    write_rows(path, [{k: v for k, v in r.items() if k != drop} for r in rows])
+    with pytest.raises(DataError) as refused:
+        PreferenceDataset.from_files([path], digits, data_config(skip_bad_rows=skip))
+    message = str(refused.value)
+    assert message.startswith(f"{path}: no row has column {drop!r} (its columns: ") and expected in message
+    assert "question" in message and "skip_bad_rows" not in message
+
+
+def test_a_column_some_rows_have_is_still_a_bad_row(digits, tmp_path: Path) -> None:
+    path = str(tmp_path / "pairs.jsonl")
+    write_rows(path, [ROWS[0], {"prompt": "1+1=", "chosen": "2"}])
+    with pytest.raises(
+        DataError, match=rf"{path}: row 1: column 'rejected': missing \(set data.skip_bad_rows"
+    ):
+        PreferenceDataset.from_files([path], digits, data_config())
+    kept = PreferenceDataset.from_files([path], digits, data_config(skip_bad_rows=True))
+    assert len(kept) == 1 and kept.num_dropped == {"overlong": 0, "bad": 1}
 
 
 def test_bad_rows_skipped_and_counted(digits, tmp_path: Path) -> None:
