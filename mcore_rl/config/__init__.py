@@ -64,7 +64,14 @@ from mcore_rl.algo.settings import KLControl
 from mcore_rl.config.algorithm import AlgorithmConfig
 from mcore_rl.config.critic import CriticConfig
 from mcore_rl.config.dpo import DPOConfig
-from mcore_rl.config.loader import CONFIG_FILE, check_config, config_to_yaml, load_config, save_config
+from mcore_rl.config.loader import (
+    CONFIG_FILE,
+    check_config,
+    config_to_yaml,
+    load_config,
+    save_config,
+    schema_node,
+)
 from mcore_rl.config.model import ModelConfig, RolloutConfig, ValSampling
 from mcore_rl.config.reward_model import RewardModelConfig
 from mcore_rl.config.run import RunConfig, SFTConfig, TrainerConfig
@@ -103,5 +110,6 @@ __all__ = [
     "config_to_yaml",
     "load_config",
     "save_config",
+    "schema_node",
     "validate",
 ]

@@ -16,6 +16,7 @@ what a user needs around it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -51,7 +52,6 @@ def load_config(
     (:func:`~mcore_rl.config.validate.config_problems`): ``config show`` prints a config that cannot run.
     ``max_ranks`` bounds an automatic ``trainer.n_gpus_per_node`` (:mod:`mcore_rl.config.machine`) and refuses
     a larger world: 1 for a run in this process."""
-    merged = OmegaConf.structured(RunConfig)
     layers = _recipe_chain(_find_recipe(Path(path), None), ()) if path is not None else []
     layers.append(("overrides", _parse_overrides(overrides)))
     problems: list[str] = []
@@ -63,9 +63,7 @@ def load_config(
         raise ConfigError(f"{len(problems)} keys refused:\n  " + ";\n  ".join(problems))
     if problems:
         raise ConfigError(problems[0])
-    for source, layer in layers:
-        merged = _merge(merged, layer, source)
-    return check_config(merged, check_paths=check_paths, rules=rules, max_ranks=max_ranks)
+    return check_config(_merge(layers), check_paths=check_paths, rules=rules, max_ranks=max_ranks)
 
 
 def check_config(
@@ -104,7 +102,7 @@ def _build(schema: type, values: Any, prefix: str, problems: list[str]) -> Any:
     """``schema(**values)`` with its nested sections built first, each named by its dotted key: a section's
     own field checks raise naming its ``SECTION``, renamed here to where it sits (``sft.optim``). Bad fields
     go to ``problems`` (every section is tried, so all are reported at once); None when any was bad."""
-    hints = typing.get_type_hints(schema)
+    hints = _type_hints(schema)
     kwargs, complete = {}, True
     for f in dataclasses.fields(schema):
         if not f.init or f.name not in values:
@@ -228,11 +226,30 @@ def _parse_overrides(overrides: Sequence[str]) -> DictConfig:
     return merged
 
 
-def _merge(base: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+@functools.cache
+def schema_node() -> DictConfig:
+    """The schema's defaults as a typed OmegaConf node, built once per process (a tenth of a second each
+    time: most of a config load). Merge onto it (``OmegaConf.merge`` copies it); never change it in place."""
+    return OmegaConf.structured(RunConfig)
+
+
+@functools.cache
+def _type_hints(schema: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema)
+
+
+def _merge(layers: list[tuple[str, DictConfig]]) -> DictConfig:
+    """The schema with ``layers`` merged in order, in one merge (each merge copies the whole config); when it
+    fails, layer by layer, to name the layer whose value it refused."""
     try:
-        merged = OmegaConf.merge(base, layer)
-    except OmegaConfBaseException as err:
-        raise ConfigError(_reword(err, source)) from None
+        merged = OmegaConf.merge(schema_node(), *(layer for _, layer in layers))
+    except OmegaConfBaseException:
+        merged = schema_node()
+        for source, layer in layers:
+            try:
+                merged = OmegaConf.merge(merged, layer)
+            except OmegaConfBaseException as err:
+                raise ConfigError(_reword(err, source)) from None
     assert isinstance(merged, DictConfig)
     return merged
 
@@ -242,7 +259,7 @@ def _drop_null_sections(layer: DictConfig, schema: type) -> None:
     its defaults; a field that may itself be None (``critic.parallel: null``) keeps its null."""
     raw = OmegaConf.to_container(layer, resolve=False)  # unresolved: a ${...} elsewhere may not resolve yet
     assert isinstance(raw, dict)
-    hints = typing.get_type_hints(schema)
+    hints = _type_hints(schema)
     for key, value in raw.items():
         hint = hints.get(str(key))
         if not (dataclasses.is_dataclass(hint) and isinstance(hint, type)):
@@ -263,7 +280,7 @@ def _check_keys(raw: Any, schema: type, prefix: str, source: str, problems: list
         )
         return
     fields = {f.name: f for f in dataclasses.fields(schema)}
-    hints = typing.get_type_hints(schema)
+    hints = _type_hints(schema)
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
@@ -283,7 +300,7 @@ def _lists_from_scalars(layer: DictConfig, schema: type) -> None:
     """A single value given where the schema holds a list is that one-element list, and null the empty
     list: verl's scripts pass ``data.train_files=~/data/gsm8k/train.parquet`` (verl's loader wraps a single
     path), and OmegaConf's own refusal names no form that works."""
-    hints = typing.get_type_hints(schema)
+    hints = _type_hints(schema)
     raw = OmegaConf.to_container(layer, resolve=False)
     assert isinstance(raw, dict)
     for key, value in raw.items():
@@ -311,7 +328,7 @@ def _expected(full_key: str) -> str:
     for part in full_key.split("."):
         if not (dataclasses.is_dataclass(schema) and isinstance(schema, type)):
             return "a value"
-        hint = typing.get_type_hints(schema).get(part)
+        hint = _type_hints(schema).get(part)
         schema = hint
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 

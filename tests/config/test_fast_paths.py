@@ -11,14 +11,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mcore_rl.config import RunConfig, check_config
+from mcore_rl.config import RunConfig, check_config, schema_node
 from mcore_rl.config.fast_paths import describe_fast_paths, resolve_fast_paths
 from mcore_rl.trainer.step import fast_path_note
 from tests.models import tiny_hf_config
 
 
 def _cfg(family: str = "llama", *overrides: str) -> RunConfig:
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": tiny_hf_config(family)}})
+    node = OmegaConf.merge(schema_node(), {"model": {"hf_config": tiny_hf_config(family)}})
     base = ["data.train_files=[unused.parquet]", "data.max_prompt_length=16", "data.max_response_length=16"]
     base.append("trainer.device=cpu")
     return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist([*base, *overrides])))

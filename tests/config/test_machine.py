@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from mcore_rl.config import ConfigError, RunConfig, check_config, load_config, machine
+from mcore_rl.config import ConfigError, RunConfig, check_config, load_config, machine, schema_node
 from mcore_rl.engine.optim import OptimConfig
 from mcore_rl.trainer.step import fast_path_note
 from tests.models import tiny_hf_config
@@ -18,7 +18,7 @@ BATCH = ["data.train_batch_size=4", "rollout.n=4", "algorithm.ppo_micro_batch_si
 
 
 def _cfg(*overrides: str, max_ranks: int | None = None) -> RunConfig:
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": tiny_hf_config("llama")}})
+    node = OmegaConf.merge(schema_node(), {"model": {"hf_config": tiny_hf_config("llama")}})
     base = ["data.train_files=[unused.parquet]", "data.max_prompt_length=16", "data.max_response_length=16"]
     base += ["trainer.device=cpu", *BATCH]
     dotlist = OmegaConf.from_dotlist([*base, *overrides])

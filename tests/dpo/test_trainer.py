@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from mcore_rl.config import ConfigError, RunConfig, check_config
+from mcore_rl.config import ConfigError, RunConfig, check_config, schema_node
 from mcore_rl.data.demo_task import splits, write_demo_dataset
 from mcore_rl.data.preference import arithmetic_preference_rows
 from mcore_rl.data.rows import write_rows
@@ -61,7 +61,7 @@ def tiny_dpo_config(folder: str, overrides: list[str] = ()) -> RunConfig:
         "logging.progress_bar=false",
         f"trainer.default_local_dir={os.path.join(folder, 'run')}",
     ]
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
+    node = OmegaConf.merge(schema_node(), {"model": {"hf_config": hf}})
     return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist(base + list(overrides))))
 
 

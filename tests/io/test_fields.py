@@ -9,7 +9,14 @@ from typing import ClassVar
 import pytest
 from omegaconf import OmegaConf
 
-from mcore_rl.config import ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, check_config
+from mcore_rl.config import (
+    ConfigError,
+    DataConfig,
+    OptimConfig,
+    ParallelConfig,
+    check_config,
+    schema_node,
+)
 from mcore_rl.io.errors import InputError
 from mcore_rl.io.fields import POSITIVE, FieldError, check_section, one_of
 
@@ -71,7 +78,7 @@ def test_sections_built_in_python_name_their_field() -> None:
 
 def test_the_loader_names_a_shared_section_where_it_sits_and_reports_every_bad_field() -> None:
     node = {"sft": {"optim": {"lr": -2.0}}, "critic": {"optim": {"adam_beta1": 1.5}}}
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.create(node))
+    merged = OmegaConf.merge(schema_node(), OmegaConf.create(node))
     with pytest.raises(ConfigError) as info:
         check_config(merged)
     message = str(info.value)

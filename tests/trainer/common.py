@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mcore_rl.config import RunConfig, check_config
+from mcore_rl.config import RunConfig, check_config, schema_node
 from mcore_rl.data.demo_task import write_demo_dataset
 from tests.models import tiny_hf_config
 
@@ -37,7 +37,7 @@ def tiny_run_config(folder: str, overrides: list[str] | None = None, family: str
         "trainer.n_gpus_per_node=1",  # one rank, in process or on Ray; the tests of more ranks set theirs
         "trainer.val_before_train=false",  # the driver tests compare training steps; test_lifecycle.py sets it
     ]
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
+    node = OmegaConf.merge(schema_node(), {"model": {"hf_config": hf}})
     node = OmegaConf.merge(node, OmegaConf.from_dotlist(base + list(overrides or [])))
     return check_config(node)
 

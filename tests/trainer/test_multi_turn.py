@@ -12,7 +12,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from mcore_rl.config import RunConfig, check_config
+from mcore_rl.config import RunConfig, check_config, schema_node
 from mcore_rl.config.loader import ConfigError
 from mcore_rl.data.tool_task import write_tool_dataset
 from tests.models import tiny_hf_config
@@ -53,7 +53,7 @@ def tool_run_config(folder: str, overrides: list[str]) -> RunConfig:
         "trainer.total_training_steps=2",
         *QUIET,
     ]
-    node = OmegaConf.merge(OmegaConf.structured(RunConfig), {"model": {"hf_config": hf}})
+    node = OmegaConf.merge(schema_node(), {"model": {"hf_config": hf}})
     return check_config(OmegaConf.merge(node, OmegaConf.from_dotlist(base + overrides)))
 
 
