@@ -399,9 +399,9 @@ def apply() -> bool:
         return False
     if _state["applied"]:
         return True
-    import megatron.core
+    from mcore_rl.compat.megatron_import import import_megatron_core
 
-    version = getattr(megatron.core, "__version__", "unknown")
+    version = getattr(import_megatron_core(), "__version__", "unknown")
     if version != TARGET_MEGATRON_VERSION:
         warnings.warn(
             f"mcore_rl's CPU compatibility layer targets megatron-core {TARGET_MEGATRON_VERSION}, "
