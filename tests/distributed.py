@@ -80,6 +80,9 @@ def _worker_main(rank: int, world_size: int, port: int, scratch: str, tasks: Any
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")  # before megatron's import
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from mcore_rl.compat.megatron_import import import_megatron_core
+
+    import_megatron_core()  # first, as a rank's ParallelContext imports it (without inductor on CPU)
     for name in _PRELOAD:
         importlib.import_module(name)
     results.put((rank, "ready", None))

@@ -16,7 +16,7 @@ Ray worker that builds a model. A third of it is not megatron's own code:
   when ``logging.wandb`` asks for it, unaffected: the import is hidden only while megatron's runs.
 
 Both are scoped to that one import: ``torch.compile`` called afterwards (vLLM's CPU build compiles its model)
-compiles as before, and GPU processes never come here (``megatron_cpu.apply`` returns first).
+compiles as before. With CUDA, megatron is imported as it is, fusions compiled.
 """
 
 from __future__ import annotations
@@ -63,13 +63,18 @@ def _hidden_modules(names: tuple[str, ...]) -> Iterator[None]:
 
 
 def import_megatron_core() -> ModuleType:
-    """``megatron.core`` with its fusions plain functions (those of modules imported later too), imported
-    the first time without loading inductor or wandb."""
-    if "megatron.core" in sys.modules:
+    """``megatron.core``; on CPU with its fusions plain functions (those of modules imported later too),
+    imported the first time without loading inductor or wandb."""
+    import torch
+
+    if torch.cuda.is_available():
         import megatron.core
-    else:
+
+        return megatron.core
+    if "megatron.core" not in sys.modules:
         with _environment_variable(DYNAMO_DISABLE_VARIABLE, "1"), _hidden_modules(UNUSED_AT_IMPORT):
             import megatron.core
+    import megatron.core
     from megatron.core import jit
 
     jit.disable_jit_fuser()  # read by each megatron module as it is imported: the ones imported from now on

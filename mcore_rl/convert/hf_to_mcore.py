@@ -161,6 +161,9 @@ def write_checkpoint(
 
 def finish_checkpoint(directory: str, arch: ModelArch, dtype: torch.dtype, hf_dir: str) -> None:
     """Rank 0, after the collective write: megatron's side files and ours."""
+    from mcore_rl.compat.megatron_import import import_megatron_core
+
+    import_megatron_core()  # a conversion builds no model: on CPU, without its fusions' compile backend
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     torch.save({}, os.path.join(directory, "common.pt"))  # the model has no non-tensor state

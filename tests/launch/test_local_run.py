@@ -12,6 +12,7 @@ from tests.launch.conftest import run_script
 
 
 @pytest.mark.slow
+@pytest.mark.sweep  # ~40 s of a 2-core CI; the dry runs (test_dry_runs.py) check every command it composes
 def test_local_sh_runs_two_steps_of_the_tiny_recipe(tmp_path):
     data = tmp_path / "data"
     overrides = [
