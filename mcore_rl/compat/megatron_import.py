@@ -67,15 +67,14 @@ def import_megatron_core() -> ModuleType:
     imported the first time without loading inductor or wandb."""
     import torch
 
-    if torch.cuda.is_available():
-        import megatron.core
-
-        return megatron.core
-    if "megatron.core" not in sys.modules:
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and "megatron.core" not in sys.modules:
         with _environment_variable(DYNAMO_DISABLE_VARIABLE, "1"), _hidden_modules(UNUSED_AT_IMPORT):
             import megatron.core
     import megatron.core
-    from megatron.core import jit
 
-    jit.disable_jit_fuser()  # read by each megatron module as it is imported: the ones imported from now on
+    if on_cpu:
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()  # read by each megatron module as it is imported: the ones imported from now on
     return megatron.core
