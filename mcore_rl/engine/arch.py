@@ -1,9 +1,10 @@
 """Model architecture read from a Hugging Face ``config.json``: the Llama family (Llama 2/3, Qwen2, Qwen3,
 Mistral) and its mixture-of-experts members (Qwen3-MoE, Mixtral).
 
-This module is pure (no megatron, no process groups): it turns the HF config into one typed record and
-computes the rotary frequencies exactly as ``transformers`` does, so that converted checkpoints reproduce
-HF logits. ``engine/model.py`` turns an :class:`ModelArch` into megatron-core modules.
+This module is pure (no megatron, no process groups, no torch): it turns the HF config into one typed record,
+every field checked and named when wrong. ``engine/rope.py`` computes the rotary frequencies from it exactly
+as ``transformers`` does, so that converted checkpoints reproduce HF logits; ``engine/model.py`` turns an
+:class:`ModelArch` into megatron-core modules.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from mcore_rl.io.errors import ConfigError
 
@@ -27,7 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # What transformers' config class of each family (``LlamaConfig``, ..., ``MixtralConfig``) takes for a field a
 # config.json leaves out, so that we build the model transformers builds from the same file. head_dim None:
 # hidden_size // num_attention_heads; sliding_window None: full attention (read for Mistral and Mixtral only).
@@ -307,6 +306,7 @@ _REQUIRED = object()
 _ROPE_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
 }
 
 
@@ -331,6 +331,8 @@ def _rope(cfg: dict[str, Any], family: str, default_theta: float) -> tuple[dict[
         _float(rope, name, _REQUIRED, field=f"{key}.{name}")
     if rope_type == "llama3" and rope["high_freq_factor"] <= rope["low_freq_factor"]:
         raise ConfigError(f"{key}.high_freq_factor must exceed {key}.low_freq_factor")
+    if rope_type == "yarn":
+        _check_yarn(cfg, rope, key)
     partial = _float(rope, "partial_rotary_factor", _float(cfg, "partial_rotary_factor", 1.0))
     rope.pop("partial_rotary_factor", None)
     if partial != 1.0:  # transformers' attention for these families rotates the whole head, whatever it says
@@ -338,6 +340,23 @@ def _rope(cfg: dict[str, Any], family: str, default_theta: float) -> tuple[dict[
             f"partial_rotary_factor={partial} is not supported for {family} (1.0: the whole head)"
         )
     return rope, rope_theta, partial
+
+
+def _check_yarn(cfg: dict[str, Any], rope: dict[str, Any], key: str) -> None:
+    """YaRN's fields type-checked, naming each, and its pretraining length taken where transformers takes it:
+    a top-level ``original_max_position_embeddings`` first (Phi-3's configs keep it there), else the rope
+    object's, else ``max_position_embeddings`` (engine/rope.py reads that from the arch)."""
+    if rope["factor"] < 1:
+        raise ConfigError(
+            f"{key}.factor must be >= 1 for yarn (how much longer the context grows), got {rope['factor']}"
+        )
+    if cfg.get("original_max_position_embeddings") is not None:
+        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    _int(rope, "original_max_position_embeddings", None, field=f"{key}.original_max_position_embeddings")
+    for name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        _float(rope, name, 0.0, positive=False, field=f"{key}.{name}")
+    if not isinstance(rope.get("truncate", True), bool):
+        raise ConfigError(f"{key}.truncate must be true or false, got {rope['truncate']!r}")
 
 
 def _rope_source(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -360,15 +379,15 @@ def _spelled(rope: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED, field: str | None = None) -> Any:
     """A positive integer field (JSON true/false and 4.0 are not integers); ``default`` when absent/null."""
     value = cfg.get(key)
     if value is None:
         if default is _REQUIRED:
-            raise ConfigError(f"missing field {key!r}")
+            raise ConfigError(f"missing field {field or key!r}")
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{field or key} must be a positive integer, got {value!r}")
     return value
 
 
@@ -396,32 +415,3 @@ def _bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     return value
-
-
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """Rotary inverse frequencies [rotary_dim / 2], fp32, computed as ``transformers`` computes them."""
-    dim = arch.rotary_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = arch.rope_scaling or {}
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_scaled(inv_freq, scaling)
-    return inv_freq
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1 rope scaling: long wavelengths slowed by ``factor``, short kept, a smooth band between."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low
-    high_freq_wavelen = old_context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)

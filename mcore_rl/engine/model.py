@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.compat.fusion import masked_softmax_fusion_available, transformer_engine_available
-from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rope import attention_softmax_scale, rope_attention_factor, rope_inv_freq
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.layout import padded_vocab_size
 
@@ -146,6 +147,8 @@ def _optional_config(arch: ModelArch, ctx: ParallelContext, options: ModelOption
         extra["batch_p2p_comm"] = False
     if arch.sliding_window is not None:
         extra["window_size"] = (arch.sliding_window - 1, 0)
+    if rope_attention_factor(arch) != 1.0:  # YaRN: its cos/sin factor on q and k, as one logit scale
+        extra["softmax_scale"] = attention_softmax_scale(arch)
     if not options.scaled_output_init:
         from megatron.core.utils import init_method_normal
 

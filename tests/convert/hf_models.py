@@ -18,6 +18,14 @@ LLAMA3_ROPE = {
     # Small, so that the tiny model's positions and frequencies fall in every llama3 band.
     "original_max_position_embeddings": 16,
 }
+# Qwen3's long-context setting as its model card gives it (factor 4 over the pretraining length), that length
+# a quarter of the tiny model's 64 positions, so that transformers finds the two consistent
+QWEN3_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 # name -> (family, overrides): the variants every correctness test covers.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -27,6 +35,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("mistral", {}),
     "qwen3-qk-norm": ("qwen3", {}),  # q/k RMSNorm per head, head_dim 24 (not hidden / heads = 16)
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),  # as Qwen3-0.6B to 4B ship
+    "qwen3-yarn": ("qwen3", {"rope_parameters": QWEN3_YARN}),  # YaRN's frequencies and attention factor
 }
 # The mixture-of-experts variants (routing, per-expert names); tests/convert/test_moe.py covers them.
 MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {

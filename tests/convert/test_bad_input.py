@@ -300,7 +300,16 @@ CASES = [
         "rope_scaling.factor",
     ),
     _c("rope-string", config(rope_parameters="llama3"), "rope_parameters must be an object"),
-    _c("rope-yarn", config(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope_type='yarn'"),
+    _c(
+        "rope-longrope",
+        config(rope_parameters={"rope_type": "longrope", "factor": 2.0}),
+        "rope_type='longrope'",
+    ),
+    _c(
+        "rope-yarn-shrinking",
+        config(rope_parameters={"rope_type": "yarn", "factor": 0.5}),
+        "rope_parameters.factor must be >= 1 for yarn",
+    ),
     _c("attention-bias-string", config(attention_bias="yes"), "attention_bias"),
     _c("kv-heads-not-dividing", config(num_key_value_heads=3), "num_key_value_heads=3"),
     _c("architectures-string", config(architectures="LlamaForCausalLM"), "architectures"),

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rope import rope_attention_factor, rope_inv_freq
 from mcore_rl.io.errors import ConfigError
 from tests.models import tiny_hf_config
 
@@ -53,7 +54,21 @@ def test_reads_a_checkpoint_folder(tmp_path):
         ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type='longrope' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "missing field 'rope_scaling.factor'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 0.5}}, "rope_scaling.factor must be >= 1 for yarn"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": "32"}},
+            "rope_parameters.beta_fast must be a number >= 0, got '32'",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}},
+            "rope_scaling.truncate must be true or false",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4.5}},
+            "rope_scaling.original_max_position_embeddings must be a positive integer",
+        ),
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),
     ],
 )
@@ -84,6 +99,27 @@ ROPE_CASES = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     },
+    # Qwen3's long-context setting (its pretraining length small here, so that the ramp spans dimensions 0-4)
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    # gpt-oss's: an unrounded ramp and other betas
+    "yarn-untruncated": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    },
+    "yarn-mscale": {  # DeepSeek-V3's: the attention factor from mscale over mscale_all_dim
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 32,
+    },
+    "yarn-attention-factor": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 0.8},
+    # pretraining length from max_position_embeddings, factor 1: frequencies and scale untouched
+    "yarn-factor-1": {"rope_type": "yarn", "factor": 1.0},
 }
 
 
@@ -100,12 +136,26 @@ def test_rope_inv_freq_matches_transformers(name):
     if name == "default":
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+        expected, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
     else:
-        expected, _ = ROPE_INIT_FUNCTIONS[name](hf_config, torch.device("cpu"))
-    ours = rope_inv_freq(ModelArch.from_hf_config(cfg))
+        expected, factor = ROPE_INIT_FUNCTIONS[name.split("-")[0]](hf_config, torch.device("cpu"))
+    arch = ModelArch.from_hf_config(cfg)
+    ours = rope_inv_freq(arch)
     assert ours.shape == (32,)
     assert torch.equal(ours, expected.float())
+    assert rope_attention_factor(arch) == factor  # what transformers multiplies cos and sin by
+    if name.startswith("yarn") and name != "yarn-factor-1":  # the case really scales
+        assert rope_attention_factor(arch) != 1.0
+        assert not torch.equal(
+            ours,
+            rope_inv_freq(
+                ModelArch.from_hf_config(
+                    tiny_hf_config(
+                        "llama", **{"head_dim": 64, "rope_theta": 500000.0, "max_position_embeddings": 256}
+                    )
+                )
+            ),
+        )
     if name == "llama3":  # the low frequencies really were rescaled
         assert not torch.equal(
             ours,
@@ -216,17 +266,20 @@ def test_a_null_sliding_window_is_no_window():
 
 def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it():
     """A transformers 5 config carries rope_parameters; a user adds rope_scaling as a model card says:
-    transformers then reads rope_scaling whole (we read rope_parameters: plain rope, or a yarn left unseen)."""
+    transformers then reads rope_scaling whole (were we to read rope_parameters: plain rope, the yarn unseen)."""
     default = {"rope_type": "default", "rope_theta": 10000.0}
     linear = {"rope_type": "linear", "factor": 4.0}
     cfg = tiny_hf_config("llama", rope_parameters=default, rope_scaling=linear)
     arch = ModelArch.from_hf_config(cfg)
     assert (arch.rope_scaling, arch.rope_theta) == ({"rope_type": "linear", "factor": 4.0}, 10000.0)
     assert arch.rope_theta == _transformers_reads(cfg)[1]
-    with pytest.raises(ConfigError, match="rope_type='yarn' is not supported"):
+    yarn = {"rope_type": "yarn", "factor": 2.0}
+    arch = ModelArch.from_hf_config(tiny_hf_config("llama", rope_parameters=default, rope_scaling=yarn))
+    assert arch.rope_scaling == yarn  # the yarn is seen, not the plain rope beside it
+    with pytest.raises(ConfigError, match="rope_type='longrope' is not supported"):
         ModelArch.from_hf_config(
             tiny_hf_config(
-                "llama", rope_parameters=default, rope_scaling={"rope_type": "yarn", "factor": 2.0}
+                "llama", rope_parameters=default, rope_scaling={"rope_type": "longrope", "factor": 2.0}
             )
         )
     # transformers would drop rope_parameters' theta for its default (Llama 3's 500000 -> 10000): refused

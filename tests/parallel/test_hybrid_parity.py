@@ -70,6 +70,11 @@ FEATURES: dict[str, dict[str, Any]] = {
         }
     },
     "sliding_window": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4},
+    # after llama3_rope, so that ``all`` takes it: the same frequency tables, and YaRN's attention factor folded
+    # into both engines' softmax scale besides (llama3 alone in the sweep; engine/rope.py)
+    "yarn_rope": {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    },
 }
 
 

@@ -4,8 +4,9 @@ mixture-of-experts MLP of ``rollout/moe.py``) with a KV cache, for rollout.
 It computes the same function as megatron-core's GPTModel with the local layer spec, operation by operation,
 so that rollout log-probs match the actor's recomputation in fp32: RMSNorm as ``torch.nn.RMSNorm`` computes
 it, non-interleaved rotary with megatron's fp32 ``cos``/``sin`` of ``position * inv_freq``, scores
-``(q @ k^T) * (1 / sqrt(head_dim))`` with an fp32 softmax (plain causal attention through torch's fused kernel,
-as the trainer's local spec runs it: ``compat/cpu_layers.py``), ``silu(gate) * up``. On CPU at TP1 the
+``(q @ k^T) * (1 / sqrt(head_dim))`` (times YaRN's attention factor squared: ``engine/rope.py``) with an fp32
+softmax (plain causal attention through torch's fused kernel, as the trainer's local spec runs it:
+``compat/cpu_layers.py``), ``silu(gate) * up``. On CPU at TP1 the
 full-sequence logits come out bitwise equal to the trainer's; TP2 and KV-cached decoding differ by fp32
 rounding (~1e-6, see tests/engine/rollout).
 
@@ -25,7 +26,6 @@ The rollout layout (tensor names and shapes of one TP rank) is defined in ``roll
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -40,6 +40,7 @@ from mcore_rl.engine.rollout.kv_cache import KVCache
 from mcore_rl.engine.rollout.layout import rollout_param_shapes
 from mcore_rl.engine.rollout.projection import DecodePacking, Projection, linear, panels_pay
 from mcore_rl.engine.rollout.rotary import RotaryTables
+from mcore_rl.engine.rope import attention_softmax_scale
 from mcore_rl.ops import decode as fused
 from mcore_rl.ops.reference import rms_norm as rms_norm_spelled_out
 from mcore_rl.ops.reference import rotate_signed_halves
@@ -135,7 +136,7 @@ class RolloutDecoder:
         self.num_heads = arch.num_attention_heads // self.tp_size
         self.num_kv_heads = arch.num_query_groups // self.tp_size
         self.vocab_start = self.shapes["embed_tokens.weight"][0] * self.tp_rank
-        self.scale = 1.0 / math.sqrt(arch.head_dim)  # spelled as megatron does: ** -0.5 can differ by an ulp
+        self.scale = attention_softmax_scale(arch)  # the actor's: megatron's default, YaRN's factor folded in
         self.routing: list[Tensor] | None = None
         """Mixture-of-experts models: when a list, every forward appends each MoE layer's chosen experts
         ([tokens, top_k] int64, layer order) to it; the engine records the rollout's routing this way."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mcore_rl.engine.arch import ModelArch, rope_inv_freq
+from mcore_rl.engine.arch import ModelArch
+from mcore_rl.engine.rope import rope_inv_freq
 
 
 class RotaryTables:

@@ -49,8 +49,20 @@ needs_vllm = pytest.mark.skipif(
 ARCHS = {  # head_dim 32: vLLM's CPU attention has no smaller head size; kv heads 2 split at TP 2
     family: tiny_arch(family, hidden_size=128, num_key_value_heads=2) for family in ("llama", "qwen2")
 }
-ARCHS["qwen3"] = tiny_arch(  # q/k norms; head_dim 32 apart from hidden / heads = 16
-    "qwen3", hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32
+ARCHS["qwen3"] = (
+    tiny_arch(  # q/k norms; head_dim 32 apart from hidden / heads = 16; YaRN as Qwen3's card sets it
+        "qwen3",
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
 )
 # MoE (4 experts, top-2; random_full_state's routers give decisive choices): Qwen3-MoE's experts of 32 (its
 # layer 1 dense) and Mixtral's of 48 (a sliding window of 8) split at rollout TP 2 into 16 and 24 rows, which
