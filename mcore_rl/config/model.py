@@ -136,8 +136,8 @@ class ModelConfig:
     """LoRA (verl's key): rank of the adapters trained on the frozen base; 0 trains the whole model. With LoRA
     the base has no gradients or optimizer state, the reference policy is the base with the adapters off (no
     second copy), the rollout engines receive the merged weights, run checkpoints hold the adapters and their
-    optimizer, and a finished run writes its adapter in PEFT format (``<run>/lora_adapter``). Dense models on
-    megatron's local layer spec (``engine/lora.py``)."""
+    optimizer, and a finished run writes its adapter in PEFT format (``<run>/lora_adapter``). On megatron's
+    local layer spec (``engine/lora.py``); a mixture-of-experts model's attention only (``target_modules``)."""
     lora_alpha: float = 16.0
     """LoRA: the update ``B A`` is scaled by ``lora_alpha / lora_rank`` (peft's ``lora_alpha``; verl's default)."""
     target_modules: Any = "all-linear"

@@ -19,6 +19,7 @@ from mcore_rl.config.batch_rules import (
 )
 from mcore_rl.config.model import RolloutEngineName
 from mcore_rl.config.run import RunConfig
+from mcore_rl.engine.lora_spec import moe_targets_problem
 from mcore_rl.io.errors import ConfigError
 
 
@@ -180,10 +181,9 @@ def _moe_problems(cfg: RunConfig, arch: Any) -> list[str]:
             f"rollout.tensor_model_parallel_size={tp_g} does not divide the experts' {field}="
             f"{arch.moe.ffn_hidden_size} (every rollout rank holds a slice of every expert)"
         )
-    if cfg.model.lora_rank and arch.moe is not None:
-        problems.append(
-            f"model.lora_rank={cfg.model.lora_rank}: LoRA on mixture-of-experts models is not supported"
-        )
+    lora = cfg.model.lora_spec()
+    if lora is not None and arch.moe is not None and moe_targets_problem(lora.targets):
+        problems.append(str(moe_targets_problem(lora.targets)))
     if cfg.actor.router_replay:
         if arch.moe is None:
             problems.append("actor.router_replay=true applies to mixture-of-experts models only")

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.lora_spec import ROW_PARALLEL, SEGMENTS, LoRASpec
+from mcore_rl.engine.lora_spec import ROW_PARALLEL, SEGMENTS, LoRASpec, moe_targets_problem
 from mcore_rl.engine.weights import chunk_layer_offsets, is_adapter_param, local_parameters, unwrap
 from mcore_rl.parallel.context import ParallelContext
 from mcore_rl.parallel.reshard.naming import canonical_key
@@ -238,8 +238,9 @@ def add_adapters(chunks: list[Any], spec: LoRASpec, arch: ModelArch, ctx: Parall
     """Freeze the (bare, not yet DDP-wrapped) ``chunks`` and give their targeted linears adapters: A drawn as
     peft draws it (Kaiming-uniform, a=sqrt(5)) from a generator of its own per tensor, so the full A is the
     same at every layout; B zero, so the adapted model starts as its base. Returns the adapted modules."""
-    if arch.moe is not None:
-        raise ValueError("model.lora_rank: LoRA on mixture-of-experts models is not supported")
+    problem = moe_targets_problem(spec.targets) if arch.moe is not None else None
+    if problem is not None:
+        raise ValueError(problem)
     count = 0
     for chunk, offset in zip(chunks, chunk_layer_offsets(arch, ctx), strict=True):
         model = unwrap(chunk)

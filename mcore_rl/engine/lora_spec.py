@@ -31,6 +31,8 @@ HF_MODULE = {
 }
 """HF projection -> its module in an HF decoder layer (``model.layers.{i}.self_attn.q_proj``)."""
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""What LoRA adapts on a mixture-of-experts model (:func:`moe_targets_problem`)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,20 @@ def resolve_targets(value: str | Sequence[str], key: str = "model.target_modules
     if unknown or not names:
         raise ValueError(f"{key}={list(value)!r}: {_targets_problem(unknown)}")
     return tuple(t for t in TARGETS if t in names)
+
+
+def moe_targets_problem(targets: Sequence[str], key: str = "model.target_modules") -> str | None:
+    """Why ``targets`` cannot adapt a mixture-of-experts model, or None. There LoRA adapts the attention
+    (its projections are the dense model's); an MLP projection would mean an adapter per expert, each routed
+    a different share of the tokens, which megatron's expert layers do not carry. peft's ``all-linear`` on a
+    transformers 5 MoE model adapts the attention and the router, not the (fused) experts either."""
+    mlp = [t for t in targets if t not in ATTENTION_TARGETS]
+    if not mlp:
+        return None
+    return (
+        f"{key}: on a mixture-of-experts model LoRA adapts the attention only; {', '.join(mlp)} would adapt "
+        f"the experts, which is not supported: set {key}=[{','.join(ATTENTION_TARGETS)}] or some of them"
+    )
 
 
 def _projection(name: str) -> str | None:

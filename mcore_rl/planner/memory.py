@@ -108,21 +108,28 @@ def train_state(plan: PlanInput, value_head: bool = False) -> TrainState:
 
 def lora_train_state(plan: PlanInput, shards: int) -> TrainState:
     """The actor with LoRA (``planner/lora.py``): the frozen base's weights and the adapters, whose alone are
-    the gradients and optimizer state (sharded over ``shards`` ranks); at the stage holding the most of both."""
+    the gradients and optimizer state (sharded over ``shards`` ranks); at the stage holding the most of both.
+    A mixture-of-experts model's experts are part of the frozen base (LoRA adapts its attention), reported
+    apart as their weights only."""
     layout, arch = plan.layout, plan.arch
 
-    def held(stage: int) -> tuple[int, int]:
-        return stage_split(arch, layout, stage).total, stage_adapter_params(
-            arch, layout, stage, plan.lora_rank, plan.lora_targets
+    def held(stage: int) -> tuple[int, int, int]:
+        split = stage_split(arch, layout, stage)
+        return (
+            split.total,
+            stage_adapter_params(arch, layout, stage, plan.lora_rank, plan.lora_targets),
+            split.expert,
         )
 
-    base, adapters = max((held(stage) for stage in range(layout.pp)), key=sum)
+    base, adapters, experts = max((held(stage) for stage in range(layout.pp)), key=lambda h: h[0] + h[1])
     weight_size = 2 if plan.bf16 else 4
     return TrainState(
         params=base + adapters,
         weights_bytes=weight_size * (base + adapters),
         grads_bytes=4 * adapters,
         optimizer_bytes=math.ceil((12 if plan.bf16 else 8) * adapters / shards),
+        expert_params=experts,
+        expert_weights_bytes=weight_size * experts,
         adapter_params=adapters,
     )
 

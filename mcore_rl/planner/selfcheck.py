@@ -97,6 +97,7 @@ def check_rank(
     expected, expert = split.total, (split.expert if plan.ep > 1 else 0)
     adapters = stage_adapter_params(plan.arch, plan.layout, measured.stage, plan.lora_rank, plan.lora_targets)
     trained = adapters if plan.lora_rank else expected  # LoRA: the base has no gradient or optimizer state
+    trained_experts = 0 if plan.lora_rank else expert  # LoRA on MoE adapts the attention: experts frozen
     expected += adapters
     weight_size = 2 if plan.bf16 else 4
     bucket_pad = max(math.lcm(plan.dp, 128), math.lcm(plan.expert_dp, 128))
@@ -113,14 +114,15 @@ def check_rank(
         problems.append(
             f"grad bytes {measured.grads_bytes:,} != planned {4 * trained:,} + padding <= {4 * padding:,}"
         )
-    if dp_optimizer_bytes != per_param * (trained - expert):
+    dense_optimizer = per_param * (trained - trained_experts)
+    if dp_optimizer_bytes != dense_optimizer:
         problems.append(
-            f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {per_param * (trained - expert):,}"
+            f"optimizer bytes over the DP group {dp_optimizer_bytes:,} != planned {dense_optimizer:,}"
         )
-    if edp_expert_optimizer_bytes != per_param * expert:
+    if edp_expert_optimizer_bytes != per_param * trained_experts:
         problems.append(
             f"expert optimizer bytes over the expert-DP group {edp_expert_optimizer_bytes:,} != planned "
-            f"{per_param * expert:,}"
+            f"{per_param * trained_experts:,}"
         )
     return problems
 

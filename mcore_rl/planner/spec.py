@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from mcore_rl.engine.arch import ModelArch
-from mcore_rl.engine.lora_spec import TARGETS
+from mcore_rl.engine.lora_spec import TARGETS, moe_targets_problem
 from mcore_rl.engine.rollout.layout import RolloutLayoutError, check_rollout_tp
 from mcore_rl.io.errors import InputError
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
@@ -158,7 +158,9 @@ class PlanInput:
         if self.keep_logits_bytes < 0:
             raise PlanError(f"keep_logits_bytes must be an integer >= 0, got {self.keep_logits_bytes!r}")
         if self.lora_rank and self.arch.moe is not None:
-            raise PlanError(f"lora_rank={self.lora_rank}: LoRA on mixture-of-experts models is not supported")
+            problem = moe_targets_problem(self.lora_targets, "lora_targets")
+            if problem is not None:
+                raise PlanError(problem)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -63,7 +63,13 @@ BAD = [
         r"model\.lora_adapter_path=/x with a DPO reference model.*set dpo\.precompute_ref_log_probs=true",
     ),
     (DEMO, ["model.lora_adapter_path=/x"], r"model\.lora_adapter_path needs model\.lora_rank > 0"),
-    (MOE, ["model.lora_rank=8"], r"model\.lora_rank=8: LoRA on mixture-of-experts models is not supported"),
+    (
+        MOE,
+        ["model.lora_rank=8"],  # all-linear
+        r"model\.target_modules: on a mixture-of-experts model LoRA adapts the attention only; gate_proj, "
+        r"up_proj, down_proj would adapt the experts.*set model\.target_modules=\[q_proj,k_proj,v_proj,o_proj\]",
+    ),
+    (MOE, ["model.lora_rank=8", "model.target_modules=[q_proj,mlp.down_proj]"], r"down_proj would adapt the"),
 ]
 
 
@@ -72,6 +78,11 @@ def test_bad_lora_settings_name_the_key(recipe: str, overrides: list[str], expec
     with pytest.raises(ConfigError, match=expected) as info:
         load_config(recipe, overrides)
     assert "\n" not in str(info.value)
+
+
+def test_lora_on_a_mixture_of_experts_model_adapts_its_attention() -> None:
+    cfg = load_config(MOE, ["model.lora_rank=8", "model.target_modules=[q_proj,v_proj,self_attn.o_proj]"])
+    assert cfg.model.lora_spec().targets == ("q_proj", "v_proj", "o_proj")
 
 
 def test_a_loaded_adapter_without_a_reference_model_is_accepted() -> None:

@@ -1,8 +1,10 @@
 """LoRA against peft on the same HF model: logits, loss and every adapter's gradient within 1e-5 (fp32) at TP1
 (DP2), TP2 with sequence parallelism and PP2, and the layouts' adapter gradients within 1e-5 of each other; the
-base frozen (no gradient buffer, no optimizer state)."""
+base frozen (no gradient buffer, no optimizer state). A mixture-of-experts model's attention at EP2 the same."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -27,16 +29,16 @@ LAYOUTS = {
 }
 
 
-def peft_reference(targets: str | list[str], seed: int = 0) -> dict:
-    """peft on transformers' Llama: the base's full state, peft's adapters (full-state names, random B so
-    the update is not zero), logits, the mean next-token loss and the adapters' gradients."""
+def peft_reference(targets: str | list[str], seed: int = 0, family: str = "llama", **overrides: Any) -> dict:
+    """peft on transformers' ``family`` (Llama by default): the base's full state, peft's adapters (full-state
+    names, random B so the update is not zero), logits, the mean next-token loss and the adapters' gradients."""
     import peft
 
     from tests.convert.hf_models import build_hf_model
 
-    model = build_hf_model("llama", seed=seed)
-    arch = tiny_arch("llama")
-    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = build_hf_model(family, seed=seed, **overrides)
+    arch = tiny_arch(family, **overrides)
+    hf = _saved_state(model) if arch.moe else {k: v.detach().clone() for k, v in model.state_dict().items()}
     base = {m.full_name: to_full(arch, m, [hf[n] for n in m.hf_names]) for m in tensor_maps(arch)}
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0)
     wrapped = peft.get_peft_model(model, config)
@@ -60,6 +62,7 @@ def peft_reference(targets: str | list[str], seed: int = 0) -> dict:
     }
     assert None not in adapters and None not in grads
     return {
+        "model": (family, overrides),
         "base": base,
         "adapters": adapters,
         "tokens": tokens,
@@ -67,6 +70,18 @@ def peft_reference(targets: str | list[str], seed: int = 0) -> dict:
         "loss": loss.item(),
         "grads": grads,
     }
+
+
+def _saved_state(model: Any) -> dict[str, torch.Tensor]:
+    """The tensors as ``save_pretrained`` writes them: transformers 5 keeps a MoE layer's experts fused in
+    memory and writes each expert's projections, the names a checkpoint (and our mapping) has."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return load_file(f"{folder}/model.safetensors")
 
 
 def _ce(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict]:
@@ -90,7 +105,8 @@ def lora_step(parallel: dict, reference: dict, targets: str | list[str]) -> dict
     what the frozen base holds (gradient buffers, optimizer state)."""
     import torch.distributed as dist
 
-    arch = tiny_arch("llama")
+    family, overrides = reference["model"]
+    arch = tiny_arch(family, **overrides)
     spec = LoRASpec(rank=RANK, alpha=ALPHA, targets=resolve_targets(targets))
     optim = OptimConfig(lr=0.0, weight_decay=0.0, use_distributed_optimizer=False)
     with ParallelContext.initialize(ParallelConfig(**parallel)) as ctx:
@@ -167,3 +183,12 @@ def test_some_projections_of_the_fused_layers(run_distributed):
     reference = peft_reference(targets, seed=3)
     assert {k.split(".lora_")[1].split(".")[1] for k in reference["grads"]} == set(targets)
     _check(run_distributed(lora_step, {"tensor_model_parallel_size": 2}, reference, targets), reference)
+
+
+def test_a_mixture_of_experts_models_attention_with_its_experts_over_two_ranks(run_distributed):
+    """Qwen3-MoE (top-2 of 4 experts, layer 1 dense): adapters on the attention, the experts frozen and split
+    over two expert-parallel ranks. No load-balancing loss: transformers' forward leaves it out, and megatron's
+    would reach the attention adapters' gradients through the routers' inputs."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    reference = peft_reference(targets, seed=5, family="qwen3_moe", router_aux_loss_coef=0.0)
+    _check(run_distributed(lora_step, {"expert_model_parallel_size": 2}, reference, targets), reference)

@@ -9,7 +9,7 @@ import pytest
 from mcore_rl.config import load_config
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.hf.peft import adapter_shapes
-from mcore_rl.engine.lora_spec import TARGETS, LoRASpec, resolve_targets
+from mcore_rl.engine.lora_spec import ATTENTION_TARGETS, TARGETS, LoRASpec, resolve_targets
 from mcore_rl.planner import PlanInput, plan_memory
 from mcore_rl.planner.from_config import plan_input_from_config
 from mcore_rl.planner.lora import model_adapter_params, stage_adapter_params
@@ -20,18 +20,33 @@ from tests.planner.hf_configs import LLAMA31_8B
 
 GIB = 1 << 30
 SOME = resolve_targets(["q_proj", "v_proj", "up_proj", "down_proj"])
-# (tp, pp, bf16, targets) on 2 ranks
-LAYOUTS = [(2, 1, True, tuple(TARGETS)), (1, 2, False, SOME), (1, 1, True, tuple(TARGETS))]
+# (tp, pp, bf16, targets, family, ep) on 2 ranks; the mixture-of-experts model adapts its attention only, its
+# experts split over both ranks (EP2, folded into DP2)
+LAYOUTS = [
+    (2, 1, True, tuple(TARGETS), "llama", 1),
+    (1, 2, False, SOME, "llama", 1),
+    (1, 1, True, tuple(TARGETS), "llama", 1),
+    (1, 1, False, ATTENTION_TARGETS, "qwen3_moe", 2),
+]
 
 
-def _plan(tp: int, pp: int, bf16: bool, targets: tuple[str, ...], rank: int = 4) -> PlanInput:
+def _plan(
+    tp: int,
+    pp: int,
+    bf16: bool,
+    targets: tuple[str, ...],
+    family: str = "llama",
+    ep: int = 1,
+    rank: int = 4,
+) -> PlanInput:
     return PlanInput(
-        arch=tiny_arch("llama"),
+        arch=tiny_arch(family),
         gpu="A100-80",
         world_size=2,
         tp=tp,
         pp=pp,
         sp=tp > 1,
+        ep=ep,
         seq_length=16,
         bf16=bf16,
         lora_rank=rank,
@@ -96,7 +111,11 @@ def test_the_8b_lora_recipe_fits_two_gpus_with_its_header_numbers() -> None:
     [
         ({"lora_rank": -1}, r"lora_rank must be an integer >= 0, got -1"),
         ({"lora_rank": 4, "lora_targets": ("lm_head",)}, r"lora_targets=\['lm_head'\]: choose some of"),
-        ({"lora_rank": 4, "arch": tiny_arch("qwen3_moe")}, r"lora_rank=4: LoRA on mixture-of-experts"),
+        (
+            {"lora_rank": 4, "arch": tiny_arch("qwen3_moe")},
+            r"lora_targets: on a mixture-of-experts model LoRA adapts the attention only; gate_proj, up_proj, "
+            r"down_proj would adapt the experts",
+        ),
     ],
 )
 def test_bad_lora_plans_name_the_field(changes, expected) -> None:

@@ -233,3 +233,43 @@ def test_ppo_with_lora_trains_the_adapters_beside_a_full_critic(tmp_path) -> Non
     assert all(abs(r["token_mult_prob_error"] - 1.0) <= 1e-6 for r in steps)
     assert all("critic/values_mean" in r for r in steps)
     assert any(not torch.equal(after[k], v) for k, v in before.items() if ".lora_B." in k)  # B left zero
+
+
+def test_lora_on_a_mixture_of_experts_model_adapts_its_attention_end_to_end(tmp_path) -> None:
+    """Qwen3-MoE (top-2 of 4 experts, layer 1 dense) with adapters on its attention: the rollout follows the
+    merged weights (``token_mult_prob_error`` 1), the run's ``lora_adapter/`` on transformers' Qwen3-MoE
+    through peft gives our logits, and so do the merged ``model/`` and ``convert --merge-lora``'s."""
+    import peft
+    import transformers
+
+    from mcore_rl.cli import main
+
+    save_hf_model(str(tmp_path / "hf"), "qwen3_moe", vocab_size=14, max_position_embeddings=32)
+    attention = ["model.target_modules=[q_proj,k_proj,v_proj,o_proj]", "trainer.total_training_steps=2"]
+    with Trainer.from_config(
+        _config(tmp_path, "moe", *attention, "trainer.save_freq=-1"), use_ray=False
+    ) as run:
+        run.fit()
+        ours = _ours(run)
+    steps = _rl(run, {1, 2})
+    assert len(steps) == 2 and all(abs(r["token_mult_prob_error"] - 1.0) <= 1e-6 for r in steps)
+    assert {k.split(".lora_")[1].split(".")[1] for k in ours["adapters"]} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "moe" / "lora_adapter")).eval()
+    with torch.no_grad():
+        theirs = with_adapter(input_ids=TOKENS).logits
+        with with_adapter.disable_adapter():
+            plain = with_adapter(input_ids=TOKENS).logits
+    assert (theirs - ours["logits"]).abs().max() <= 1e-5
+    assert (theirs - plain).abs().max() > 1e-4  # the adapters trained: not the base's logits
+    assert (hf_logits(str(tmp_path / "moe" / "model"), TOKENS) - ours["logits"]).abs().max() <= 1e-5  # merged
+    adapter, merged = str(tmp_path / "moe" / "lora_adapter"), str(tmp_path / "merged")
+    args = ["convert", "mcore-to-hf", "--ckpt", adapter, "--merge-lora", "--base", str(tmp_path / "hf")]
+    assert main([*args, "--out", merged]) == 0  # the experts pass through, the attention merged
+    assert (hf_logits(merged, TOKENS) - ours["logits"]).abs().max() <= 1e-5
