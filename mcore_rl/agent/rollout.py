@@ -27,6 +27,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +57,33 @@ class MultiTurnOutput:
 
     def metrics(self) -> dict[str, float]:
         return turn_metrics(self.conversations)
+
+    def state(self) -> dict[str, Any]:
+        """What a run checkpoint keeps beside the batch (one-step-off's pending rollout), as JSON data: the
+        tool rewards, the texts the rules read and the conversations (their dataset ``extra_info`` left out:
+        only the environment read it, during the rollout)."""
+        return {
+            "tool_rewards": self.tool_rewards.tolist(),
+            "score_texts": list(self.score_texts),
+            "conversations": [{**dataclasses.asdict(c), "extra_info": {}} for c in self.conversations],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], batch: RolloutBatch) -> MultiTurnOutput:
+        """:meth:`state` back, with the ``batch`` saved beside it; a state of another rollout is refused."""
+        conversations = [
+            Conversation(**{**c, "segments": [Segment(**s) for s in c["segments"]]})
+            for c in state["conversations"]
+        ]
+        if (
+            not len(conversations)
+            == len(state["score_texts"])
+            == len(state["tool_rewards"])
+            == len(batch.tokens)
+        ):
+            raise ValueError(f"{len(conversations)} conversations for a rollout of {len(batch.tokens)} rows")
+        tool_rewards = torch.tensor(state["tool_rewards"], dtype=torch.float32)
+        return cls(batch, tool_rewards, list(state["score_texts"]), conversations)
 
 
 class MultiTurnRollout:

@@ -275,11 +275,6 @@ def _run_problems(cfg: RunConfig) -> list[str]:
                 "schedules cannot send: needs parallel.pipeline_model_parallel_size=1"
             )
     rollout = cfg.rollout
-    if rollout.multi_turn.enable and trainer.one_step_off:
-        problems.append(
-            "rollout.multi_turn.enable=true with trainer.one_step_off=true: a multi-turn rollout is driven turn by "
-            "turn from the driver and cannot run behind the update yet; turn one of them off"
-        )
     if not rollout.colocate and rollout.num_ranks % rollout.tensor_model_parallel_size:
         problems.append(
             f"rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide "

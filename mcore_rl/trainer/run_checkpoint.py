@@ -22,12 +22,17 @@ newest checkpoint is named and the newest older one that verifies is used instea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from safetensors.torch import load_file, save_file
+
+from mcore_rl.agent.rollout import MultiTurnOutput
 from mcore_rl.config import ConfigError, RunConfig
 from mcore_rl.config.run_folder import (
     LATEST,
@@ -41,10 +46,12 @@ from mcore_rl.data.prompts import PromptLoader
 from mcore_rl.data.rows import DataError
 from mcore_rl.engine.checkpoint import HF_ASSETS_DIR
 from mcore_rl.io.errors import InputError, OutputError, note
+from mcore_rl.io.inputs import input_file
 from mcore_rl.io.manifest import has_manifest, verify_manifest, write_manifest
 from mcore_rl.io.output import OutputFolder, write_failure
 from mcore_rl.io.side_files import copy_model_assets
 from mcore_rl.io.signals import signals_deferred
+from mcore_rl.types import RolloutBatch
 
 CRITIC_DIR = "critic"  # engine/workers/critic.py writes PPO's critic there
 
@@ -241,3 +248,40 @@ def latest_checkpoint(cfg: RunConfig) -> str | None:
         return None
     with open(latest) as f:
         return os.path.join(checkpoint_root(cfg), f.read().strip())
+
+
+# --- one-step-off: the rollout generated ahead --------------------------------------------------------------
+PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
+PENDING_TURNS_FILE = "pending_turns.json"
+"""Beside a multi-turn pending rollout: its conversations, tool rewards and score texts (JSON data)."""
+
+
+def save_pending(folder: str, rollout: RolloutBatch, turns: MultiTurnOutput | None) -> None:
+    """The next step's rollout, generated before this checkpoint's update (safetensors: data only), and a
+    multi-turn rollout's conversations beside it."""
+    tensors = {k: v for k, v in dataclasses.asdict(rollout).items() if v is not None}
+    save_file(tensors, os.path.join(folder, PENDING_ROLLOUT_FILE))
+    if turns is not None:
+        with open(os.path.join(folder, PENDING_TURNS_FILE), "w") as f:
+            json.dump(turns.state(), f, default=str)  # a message's odd value is only logged: kept as text
+
+
+def load_pending(folder: str, multi_turn: bool) -> tuple[RolloutBatch, MultiTurnOutput | None]:
+    """:func:`save_pending`'s files back; one that is missing, or a link out of the folder, is refused naming it."""
+    rollout_file = input_file(folder, PENDING_ROLLOUT_FILE, required=False)
+    if rollout_file is None:
+        raise ValueError(f"{folder}: the checkpoint names pending prompts but has no {PENDING_ROLLOUT_FILE}")
+    rollout = RolloutBatch(**load_file(rollout_file))
+    if not multi_turn:
+        return rollout, None
+    turns_file = input_file(folder, PENDING_TURNS_FILE, required=False)
+    if turns_file is None:
+        raise ValueError(
+            f"{folder}: a multi-turn run's pending rollout has no {PENDING_TURNS_FILE} (its conversations); "
+            "was the checkpoint saved with rollout.multi_turn.enable=false?"
+        )
+    with open(turns_file) as f:
+        try:
+            return rollout, MultiTurnOutput.from_state(json.load(f), rollout)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{turns_file}: not the conversations of the pending rollout ({err})") from None

@@ -52,8 +52,9 @@ from mcore_rl.types import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_Pending = tuple[PromptBatch, Callable[[], RolloutBatch], Callable[[], float | None]]
-"""A rollout generated ahead (one-step-off): its prompts, the wait for it, the seconds it took to sample."""
+_Pending = tuple[PromptBatch, Callable[[], RolloutBatch], Callable[[], float | None], MultiTurnOutput | None]
+"""A rollout generated ahead (one-step-off): its prompts, the wait for it, the seconds it took to sample, and
+a multi-turn rollout's conversations (what its scores and metrics read)."""
 
 
 class StageTimer:
@@ -108,7 +109,10 @@ class StepBase:
         """``rollout.multi_turn.enable``: the agent loop that samples every rollout turn by turn; None: one
         response per sample."""
         self.last_turns: MultiTurnOutput | None = None
-        """The conversations of the last multi-turn rollout (what its scores and metrics read)."""
+        """The conversations of the last multi-turn rollout sampled (a step's, the next step's generated ahead,
+        or a validation's)."""
+        self._step_turns: MultiTurnOutput | None = None
+        """The conversations of this step's own rollout (with one-step-off, sampled the step before)."""
         self._step = 0
 
     def run(self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None) -> StepStats:
@@ -126,11 +130,11 @@ class StepBase:
         if self._pending is not None and self._pending[0] is prompts:
             with timer("generate_wait"):  # a rollout pool may still be sampling it
                 rollout, lag = self._pending[1](), 1
-            self._generation_s = self._pending[2]()
+            self._generation_s, self._step_turns = self._pending[2](), self._pending[3]
         else:
             with timer("generate"):
                 rollout, lag = self.submit_generate(prompts, step)(), 0
-            self._generation_s = timer.seconds["generate"]
+            self._generation_s, self._step_turns = timer.seconds["generate"], self.last_turns
         self._pending, self.policy_lag = None, lag
         if next_prompts is not None:
             self._pending = self._generate_ahead(next_prompts, step + 1, timer)
@@ -145,7 +149,7 @@ class StepBase:
             wait = _once(self.submit_generate(prompts, step))
         if self.multi_turn is not None or isinstance(self.rollout, ColocatedRollout):
             sampled = time.perf_counter() - started
-            return prompts, wait, lambda: sampled
+            return prompts, wait, lambda: sampled, self.last_turns if self.multi_turn is not None else None
         done: list[float] = []  # the seconds until the samples first reached the driver
 
         def received() -> RolloutBatch:
@@ -154,7 +158,7 @@ class StepBase:
                 done.append(time.perf_counter() - started)
             return batch
 
-        return prompts, received, lambda: done[0]  # read after ``received``
+        return prompts, received, lambda: done[0], None  # read after ``received``
 
     def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
         """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
@@ -173,9 +177,18 @@ class StepBase:
             return None
         return self._pending[1]()
 
-    def restore_pending(self, prompts: PromptBatch, rollout: RolloutBatch) -> None:
-        """Resume: ``rollout`` was generated for ``prompts`` by the weights before the checkpointed update."""
-        self._pending = (prompts, lambda: rollout, lambda: None)
+    def pending_turns(self, prompts: PromptBatch | None) -> MultiTurnOutput | None:
+        """The conversations of the multi-turn rollout generated ahead for ``prompts``, for run checkpoints."""
+        if prompts is None or self._pending is None or self._pending[0] is not prompts:
+            return None
+        return self._pending[3]
+
+    def restore_pending(
+        self, prompts: PromptBatch, rollout: RolloutBatch, turns: MultiTurnOutput | None = None
+    ) -> None:
+        """Resume: ``rollout`` (a multi-turn one with its ``turns``) was generated for ``prompts`` by the weights
+        before the checkpointed update."""
+        self._pending = (prompts, lambda: rollout, lambda: None, turns)
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step
@@ -186,9 +199,11 @@ class StepBase:
 
     # --- scores ---------------------------------------------------------------------------------------------
     def turns_of(self, rollout: RolloutBatch) -> MultiTurnOutput | None:
-        """The conversations ``rollout`` was built from, when it is the last multi-turn rollout."""
-        turns = self.last_turns
-        return turns if turns is not None and turns.batch is rollout else None
+        """The conversations ``rollout`` was built from: this step's multi-turn rollout or the last sampled."""
+        for turns in (self._step_turns, self.last_turns):
+            if turns is not None and turns.batch is rollout:
+                return turns
+        return None
 
     def score(
         self, rollout: RolloutBatch, prompts: PromptBatch, turns: MultiTurnOutput | None = None

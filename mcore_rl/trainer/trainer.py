@@ -16,7 +16,8 @@ A run checkpoint ``<default_local_dir>/checkpoints/global_step_<N>`` holds the a
 optimizer (the resumable TrainEngine checkpoint), the LR schedule, the driver state (step, data position), the
 resolved ``config.yaml`` and a manifest; it appears complete or not at all and ``latest`` names it in the same
 moment (``run_checkpoint.py``). With ``trainer.one_step_off`` it also holds the next step's prompts and the
-rollout already generated for them (``pending_rollout.safetensors``), so a resumed run trains on what the
+rollout already generated for them (``pending_rollout.safetensors``; a multi-turn rollout's conversations in
+``pending_turns.json``), so a resumed run trains on what the
 uninterrupted one would have. Sampling seeds derive from ``(trainer.seed, step)``, so a resumed run draws what
 the uninterrupted one would have.
 
@@ -36,8 +37,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from safetensors.torch import load_file, save_file
-
 from mcore_rl.config import (
     RunConfig,
     check_config,
@@ -53,7 +52,6 @@ from mcore_rl.data.demo_task import prepare_data
 from mcore_rl.data.prompts import PromptLoader
 from mcore_rl.io.checkpoint_read import checkpoint_failure
 from mcore_rl.io.errors import CheckpointSaveError, Interrupted, Preempted, note
-from mcore_rl.io.inputs import input_file
 from mcore_rl.io.signals import StopRequest, stop_requests
 from mcore_rl.logs.plots import reward_plot
 from mcore_rl.logs.run_log import RunLog
@@ -65,16 +63,16 @@ from mcore_rl.trainer.recovery import Recovery, is_lost_worker, kept_records
 from mcore_rl.trainer.run_checkpoint import (
     ResumePoint,
     latest_checkpoint,
+    load_pending,
     resume_point,
     save_failure,
+    save_pending,
     staged_checkpoint,
 )
 from mcore_rl.trainer.run_data import RunData, data_sources, load_run_data
 from mcore_rl.trainer.step import StepBase, fast_path_note, update_plan
 from mcore_rl.trainer.validation import Evaluation
-from mcore_rl.types import PromptBatch, RolloutBatch
-
-PENDING_ROLLOUT_FILE = "pending_rollout.safetensors"
+from mcore_rl.types import PromptBatch
 
 
 class Trainer:
@@ -386,8 +384,7 @@ class Trainer:
                 self.step.save_models(staging, self.global_step)  # PPO: <path>/critic
                 pending = self.step.pending_rollout(self._prefetched)
                 if pending is not None:
-                    tensors = {k: v for k, v in dataclasses.asdict(pending).items() if v is not None}
-                    save_file(tensors, os.path.join(staging, PENDING_ROLLOUT_FILE))
+                    save_pending(staging, pending, self.step.pending_turns(self._prefetched))
                 self.actors.sync_weights()  # back to ROLLOUT for the next step
                 save_config(self.cfg, staging)  # inside: the folder never appears without it
         except BaseException as err:  # torch's CheckpointException is a BaseException
@@ -435,13 +432,9 @@ class Trainer:
         the resumed run trains on exactly what the uninterrupted one would have (safetensors: data only)."""
         if indices is None:
             return
-        rollout_file = input_file(path, PENDING_ROLLOUT_FILE, required=False)  # a link out of it is refused
-        if rollout_file is None:
-            raise ValueError(
-                f"{path}: the checkpoint names pending prompts but has no {PENDING_ROLLOUT_FILE}"
-            )
+        rollout, turns = load_pending(path, self.step.multi_turn is not None)
         self._prefetched = self.data.loader.dataset.batch(indices)
-        self.step.restore_pending(self._prefetched, RolloutBatch(**load_file(rollout_file)))
+        self.step.restore_pending(self._prefetched, rollout, turns)
 
     def _stop_workers(self) -> bool:
         """Stop every worker group (Ray keeps running); returns whether this run had started that Ray."""

@@ -13,7 +13,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from mcore_rl.config import RunConfig, check_config, schema_node
-from mcore_rl.config.loader import ConfigError
 from mcore_rl.data.tool_task import write_tool_dataset
 from tests.models import tiny_hf_config
 from tests.trainer.common import QUIET
@@ -130,11 +129,47 @@ def test_packing_shared_prompts_and_a_token_budget_equal_the_padded_path(tmp_pat
     assert compared == 2
 
 
-def test_multi_turn_refuses_one_step_off(tmp_path) -> None:
-    with pytest.raises(
-        ConfigError, match=r"rollout\.multi_turn\.enable=true with trainer\.one_step_off=true"
-    ):
-        tool_run_config(str(tmp_path / "data"), ["trainer.one_step_off=true"])
+def test_one_step_off_trains_on_conversations_sampled_ahead_and_resumes_exactly(tmp_path) -> None:
+    """``trainer.one_step_off``: from step 2 each step trains on the conversations sampled before the last
+    update (policy lag 1, importance-weighted), scored with their own tool and environment rewards while the
+    next step's are sampled; a checkpoint keeps them beside the pending rollout (``pending_turns.json``) and
+    the resumed run's step 3 equals the uninterrupted one's."""
+    from mcore_rl.trainer.run_checkpoint import load_pending
+    from mcore_rl.trainer.trainer import Trainer
+
+    timing = ("time/", "tokens_per_s", "memory/")
+    extra = [ENV, "trainer.one_step_off=true", "trainer.total_training_steps=3", "trainer.save_freq=2"]
+    records, _ = _records(tmp_path, "straight", extra)
+    steps = [r for r in records if r["stage"] == "rl" and "reward" in r]
+    assert [r["policy_lag"] for r in steps] == [0.0, 1.0, 1.0] and "rollout_is/mean" in steps[1]
+    for m in steps:  # each step's own conversations: their metrics and rewards, not the ones sampled ahead
+        assert m["multi_turn/turns_mean"] > 1 and m["multi_turn/tool_reward_mean"] > 0
+        assert m["reward"] >= m["multi_turn/tool_reward_mean"]
+    expected = [{k: v for k, v in r.items() if not k.startswith(timing)} for r in steps if r["step"] == 3]
+
+    cfg = tool_run_config(
+        str(tmp_path / "data"), [*extra, f"trainer.default_local_dir={tmp_path / 'resumed'}"]
+    )
+    with Trainer.from_config(cfg, use_ray=False) as first:
+        first.fit(stop_after=2)
+    saved = os.path.join(first.checkpoint_root, "global_step_2")
+    assert {"pending_rollout.safetensors", "pending_turns.json"} <= set(os.listdir(saved))
+    with Trainer.from_config(cfg, use_ray=False) as resumed:
+        resumed.fit()
+        got = [
+            {k: v for k, v in r.items() if not k.startswith(timing)}
+            for r in resumed.records
+            if r["stage"] == "rl" and "reward" in r and r["step"] == 3
+        ]
+    assert got == expected
+
+    rollout, turns = load_pending(saved, multi_turn=True)
+    assert turns is not None and turns.batch is rollout and len(turns.conversations) == 16
+    os.remove(
+        os.path.join(saved, "pending_turns.json")
+    )  # a pending rollout without them is refused, naming it
+    with pytest.raises(ValueError, match=r"has no pending_turns\.json \(its conversations\)"):
+        load_pending(saved, multi_turn=True)
 
 
 def test_a_template_that_cannot_append_tool_turns_is_refused_before_any_rank_starts(
