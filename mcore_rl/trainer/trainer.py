@@ -70,7 +70,8 @@ from mcore_rl.trainer.run_checkpoint import (
     staged_checkpoint,
 )
 from mcore_rl.trainer.run_data import RunData, data_sources, load_run_data
-from mcore_rl.trainer.step import StepBase, fast_path_note, update_plan
+from mcore_rl.trainer.run_notes import fast_path_note
+from mcore_rl.trainer.step import StepBase, update_plan
 from mcore_rl.trainer.validation import Evaluation
 from mcore_rl.types import PromptBatch
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from mcore_rl.config import RunConfig, check_config, schema_node
 from mcore_rl.config.fast_paths import describe_fast_paths, resolve_fast_paths
-from mcore_rl.trainer.step import fast_path_note
+from mcore_rl.trainer.run_notes import fast_path_note
 from tests.models import tiny_hf_config
 
 

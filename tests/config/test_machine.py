@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from mcore_rl.config import ConfigError, RunConfig, check_config, load_config, machine, schema_node
 from mcore_rl.engine.optim import OptimConfig
-from mcore_rl.trainer.step import fast_path_note
+from mcore_rl.trainer.run_notes import fast_path_note
 from tests.models import tiny_hf_config
 
 # 4 prompts x 4 samples = 16 sequences per mini-batch, micro-batches of 4 unless a test says otherwise
