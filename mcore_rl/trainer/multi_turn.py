@@ -11,7 +11,9 @@ A conversation stays on one replica for all its turns, so the embedded engine fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -171,3 +173,36 @@ def _plain(value: Any) -> Any:
         return value
     except TypeError:
         return str(value)
+
+
+class TurnsAhead:
+    """One-step-off on a rollout pool: the next step's multi-turn rollout driven from a thread of the driver
+    while the actor updates (the pool's ranks are not the actor's, and each group runs its calls in order).
+    Joined where its conversations are read and before the pool's weights change (``StepBase``); an error of
+    the rollout is raised there."""
+
+    def __init__(self, sample: Callable[[], MultiTurnOutput]) -> None:
+        self._started = time.perf_counter()
+        self._result: MultiTurnOutput | None = None
+        self._error: BaseException | None = None
+        self.seconds: float | None = None
+        """Wall seconds the rollout took, once it has ended."""
+        self._thread = threading.Thread(
+            target=self._run, args=(sample,), name="mcore-rl-turns-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, sample: Callable[[], MultiTurnOutput]) -> None:
+        try:
+            self._result = sample()
+        except BaseException as err:  # raised where the rollout is awaited, in the driver's main thread
+            self._error = err
+        finally:
+            self.seconds = time.perf_counter() - self._started
+
+    def turns(self) -> MultiTurnOutput:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result

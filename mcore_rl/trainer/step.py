@@ -31,7 +31,7 @@ from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
-from mcore_rl.trainer.multi_turn import MultiTurnOutput, build_multi_turn, conversation_samples
+from mcore_rl.trainer.multi_turn import MultiTurnOutput, TurnsAhead, build_multi_turn, conversation_samples
 from mcore_rl.trainer.rollout_source import ColocatedRollout, RolloutSource
 from mcore_rl.trainer.validation import Evaluation, generation_samples, scored_parts
 from mcore_rl.types import (
@@ -46,9 +46,11 @@ from mcore_rl.types import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_Pending = tuple[PromptBatch, Callable[[], RolloutBatch], Callable[[], float | None], MultiTurnOutput | None]
+_Pending = tuple[
+    PromptBatch, Callable[[], RolloutBatch], Callable[[], float | None], Callable[[], MultiTurnOutput | None]
+]
 """A rollout generated ahead (one-step-off): its prompts, the wait for it, the seconds it took to sample, and
-a multi-turn rollout's conversations (what its scores and metrics read)."""
+the wait for a multi-turn rollout's conversations (what its scores and metrics read)."""
 
 
 class StageTimer:
@@ -124,7 +126,7 @@ class StepBase:
         if self._pending is not None and self._pending[0] is prompts:
             with timer("generate_wait"):  # a rollout pool may still be sampling it
                 rollout, lag = self._pending[1](), 1
-            self._generation_s, self._step_turns = self._pending[2](), self._pending[3]
+            self._generation_s, self._step_turns = self._pending[2](), self._pending[3]()
         else:
             with timer("generate"):
                 rollout, lag = self.submit_generate(prompts, step)(), 0
@@ -136,14 +138,18 @@ class StepBase:
 
     def _generate_ahead(self, prompts: PromptBatch, step: int, timer: StageTimer) -> _Pending:
         """One-step-off: start the next step's rollout; with it, how to tell how long it took to sample.
-        The colocated engines and the multi-turn loop sample within the call; a rollout pool only starts
-        there and samples during the update, so its seconds run until the samples reached the driver."""
+        The colocated engines sample within the call; a rollout pool only starts there and samples during the
+        update, so its seconds run until the samples reached the driver. A multi-turn rollout on a pool is
+        driven from a thread of the driver meanwhile (``TurnsAhead``)."""
         started = time.perf_counter()
+        if self.multi_turn is not None and not isinstance(self.rollout, ColocatedRollout):
+            ahead = TurnsAhead(lambda: self._sample_turns(prompts, step))
+            return prompts, lambda: ahead.turns().batch, lambda: ahead.seconds, ahead.turns
         with timer("generate_next"):
             wait = _once(self.submit_generate(prompts, step))
-        if self.multi_turn is not None or isinstance(self.rollout, ColocatedRollout):
-            sampled = time.perf_counter() - started
-            return prompts, wait, lambda: sampled, self.last_turns if self.multi_turn is not None else None
+        if isinstance(self.rollout, ColocatedRollout):
+            sampled, turns = time.perf_counter() - started, self.last_turns if self.multi_turn else None
+            return prompts, wait, lambda: sampled, lambda: turns
         done: list[float] = []  # the seconds until the samples first reached the driver
 
         def received() -> RolloutBatch:
@@ -152,18 +158,22 @@ class StepBase:
                 done.append(time.perf_counter() - started)
             return batch
 
-        return prompts, received, lambda: done[0], None  # read after ``received``
+        return prompts, received, lambda: done[0], lambda: None  # read after ``received``
 
     def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
         """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
         if self.multi_turn is not None:  # driven turn by turn from here: done when it returns
-            params = self.sampling(step)
-            turns = self.rollout.turns(len(prompts) * params.n)
-            self.last_turns = self.multi_turn.run(turns, prompts, params)
+            self.last_turns = self._sample_turns(prompts, step)
             batch = self.last_turns.batch
             return lambda: batch
         request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
         return self.rollout.submit_generate(request, self.sampling(step))
+
+    def _sample_turns(self, prompts: PromptBatch, step: int) -> MultiTurnOutput:
+        """A multi-turn rollout of ``prompts``, its conversations driven turn by turn from the driver."""
+        assert self.multi_turn is not None
+        params = self.sampling(step)
+        return self.multi_turn.run(self.rollout.turns(len(prompts) * params.n), prompts, params)
 
     def pending_rollout(self, prompts: PromptBatch | None) -> RolloutBatch | None:
         """The rollout generated ahead for ``prompts`` (one-step-off), for run checkpoints."""
@@ -175,14 +185,14 @@ class StepBase:
         """The conversations of the multi-turn rollout generated ahead for ``prompts``, for run checkpoints."""
         if prompts is None or self._pending is None or self._pending[0] is not prompts:
             return None
-        return self._pending[3]
+        return self._pending[3]()
 
     def restore_pending(
         self, prompts: PromptBatch, rollout: RolloutBatch, turns: MultiTurnOutput | None = None
     ) -> None:
         """Resume: ``rollout`` (a multi-turn one with its ``turns``) was generated for ``prompts`` by the weights
         before the checkpointed update."""
-        self._pending = (prompts, lambda: rollout, lambda: None, turns)
+        self._pending = (prompts, lambda: rollout, lambda: None, lambda: turns)
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         seed = self.cfg.trainer.seed * 1_000_003 + step
@@ -303,8 +313,13 @@ class StepBase:
     def submit_sync_and_memory(self) -> Callable[[], tuple[dict[str, float], dict[str, float]]]:
         """Start the weight sync to the rollout engines and then the read of the step's memory peaks. The sync
         must be submitted after the update it follows: both sources rely on a rank running its calls in
-        submission order (``rollout_source.py``)."""
-        return self.rollout.submit_sync_and_memory(generation_pending=self._pending is not None)
+        submission order (``rollout_source.py``). Conversations sampled ahead end first: the weights must not
+        change under their later turns."""
+        pending = self._pending
+        wait = self.rollout.submit_sync_and_memory(generation_pending=pending is not None)
+        if pending is None or self.multi_turn is None:
+            return wait
+        return lambda: (pending[1](), wait())[1]
 
     def check_agreement(self, agreement: ProbAgreement, rollout: RolloutBatch, step: int) -> None:
         threshold = self.cfg.logging.token_mult_prob_error_threshold

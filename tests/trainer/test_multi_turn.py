@@ -356,3 +356,31 @@ def test_a_reward_model_beside_multi_turn_keeps_the_tool_and_environment_rewards
         step.training_scores = checked
         trainer.fit()
     assert len(seen) == 1 and torch.equal(*seen[0])
+
+
+@pytest.mark.sweep  # Ray, a rollout pool of its own: ~1 min
+@pytest.mark.usefixtures("ray_session")
+def test_one_step_off_on_a_rollout_pool_reproduces_the_colocated_run(tmp_path) -> None:
+    """``rollout.colocate=false``: the next step's conversations are driven from a thread of the driver on the
+    pool while the actor updates, and the pool is sent the new weights only once they have ended; the numbers
+    are the colocated in-process run's (same seeds, one replica), so no turn sampled from weights of the wrong
+    step."""
+    from mcore_rl.trainer.trainer import Trainer
+
+    extra = [ENV, "trainer.one_step_off=true", "trainer.total_training_steps=3"]
+    colocated, _ = _records(tmp_path, "colocated", extra)
+    cfg = tool_run_config(
+        str(tmp_path / "data"),
+        [*extra, "rollout.colocate=false", f"trainer.default_local_dir={tmp_path / 'pool'}"],
+    )
+    with Trainer.from_config(cfg, use_ray=True) as trainer:
+        trainer.fit()
+        pool = [r for r in trainer.records if r["stage"] == "rl" and "reward" in r]
+    want = [r for r in colocated if r["stage"] == "rl" and "reward" in r]
+    assert [r["policy_lag"] for r in pool] == [0.0, 1.0, 1.0] and "time/generate_wait_s" in pool[1]
+    keys = ("reward", "pg_loss", "entropy", "grad_norm", "token_mult_prob_error", "rollout_is/mean")
+    for expected, have in zip(want, pool, strict=True):
+        assert have["multi_turn/turns_mean"] == expected["multi_turn/turns_mean"]
+        for key in keys:
+            if key in expected:
+                assert have[key] == pytest.approx(expected[key], abs=1e-5), key
