@@ -32,6 +32,20 @@ ADV_ESTIMATOR_ALIASES = {
 """Other spellings of estimator names that verl's recipes use."""
 
 
+class PolicyLossMode(str, Enum):
+    """``algorithm.policy_loss``: the actor's policy-gradient loss (verl's ``policy_loss.loss_mode``)."""
+
+    VANILLA = "vanilla"
+    """PPO's clipped token ratio, with clip-higher and the dual clip (``ppo_policy_loss``)."""
+    GSPO = "gspo"
+    """GSPO: PPO clipping on each sequence's length-normalised ratio, seq-mean-token-mean (``gspo_policy_loss``)."""
+
+
+GSPO_CLIP = (3e-4, 4e-4)
+"""GSPO's clip ranges below and above 1 (Zheng et al. 2025, and verl's GSPO recipe): its sequence ratio is a
+geometric mean of token ratios, much closer to 1 than any one of them."""
+
+
 class LossAggMode(str, Enum):
     """How a [B, T] loss matrix becomes a scalar (verl's `loss_agg_mode`)."""
 

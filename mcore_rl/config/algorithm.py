@@ -15,9 +15,11 @@ from omegaconf import II
 
 from mcore_rl.algo.settings import (
     ADV_ESTIMATOR_ALIASES,
+    GSPO_CLIP,
     AdvEstimator,
     KLControl,
     LossAggMode,
+    PolicyLossMode,
     kl_estimator_rule,
 )
 from mcore_rl.io.fields import (
@@ -68,10 +70,15 @@ class AlgorithmConfig:
     """Estimator of the in-reward KL (same names as ``kl_loss_type``)."""
     kl_ctrl: KLControl = field(default_factory=KLControl)
     """Coefficient of the in-reward KL."""
-    clip_ratio_low: float = 0.2
-    """PPO ratio clip below 1: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """PPO ratio clip above 1 (DAPO's clip-higher when larger than ``clip_ratio_low``)."""
+    policy_loss: str = PolicyLossMode.VANILLA.value
+    """The policy-gradient loss (verl's ``actor.policy_loss.loss_mode``): vanilla (PPO's clipped token ratio)
+    or gspo (GSPO: the clip on each sequence's length-normalised ratio, aggregated seq-mean-token-mean; the
+    KL and entropy terms keep ``loss_agg_mode``)."""
+    clip_ratio_low: float | None = None
+    """Ratio clip below 1: ratio >= 1 - clip_ratio_low. null: 0.2, and 3e-4 with ``policy_loss=gspo``."""
+    clip_ratio_high: float | None = None
+    """Ratio clip above 1 (DAPO's clip-higher when larger than ``clip_ratio_low``). null: 0.2, and 4e-4 with
+    ``policy_loss=gspo``."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (> 1)."""
     loss_agg_mode: str | None = None
@@ -121,8 +128,9 @@ class AlgorithmConfig:
                 "kl_loss_coef": NON_NEGATIVE,
                 "kl_loss_type": kl_estimator_rule(),
                 "kl_penalty": kl_estimator_rule(),
-                "clip_ratio_low": Rule("in [0, 1)", lambda v: 0 <= v < 1),
-                "clip_ratio_high": NON_NEGATIVE,
+                "policy_loss": choice(PolicyLossMode),
+                "clip_ratio_low": Rule("in [0, 1) or null", lambda v: v is None or 0 <= v < 1),
+                "clip_ratio_high": Rule(">= 0 or null", lambda v: v is None or v >= 0),
                 "clip_ratio_c": Rule("> 1", lambda v: v > 1),
                 "loss_agg_mode": choice(LossAggMode, optional=True),
                 "ppo_epochs": POSITIVE,
@@ -141,6 +149,16 @@ class AlgorithmConfig:
             return self.loss_agg_mode
         dr_grpo = self.adv_estimator == AdvEstimator.DR_GRPO
         return (LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM if dr_grpo else LossAggMode.TOKEN_MEAN).value
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(below, above) 1: ``clip_ratio_low`` / ``clip_ratio_high``, or the loss's own where null."""
+        gspo = self.policy_loss == PolicyLossMode.GSPO
+        low, high = GSPO_CLIP if gspo else (0.2, 0.2)
+        return (
+            low if self.clip_ratio_low is None else self.clip_ratio_low,
+            high if self.clip_ratio_high is None else self.clip_ratio_high,
+        )
 
     @property
     def norm_by_std(self) -> bool:

@@ -49,6 +49,8 @@ VERL_KEYS: dict[str, str] = {
     "rollout.multi_turn.tools, a list of tool files",
     "data.truncation": "a prompt longer than data.max_prompt_length is refused naming its row "
     "(verl's truncation=error); data.filter_overlong_prompts=true drops such prompts instead",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "verl's policy_loss.loss_mode is our "
+    "algorithm.policy_loss (vanilla or gspo)",
     "reward_model.reward_manager": "the scoring rule follows each row's data_source (reward.sources maps a "
     "source to a rule), or reward.custom_function scores every row",
 }

@@ -451,8 +451,9 @@ def loss_settings(cfg: RunConfig) -> PolicyLossSettings:
     return PolicyLossSettings(
         vocab_size=cfg.model.arch().vocab_size,
         temperature=cfg.rollout.temperature,
-        clip_ratio_low=algo.clip_ratio_low,
-        clip_ratio_high=algo.clip_ratio_high,
+        loss_mode=algo.policy_loss,
+        clip_ratio_low=algo.clip_range[0],
+        clip_ratio_high=algo.clip_range[1],
         clip_ratio_c=algo.clip_ratio_c,
         loss_agg_mode=algo.aggregation,
         norm_constant=float(cfg.rollout.response_length),

@@ -137,6 +137,8 @@ def test_config_refuses_an_unknown_mode(tmp_path) -> None:
             ],
             id="kl_loss_token_budget",
         ),
+        # GSPO's sequence ratio is exactly 1 on the update's own forward too
+        pytest.param(["algorithm.policy_loss=gspo"], id="gspo"),
     ],
 )
 def test_auto_equals_always_at_dp1(tmp_path, extra: list[str]) -> None:
@@ -146,7 +148,7 @@ def test_auto_equals_always_at_dp1(tmp_path, extra: list[str]) -> None:
         data,
         [*extra, "algorithm.recompute_old_log_probs=always", f"trainer.default_local_dir={tmp_path / 'al'}"],
     )
-    _assert_shortcut_taken(auto[0], reference=bool(extra))
+    _assert_shortcut_taken(auto[0], reference="algorithm.use_kl_loss=true" in extra)
     for m in always[0]:
         assert m["old_log_probs_recomputed"] == 1.0 and m[LOG_PROBS_PHASE] > 0
     _assert_same_run(auto, always)

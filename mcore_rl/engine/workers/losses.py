@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algo import LossAggregation, kl_loss, ppo_policy_loss, value_loss
+from mcore_rl.algo import LossAggregation, gspo_policy_loss, kl_loss, ppo_policy_loss, value_loss
+from mcore_rl.algo.settings import PolicyLossMode
 from mcore_rl.engine.lm_head import HeadLoss, LMHeadInput
 from mcore_rl.engine.train_engine import LossFn, MicroBatch
 from mcore_rl.ops import vocab_parallel_logprob_entropy
@@ -123,6 +124,8 @@ class PolicyLossSettings:
     """Real vocabulary (megatron's padding columns are left out)."""
     temperature: float
     """Sampling temperature: log-probs are of ``softmax(logits / T)``, as the rollout engine reports."""
+    loss_mode: str = PolicyLossMode.VANILLA.value
+    """vanilla (PPO's token ratio) or gspo (the sequence ratio, seq-mean-token-mean over the global sequences)."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -190,16 +193,27 @@ def policy_loss(
             mb.tokens, mask != 0, settings.vocab_size, settings.temperature
         )
         old_log_probs = log_probs.detach() if settings.on_policy else batch.old_log_probs
-        pg = ppo_policy_loss(
-            log_probs,
-            old_log_probs,
-            batch.advantages,
-            mask,
-            clip_ratio_low=settings.clip_ratio_low,
-            clip_ratio_high=settings.clip_ratio_high,
-            clip_ratio_c=settings.clip_ratio_c,
-            agg=agg,
-        )
+        if settings.loss_mode == PolicyLossMode.GSPO:
+            pg = gspo_policy_loss(
+                log_probs,
+                old_log_probs,
+                batch.advantages,
+                mask,
+                clip_ratio_low=settings.clip_ratio_low,
+                clip_ratio_high=settings.clip_ratio_high,
+                global_num_seqs=global_seqs,
+            )
+        else:
+            pg = ppo_policy_loss(
+                log_probs,
+                old_log_probs,
+                batch.advantages,
+                mask,
+                clip_ratio_low=settings.clip_ratio_low,
+                clip_ratio_high=settings.clip_ratio_high,
+                clip_ratio_c=settings.clip_ratio_c,
+                agg=agg,
+            )
         loss, kl_term = pg.loss, torch.zeros(())
         if settings.use_kl_loss:
             kl_term = kl_loss(log_probs, batch.ref_log_probs, mask, settings.kl_loss_type, agg)
