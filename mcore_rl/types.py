@@ -292,6 +292,8 @@ class ScoredBatch:
     """Answers scored NaN or infinite (scored 0)."""
     num_timeouts: int = 0
     """Answers past ``reward.timeout_s`` (scored 0)."""
+    overlong_penalty: Tensor | None = None
+    """[N] float32 (<= 0): DAPO's overlong punishment, included in ``scores`` (``reward.overlong_buffer``)."""
 
     def metrics(self) -> dict[str, float]:
         """The scorer's counts and the mean of each extra over the rows that have it."""
@@ -303,6 +305,9 @@ class ScoredBatch:
         if self.model_scores is not None:
             out["reward/rules"] = float(self.rule_scores.mean())
             out["reward/model"] = float(self.model_scores.mean())
+        if self.overlong_penalty is not None:
+            out["reward/overlong_penalty"] = float(self.overlong_penalty.mean())
+            out["reward/overlong_frac"] = float((self.overlong_penalty < 0).float().mean())
         for name, values in self.extras.items():
             present = values[~torch.isnan(values)]
             if present.numel():

@@ -21,6 +21,7 @@ VERL_PREFIXES: tuple[tuple[str, str], ...] = (
     ("critic.megatron.", "critic.parallel."),
     ("reward_model.model.path", "reward_model.path"),
     ("custom_reward_function.path", "reward.custom_function"),
+    ("reward_model.overlong_buffer.", "reward.overlong_buffer."),
 )
 
 

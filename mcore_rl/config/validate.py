@@ -275,6 +275,12 @@ def _run_problems(cfg: RunConfig) -> list[str]:
                 "schedules cannot send: needs parallel.pipeline_model_parallel_size=1"
             )
     rollout = cfg.rollout
+    overlong = cfg.reward.overlong_buffer
+    if overlong.enable and overlong.len >= rollout.response_length:
+        problems.append(
+            f"reward.overlong_buffer.len={overlong.len} must be below rollout.response_length="
+            f"{rollout.response_length} (the punishment ramps over the budget's last len tokens)"
+        )
     if not rollout.colocate and rollout.num_ranks % rollout.tensor_model_parallel_size:
         problems.append(
             f"rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide "

@@ -32,6 +32,24 @@ class GSM8KMethod(str, Enum):
 
 
 @dataclass
+class OverlongBuffer:
+    """DAPO's soft overlong punishment of training rewards (``scoring/shaping.py``; verl's
+    ``reward_model.overlong_buffer``)."""
+
+    SECTION: ClassVar[str] = "reward.overlong_buffer"
+
+    enable: bool = False
+    len: int = 4096
+    """The last ``len`` tokens of ``rollout.response_length``: a response reaching into them loses reward
+    linearly, ``penalty_factor`` at the budget. Must be below ``rollout.response_length``."""
+    penalty_factor: float = 1.0
+    """The penalty of a response that uses the whole budget."""
+
+    def __post_init__(self) -> None:
+        check_section(self, {"len": Rule("> 0", lambda v: v > 0), "penalty_factor": NON_NEGATIVE})
+
+
+@dataclass
 class RewardConfig:
     """Rule rewards (verl's ``default_compute_score`` dispatch by ``data_source``) and user scorers."""
 
@@ -57,6 +75,8 @@ class RewardConfig:
     """GSM8K answer extraction: strict (the last ``#### number``) or flexible (the last number)."""
     format_score: float = 0.0
     """Score of a well-formed but wrong answer (GSM8K and the format checks)."""
+    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
+    """DAPO's soft overlong punishment of the training rewards (off by default)."""
 
     def __post_init__(self) -> None:
         check_section(

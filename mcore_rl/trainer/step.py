@@ -29,6 +29,7 @@ from mcore_rl.engine.rollout.base import SamplingParams
 from mcore_rl.engine.train_engine import NonFiniteLossError
 from mcore_rl.engine.workers.losses import PolicyLossSettings
 from mcore_rl.scoring import RewardScorer, ScoreRequest
+from mcore_rl.scoring.shaping import overlong_penalty
 from mcore_rl.trainer.groups.actor import ActorGroup, UpdatePlan
 from mcore_rl.trainer.groups.reward_model import RewardModelGroup
 from mcore_rl.trainer.multi_turn import MultiTurnOutput, TurnsAhead, build_multi_turn, conversation_samples
@@ -239,9 +240,9 @@ class StepBase:
     def training_scores(self, rollout: RolloutBatch, prompts: PromptBatch) -> ScoredBatch:
         """The step's reward: the rules', or ``rule_weight * rules + weight * model`` with a reward model
         (started first, so that it scores on the workers while the driver runs the rules); a multi-turn
-        rollout's tool and environment rewards added to either, unweighted."""
+        rollout's tool and environment rewards added to either, unweighted; then ``reward.overlong_buffer``."""
         if self.reward_model is None:
-            return self.score(rollout, prompts)
+            return self._shaped(self.score(rollout, prompts), rollout)
         rm = self.cfg.reward_model
         wait = self.reward_model.submit_scores(rollout, rm.micro_batch_size_per_gpu)
         scored = self.score(rollout, prompts)
@@ -250,6 +251,15 @@ class StepBase:
         turns = self.turns_of(rollout)
         scored.scores = scores if turns is None else scores + turns.tool_rewards
         scored.model_scores = model
+        return self._shaped(scored, rollout)
+
+    def _shaped(self, scored: ScoredBatch, rollout: RolloutBatch) -> ScoredBatch:
+        """``reward.overlong_buffer``: DAPO's overlong punishment added to the training rewards."""
+        buffer = self.cfg.reward.overlong_buffer
+        if buffer.enable:
+            lengths, budget = rollout.response_lengths, self.cfg.rollout.response_length
+            scored.overlong_penalty = overlong_penalty(lengths, budget, buffer.len, buffer.penalty_factor)
+            scored.scores = scored.scores + scored.overlong_penalty
         return scored
 
     def evaluate(self, prompts: PromptBatch) -> Evaluation:
