@@ -361,6 +361,8 @@ class StepStats:
     multi_turn: dict[str, float] = field(default_factory=dict)
     """``multi_turn/*`` of a multi-turn rollout: turns and tool calls per sample, errors, timeouts, how the
     conversations ended, model vs tool tokens (``agent/records.py``)."""
+    filter_groups: dict[str, float] = field(default_factory=dict)
+    """``filter_groups/*`` of DAPO's dynamic sampling: rollouts sampled, the share of groups kept."""
 
     @property
     def step_s(self) -> float:
@@ -386,6 +388,7 @@ class StepStats:
             **self.kl_in_reward,
             **self.importance,
             **self.multi_turn,
+            **self.filter_groups,
         }
         if self.old_log_probs_recomputed is not None:
             out["old_log_probs_recomputed"] = float(self.old_log_probs_recomputed)

@@ -139,3 +139,31 @@ def kl_estimator_rule() -> Rule:
         return isinstance(value, str) and value.removesuffix("+") in names
 
     return Rule(f"{', '.join(names)}, each optionally with '+'", ok, is_choice=True)
+
+
+class FilterMetric(str, Enum):
+    """``algorithm.filter_groups.metric``: which per-response value must vary within a kept group."""
+
+    SEQ_REWARD = "seq_reward"
+    """The step's training reward (rules or reward model, tool rewards, the overlong punishment)."""
+    SCORE = "score"
+    """The rule (or user) scorers' score alone."""
+
+
+@dataclass
+class FilterGroups:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): a prompt group whose ``rollout.n``
+    responses all got the same value has zero GRPO advantage, so it is dropped and more prompts are sampled
+    until ``data.train_batch_size`` groups with signal are kept (``trainer/dynamic_sampling.py``)."""
+
+    SECTION: ClassVar[str] = "algorithm.filter_groups"
+
+    enable: bool = False
+    metric: str = FilterMetric.SEQ_REWARD.value
+    """seq_reward (the training reward) or score (the rule scorers' alone)."""
+    max_num_gen_batches: int = 10
+    """Rollouts of ``data.train_batch_size`` prompts one step may sample before it stops the run naming
+    the shortfall (its data too easy or too hard for the model); 0: no limit."""
+
+    def __post_init__(self) -> None:
+        check_section(self, {"metric": choice(FilterMetric), "max_num_gen_batches": NON_NEGATIVE})

@@ -17,6 +17,7 @@ from mcore_rl.algo.settings import (
     ADV_ESTIMATOR_ALIASES,
     GSPO_CLIP,
     AdvEstimator,
+    FilterGroups,
     KLControl,
     LossAggMode,
     PolicyLossMode,
@@ -106,6 +107,9 @@ class AlgorithmConfig:
     the old log-probs are then the update's own forward log-probs, detached (ratio 1), and
     ``token_mult_prob_error`` is taken from that forward. always: run the pass every step (same numbers,
     one actor forward more per step)."""
+    filter_groups: FilterGroups = field(default_factory=FilterGroups)
+    """DAPO's dynamic sampling: keep only prompt groups whose responses' rewards differ, sampling more prompts
+    until ``data.train_batch_size`` such groups fill the step (critic-free estimators, on-policy, single-turn)."""
     rollout_is_threshold: float | None = 2.0
     """Truncated importance sampling of lagged rollouts (``trainer.one_step_off``, policy lag 1): each response
     token's policy loss is weighted by ``min(pi_old / pi_rollout, rollout_is_threshold)`` (detached), where

@@ -275,6 +275,14 @@ def _run_problems(cfg: RunConfig) -> list[str]:
                 "schedules cannot send: needs parallel.pipeline_model_parallel_size=1"
             )
     rollout = cfg.rollout
+    if cfg.algorithm.filter_groups.enable:
+        for blocker, why in (
+            (cfg.algorithm.adv_estimator == "gae", "algorithm.adv_estimator=gae (its critic's values)"),
+            (trainer.one_step_off, "trainer.one_step_off=true (its rollout sampled ahead)"),
+            (rollout.multi_turn.enable, "rollout.multi_turn.enable=true (its conversations)"),
+        ):
+            if blocker:
+                problems.append(f"algorithm.filter_groups.enable=true does not combine with {why} yet")
     overlong = cfg.reward.overlong_buffer
     if overlong.enable and overlong.len >= rollout.response_length:
         problems.append(

@@ -27,9 +27,10 @@ import torch
 from mcore_rl.algo.advantages import compute_advantages
 from mcore_rl.algo.agreement import prob_agreement
 from mcore_rl.io.errors import note
+from mcore_rl.trainer.dynamic_sampling import Sampled, sample_mixed_groups
 from mcore_rl.trainer.on_policy import recompute_old_log_probs, training_dropout
 from mcore_rl.trainer.step import StageTimer, StepBase
-from mcore_rl.types import PromptBatch, RolloutBatch, StepStats, TrainBatch
+from mcore_rl.types import PromptBatch, RolloutBatch, ScoredBatch, StepStats, TrainBatch
 
 
 class GRPOStep(StepBase):
@@ -46,11 +47,18 @@ class GRPOStep(StepBase):
         cfg, timer = self.cfg, StageTimer()
         rollout, lag = self.rollout_for(prompts, step, next_prompts, timer)
         recompute = recompute_old_log_probs(cfg.algorithm, self.plan, lag, training_dropout(cfg.model))
-        with timer("score_and_log_probs"):
-            wait_log_probs = self.submit_log_probs(rollout, recompute)
-            with timer("score"):
-                scored = self.training_scores(rollout, prompts)
-            old_log_probs, ref_log_probs = wait_log_probs()
+        sampling: dict[str, float] = {}
+        if cfg.algorithm.filter_groups.enable:  # scored first: the groups kept decide the batch
+            with timer("sample_groups"):
+                rollout, prompts, scored, sampling = self.mixed_groups(rollout, prompts, step)
+            with timer("old_log_probs"):
+                old_log_probs, ref_log_probs = self.submit_log_probs(rollout, recompute)()
+        else:
+            with timer("score_and_log_probs"):
+                wait_log_probs = self.submit_log_probs(rollout, recompute)
+                with timer("score"):
+                    scored = self.training_scores(rollout, prompts)
+                old_log_probs, ref_log_probs = wait_log_probs()
         advantages = compute_advantages(
             cfg.algorithm.adv_estimator,
             scored.scores,
@@ -86,7 +94,34 @@ class GRPOStep(StepBase):
             synced,
             old_log_probs_recomputed=recompute,
             importance=importance,
+            filter_groups=sampling,
         )
+
+    def mixed_groups(
+        self, rollout: RolloutBatch, prompts: PromptBatch, step: int
+    ) -> tuple[RolloutBatch, PromptBatch, ScoredBatch, dict[str, float]]:
+        """``algorithm.filter_groups``: ``data.train_batch_size`` prompt groups whose rewards differ, from this
+        rollout and, while short, rollouts of the run's next prompts (``trainer/dynamic_sampling.py``)."""
+        draw, attempts = self.draw_prompts, [0]
+        if draw is None:
+            raise RuntimeError("algorithm.filter_groups: the step was given no data loader (draw_prompts)")
+
+        def more() -> Sampled:
+            extra = draw()
+            attempts[0] += 1
+            batch = self.submit_generate(extra, step, attempt=attempts[0])()
+            return Sampled(batch, extra, self.training_scores(batch, extra))
+
+        cfg = self.cfg
+        kept, metrics = sample_mixed_groups(
+            Sampled(rollout, prompts, self.training_scores(rollout, prompts)),
+            more,
+            cfg.algorithm.filter_groups,
+            cfg.data.train_batch_size,
+            cfg.rollout.n,
+            self.tokenizer.pad_token_id,
+        )
+        return kept.rollout, kept.prompts, kept.scored, metrics
 
     def note_no_signal(self, advantages: torch.Tensor, step: int) -> None:
         """Say once per run when a step's advantages are all zero: every prompt's samples scored alike (all

@@ -14,6 +14,7 @@ at construction; with ``trainer.one_step_off`` the next step's rollout is starte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -111,6 +112,8 @@ class StepBase:
         self._step_turns: MultiTurnOutput | None = None
         """The conversations of this step's own rollout (with one-step-off, sampled the step before)."""
         self._step = 0
+        self.draw_prompts: Callable[[], PromptBatch] | None = None
+        """The run's next prompts (its data loader), for ``algorithm.filter_groups``."""
 
     def run(self, prompts: PromptBatch, step: int, next_prompts: PromptBatch | None = None) -> StepStats:
         """One RL step on ``prompts``; the weights are synced for the next step when it returns.
@@ -161,14 +164,20 @@ class StepBase:
 
         return prompts, received, lambda: done[0], lambda: None  # read after ``received``
 
-    def submit_generate(self, prompts: PromptBatch, step: int) -> Callable[[], RolloutBatch]:
-        """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now."""
+    def submit_generate(
+        self, prompts: PromptBatch, step: int, attempt: int = 0
+    ) -> Callable[[], RolloutBatch]:
+        """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now.
+        ``attempt``: a further rollout of the same step (dynamic sampling), drawn from other seeds."""
         if self.multi_turn is not None:  # driven turn by turn from here: done when it returns
             self.last_turns = self._sample_turns(prompts, step)
             batch = self.last_turns.batch
             return lambda: batch
         request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
-        return self.rollout.submit_generate(request, self.sampling(step))
+        params = self.sampling(step)
+        if attempt:  # one step's seeds apart from any other step's (steps < 1e9)
+            params = dataclasses.replace(params, seed=(params.seed or 0) + attempt * 1_000_000_007)
+        return self.rollout.submit_generate(request, params)
 
     def _sample_turns(self, prompts: PromptBatch, step: int) -> MultiTurnOutput:
         """A multi-turn rollout of ``prompts``, its conversations driven turn by turn from the driver."""

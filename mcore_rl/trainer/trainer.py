@@ -173,6 +173,7 @@ class Trainer:
             hand_over_ray(self._actors.backend, True)
         assert self.scorer is not None
         self._step = build_step(cfg, self._actors, self.data.tokenizer, self.scorer, self.total_steps)
+        self._step.draw_prompts = self.data.loader.next_batch  # dynamic sampling draws beyond its batch
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Run to ``total_steps`` (or stop after ``stop_after`` RL steps: a simulated interruption). The summary
