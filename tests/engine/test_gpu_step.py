@@ -57,11 +57,15 @@ def _trainer_log_probs(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llama+lora"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "llama+lora", "qwen3+yarn"])
 def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal(family: str) -> None:
+    """``qwen3+yarn``: YaRN's attention factor reaches TE's attention as megatron's softmax_scale and the
+    embedded engine's scale alike, and its step trains with GSPO's loss."""
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the 1e-5 bar
-    family, _, adapters = family.partition("+")
-    arch = tiny_arch(family)
+    family, _, variant = family.partition("+")
+    adapters, yarn = variant == "lora", variant == "yarn"
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    arch = tiny_arch(family, **({"rope_parameters": rope} if yarn else {}))
     lora = LoRASpec(
         rank=4, alpha=8.0, targets=resolve_targets(["q_proj", "o_proj", "gate_proj", "down_proj"])
     )
@@ -93,7 +97,9 @@ def test_rl_step_on_cuda_keeps_rollout_and_trainer_log_probs_equal(family: str) 
             advantages = torch.randn(mask.shape[0], 1, generator=gen) * mask
             train = TrainBatch(batch.tokens, mask, trainer, advantages, torch.zeros_like(mask))
             positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
-            settings = PolicyLossSettings(vocab_size=arch.vocab_size, temperature=1.0)
+            settings = PolicyLossSettings(
+                vocab_size=arch.vocab_size, temperature=1.0, loss_mode="gspo" if yarn else "vanilla"
+            )
             loss = policy_loss(settings, mask.sum(), torch.tensor(float(mask.shape[0])))
             engine.zero_grad()
             metrics = engine.forward_backward([PolicyMicroBatch(batch.tokens, positions, train=train)], loss)
