@@ -148,6 +148,9 @@ class FilterMetric(str, Enum):
     """The step's training reward (rules or reward model, tool rewards, the overlong punishment)."""
     SCORE = "score"
     """The rule (or user) scorers' score alone."""
+    ACC = "acc"
+    """A dict-returning scorer's ``acc`` extra, else the score (verl's DAPO recipe sets it; a right-or-wrong
+    rule such as ``math_dapo``, scored +-1, keeps the same groups either way)."""
 
 
 @dataclass
@@ -160,7 +163,8 @@ class FilterGroups:
 
     enable: bool = False
     metric: str = FilterMetric.SEQ_REWARD.value
-    """seq_reward (the training reward) or score (the rule scorers' alone)."""
+    """seq_reward (the training reward), score (the rule scorers' alone) or acc (the scorer's ``acc`` extra,
+    else its score)."""
     max_num_gen_batches: int = 10
     """Rollouts of ``data.train_batch_size`` prompts one step may sample before it stops the run naming
     the shortfall (its data too easy or too hard for the model); 0: no limit."""

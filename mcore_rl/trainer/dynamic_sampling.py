@@ -114,11 +114,7 @@ def sample_mixed_groups(
         seen += len(sampled.prompts)
         scored = sampled.scored
         failures = [a + b for a, b in zip(failures, _failures(scored), strict=True)]
-        values = (
-            sampled.scored.scores
-            if settings.metric == FilterMetric.SEQ_REWARD
-            else sampled.scored.rule_scores
-        )
+        values = _metric(sampled.scored, settings.metric)
         groups = mixed_groups(values, n)[: batch_size - kept]
         if groups:
             parts.append(take_groups(sampled, groups, n))
@@ -141,6 +137,16 @@ def sample_mixed_groups(
     # the scorers' failures of every rollout the step sampled, kept groups or not
     joined.scored.num_errors, joined.scored.num_nonfinite, joined.scored.num_timeouts = failures
     return joined, metrics
+
+
+def _metric(scored: ScoredBatch, metric: str) -> Tensor:
+    """Each response's value that must vary within a kept group (``algorithm.filter_groups.metric``)."""
+    if metric == FilterMetric.SEQ_REWARD:
+        return scored.scores
+    acc = scored.extras.get("acc")
+    if metric == FilterMetric.ACC and acc is not None and not bool(torch.isnan(acc).any()):
+        return acc
+    return scored.rule_scores
 
 
 def _failures(scored: ScoredBatch) -> list[int]:

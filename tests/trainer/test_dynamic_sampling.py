@@ -70,6 +70,21 @@ def test_kept_groups_of_several_rollouts_join_into_one_batch() -> None:
     assert kept.scored.num_errors == 3  # every rollout's scorer failures, kept or not
 
 
+def test_the_metric_is_the_reward_the_score_or_the_scorers_acc() -> None:
+    sampled = _sampled([1, 1, 0, 1], width=3, first_prompt=0)
+    sampled.scored.scores = torch.tensor([1.0, 0.5, 0.0, 0.0])  # e.g. shaped: group 0 mixed, group 1 not
+    pick = {
+        m: sample_mixed_groups(sampled, lambda: sampled, FilterGroups(True, m, 1), 1, N, PAD)[0]
+        for m in ("seq_reward", "score")
+    }
+    assert pick["seq_reward"].prompts.indices.tolist() == [0] and pick["score"].prompts.indices.tolist() == [
+        1
+    ]
+    sampled.scored.extras = {"acc": torch.tensor([1.0, 0.0, 1.0, 1.0])}  # a dict-returning scorer's acc
+    acc, _ = sample_mixed_groups(sampled, lambda: sampled, FilterGroups(True, "acc", 1), 1, N, PAD)
+    assert acc.prompts.indices.tolist() == [0]
+
+
 def test_a_step_short_of_mixed_groups_stops_naming_the_keys() -> None:
     uniform = _sampled([1, 1, 0, 0], width=3, first_prompt=0)
     with pytest.raises(ValueError, match=r"3 rollouts of 2 prompts found only 0 groups.*max_num_gen_batches"):
@@ -113,7 +128,7 @@ def test_grpo_steps_train_on_mixed_groups_and_resume_exactly(tmp_path) -> None:
     [
         (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae"),
         (["trainer.one_step_off=true"], "trainer.one_step_off=true"),
-        (["algorithm.filter_groups.metric=acc"], r"algorithm\.filter_groups\.metric='acc'"),
+        (["algorithm.filter_groups.metric=accuracy"], r"algorithm\.filter_groups\.metric='accuracy'"),
     ],
 )
 def test_what_it_does_not_combine_with_is_refused(tmp_path, extra: list[str], named: str) -> None:
