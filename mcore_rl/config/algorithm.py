@@ -109,7 +109,7 @@ class AlgorithmConfig:
     one actor forward more per step)."""
     filter_groups: FilterGroups = field(default_factory=FilterGroups)
     """DAPO's dynamic sampling: keep only prompt groups whose responses' rewards differ, sampling more prompts
-    until ``data.train_batch_size`` such groups fill the step (critic-free estimators, on-policy, single-turn)."""
+    until ``data.train_batch_size`` such groups fill the step (critic-free estimators, on-policy)."""
     rollout_is_threshold: float | None = 2.0
     """Truncated importance sampling of lagged rollouts (``trainer.one_step_off``, policy lag 1): each response
     token's policy loss is weighted by ``min(pi_old / pi_rollout, rollout_is_threshold)`` (detached), where

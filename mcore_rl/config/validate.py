@@ -279,7 +279,6 @@ def _run_problems(cfg: RunConfig) -> list[str]:
         for blocker, why in (
             (cfg.algorithm.adv_estimator == "gae", "algorithm.adv_estimator=gae (its critic's values)"),
             (trainer.one_step_off, "trainer.one_step_off=true (its rollout sampled ahead)"),
-            (rollout.multi_turn.enable, "rollout.multi_turn.enable=true (its conversations)"),
         ):
             if blocker:
                 problems.append(f"algorithm.filter_groups.enable=true does not combine with {why} yet")

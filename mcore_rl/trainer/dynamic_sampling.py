@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mcore_rl.agent.rollout import MultiTurnOutput
 from mcore_rl.algo.settings import FilterGroups, FilterMetric
 from mcore_rl.types import PromptBatch, RolloutBatch, ScoredBatch
 
@@ -34,6 +35,8 @@ class Sampled:
     rollout: RolloutBatch
     prompts: PromptBatch
     scored: ScoredBatch
+    turns: MultiTurnOutput | None = None
+    """A multi-turn rollout's conversations (their metrics and logged samples), row for row."""
 
 
 def mixed_groups(values: Tensor, n: int) -> list[int]:
@@ -67,7 +70,16 @@ def take_groups(sampled: Sampled, groups: Sequence[int], n: int) -> Sampled:
         extras={k: v[rows] for k, v in scored.extras.items()},
         overlong_penalty=None if scored.overlong_penalty is None else scored.overlong_penalty[rows],
     )
-    return Sampled(rollout, prompts, scored)
+    turns = sampled.turns
+    if turns is not None:
+        kept = rows.tolist()
+        turns = MultiTurnOutput(
+            rollout,
+            turns.tool_rewards[rows],
+            [turns.score_texts[r] for r in kept],
+            [turns.conversations[r] for r in kept],
+        )
+    return Sampled(rollout, prompts, scored, turns)
 
 
 def join(parts: Sequence[Sampled], pad_id: int) -> Sampled:
@@ -93,7 +105,15 @@ def join(parts: Sequence[Sampled], pad_id: int) -> Sampled:
         indices=torch.cat([p.prompts.indices for p in parts]),
         **{name: [x for p in parts for x in getattr(p.prompts, name)] for name in _PROMPT_LISTS},
     )
-    return Sampled(rollout, prompts, _joined_scores([p.scored for p in parts]))
+    turns = None
+    if all(p.turns is not None for p in parts):
+        turns = MultiTurnOutput(
+            rollout,
+            torch.cat([p.turns.tool_rewards for p in parts if p.turns is not None]),
+            [t for p in parts if p.turns is not None for t in p.turns.score_texts],
+            [c for p in parts if p.turns is not None for c in p.turns.conversations],
+        )
+    return Sampled(rollout, prompts, _joined_scores([p.scored for p in parts]), turns)
 
 
 def sample_mixed_groups(

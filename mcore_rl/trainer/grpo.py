@@ -110,17 +110,18 @@ class GRPOStep(StepBase):
             extra = draw()
             attempts[0] += 1
             batch = self.submit_generate(extra, step, attempt=attempts[0])()
-            return Sampled(batch, extra, self.training_scores(batch, extra))
+            return Sampled(batch, extra, self.training_scores(batch, extra), self.turns_of(batch))
 
         cfg = self.cfg
         kept, metrics = sample_mixed_groups(
-            Sampled(rollout, prompts, self.training_scores(rollout, prompts)),
+            Sampled(rollout, prompts, self.training_scores(rollout, prompts), self.turns_of(rollout)),
             more,
             cfg.algorithm.filter_groups,
             cfg.data.train_batch_size,
             cfg.rollout.n,
             self.tokenizer.pad_token_id,
         )
+        self._step_turns = kept.turns  # the kept conversations: the step's metrics and logged sample
         return kept.rollout, kept.prompts, kept.scored, metrics
 
     def note_no_signal(self, advantages: torch.Tensor, step: int) -> None:

@@ -147,7 +147,7 @@ class StepBase:
         driven from a thread of the driver meanwhile (``TurnsAhead``)."""
         started = time.perf_counter()
         if self.multi_turn is not None and not isinstance(self.rollout, ColocatedRollout):
-            ahead = TurnsAhead(lambda: self._sample_turns(prompts, step))
+            ahead = TurnsAhead(lambda: self._sample_turns(prompts, self.sampling(step)))
             return prompts, lambda: ahead.turns().batch, lambda: ahead.seconds, ahead.turns
         with timer("generate_next"):
             wait = _once(self.submit_generate(prompts, step))
@@ -169,20 +169,19 @@ class StepBase:
     ) -> Callable[[], RolloutBatch]:
         """Start sampling ``prompts``; the result waits for the rollout. Colocated engines sample now.
         ``attempt``: a further rollout of the same step (dynamic sampling), drawn from other seeds."""
-        if self.multi_turn is not None:  # driven turn by turn from here: done when it returns
-            self.last_turns = self._sample_turns(prompts, step)
-            batch = self.last_turns.batch
-            return lambda: batch
-        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
         params = self.sampling(step)
         if attempt:  # one step's seeds apart from any other step's (steps < 1e9)
             params = dataclasses.replace(params, seed=(params.seed or 0) + attempt * 1_000_000_007)
+        if self.multi_turn is not None:  # driven turn by turn from here: done when it returns
+            self.last_turns = self._sample_turns(prompts, params)
+            batch = self.last_turns.batch
+            return lambda: batch
+        request = RolloutRequest(prompts.prompt_ids, torch.arange(len(prompts)))
         return self.rollout.submit_generate(request, params)
 
-    def _sample_turns(self, prompts: PromptBatch, step: int) -> MultiTurnOutput:
+    def _sample_turns(self, prompts: PromptBatch, params: SamplingParams) -> MultiTurnOutput:
         """A multi-turn rollout of ``prompts``, its conversations driven turn by turn from the driver."""
         assert self.multi_turn is not None
-        params = self.sampling(step)
         return self.multi_turn.run(self.rollout.turns(len(prompts) * params.n), prompts, params)
 
     def pending_rollout(self, prompts: PromptBatch | None) -> RolloutBatch | None:

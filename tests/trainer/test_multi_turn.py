@@ -384,3 +384,17 @@ def test_one_step_off_on_a_rollout_pool_reproduces_the_colocated_run(tmp_path) -
         for key in keys:
             if key in expected:
                 assert have[key] == pytest.approx(expected[key], abs=1e-5), key
+
+
+def test_dynamic_sampling_keeps_the_conversations_of_the_groups_it_keeps(tmp_path) -> None:
+    """``algorithm.filter_groups`` on multi-turn rollouts: every step trains on groups with mixed rewards, and
+    its multi-turn metrics and logged conversation are those of the kept conversations (their tool rewards in
+    the reward), joined from the rollouts it sampled."""
+    records, _ = _records(tmp_path, "filtered", [ENV, "algorithm.filter_groups.enable=true"])
+    steps = [r for r in records if r["stage"] == "rl" and "reward" in r]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["mixed_groups"] == 1.0 and m["filter_groups/num_gen_batches"] >= 1
+        assert m["multi_turn/turns_mean"] > 1 and m["multi_turn/tool_reward_mean"] > 0
+        assert abs(m["token_mult_prob_error"] - 1.0) < 1e-5  # the joined rows' log-probs where they belong
+    assert max(m["filter_groups/num_gen_batches"] for m in steps) >= 2  # kept groups joined from rollouts
