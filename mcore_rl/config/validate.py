@@ -182,8 +182,8 @@ def _moe_problems(cfg: RunConfig, arch: Any) -> list[str]:
             f"{arch.moe.ffn_hidden_size} (every rollout rank holds a slice of every expert)"
         )
     lora = cfg.model.lora_spec()
-    if lora is not None and arch.moe is not None and moe_targets_problem(lora.targets):
-        problems.append(str(moe_targets_problem(lora.targets)))
+    if lora is not None and arch.moe is not None and (problem := moe_targets_problem(lora.targets)):
+        problems.append(problem)
     if cfg.actor.router_replay:
         if arch.moe is None:
             problems.append("actor.router_replay=true applies to mixture-of-experts models only")

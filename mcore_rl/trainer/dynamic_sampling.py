@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from mcore_rl.agent.rollout import MultiTurnOutput
 from mcore_rl.algo.settings import FilterGroups, FilterMetric
+from mcore_rl.controller.dispatch import concat_records
+from mcore_rl.engine.packing.token_batching import select_rows
+from mcore_rl.engine.rollout.batch import common_width
 from mcore_rl.types import PromptBatch, RolloutBatch, ScoredBatch
 
 
@@ -48,7 +50,7 @@ def mixed_groups(values: Tensor, n: int) -> list[int]:
 def take_groups(sampled: Sampled, groups: Sequence[int], n: int) -> Sampled:
     """The rows of ``groups`` (in that order), their prompts renumbered 0..len(groups)-1."""
     rows = torch.tensor([g * n + k for g in groups for k in range(n)], dtype=torch.long)
-    rollout = _rows(sampled.rollout, rows)
+    rollout = select_rows(sampled.rollout, rows.tolist())
     rollout.prompt_index = torch.arange(len(groups)).repeat_interleave(n)
     index = torch.tensor(list(groups), dtype=torch.long)
     prompts = dataclasses.replace(
@@ -84,21 +86,11 @@ def take_groups(sampled: Sampled, groups: Sequence[int], n: int) -> Sampled:
 
 def join(parts: Sequence[Sampled], pad_id: int) -> Sampled:
     """The parts as one batch, rows in order (padded to the widest), prompt indices continued."""
-    width = max(p.rollout.tokens.shape[1] for p in parts)
-    response_width = max(p.rollout.response_ids.shape[1] for p in parts)
-    rollouts, offset = [], 0
-    for part in parts:
-        rollout = _padded(part.rollout, width, response_width, pad_id)
+    rollouts, offset = common_width([p.rollout for p in parts], pad_id), 0
+    for rollout, part in zip(rollouts, parts, strict=True):
         rollout.prompt_index = rollout.prompt_index + offset
         offset += len(part.prompts)
-        rollouts.append(rollout)
-    fields: dict[str, Any] = {
-        f.name: None
-        if getattr(rollouts[0], f.name) is None
-        else torch.cat([getattr(r, f.name) for r in rollouts])
-        for f in dataclasses.fields(RolloutBatch)
-    }
-    rollout = RolloutBatch(**fields)
+    rollout = concat_records(rollouts)
     prompts = dataclasses.replace(
         parts[0].prompts,
         prompt_ids=[ids for p in parts for ids in p.prompts.prompt_ids],
@@ -106,12 +98,13 @@ def join(parts: Sequence[Sampled], pad_id: int) -> Sampled:
         **{name: [x for p in parts for x in getattr(p.prompts, name)] for name in _PROMPT_LISTS},
     )
     turns = None
-    if all(p.turns is not None for p in parts):
+    conversations = [p.turns for p in parts if p.turns is not None]
+    if len(conversations) == len(parts):
         turns = MultiTurnOutput(
             rollout,
-            torch.cat([p.turns.tool_rewards for p in parts if p.turns is not None]),
-            [t for p in parts if p.turns is not None for t in p.turns.score_texts],
-            [c for p in parts if p.turns is not None for c in p.turns.conversations],
+            torch.cat([t.tool_rewards for t in conversations]),
+            [text for t in conversations for text in t.score_texts],
+            [c for t in conversations for c in t.conversations],
         )
     return Sampled(rollout, prompts, _joined_scores([p.scored for p in parts]), turns)
 
@@ -132,8 +125,7 @@ def sample_mixed_groups(
     while True:
         rollouts += 1
         seen += len(sampled.prompts)
-        scored = sampled.scored
-        failures = [a + b for a, b in zip(failures, _failures(scored), strict=True)]
+        failures = [a + b for a, b in zip(failures, _failures(sampled.scored), strict=True)]
         values = _metric(sampled.scored, settings.metric)
         groups = mixed_groups(values, n)[: batch_size - kept]
         if groups:
@@ -175,34 +167,6 @@ def _failures(scored: ScoredBatch) -> list[int]:
 
 _PROMPT_LISTS = ("data_sources", "ground_truths", "extra_infos", "origins", "messages")
 """PromptBatch's per-prompt lists besides ``prompt_ids`` (``messages`` may be empty: not known)."""
-
-
-def _rows(rollout: RolloutBatch, rows: Tensor) -> RolloutBatch:
-    fields: dict[str, Any] = {
-        f.name: None if getattr(rollout, f.name) is None else getattr(rollout, f.name)[rows]
-        for f in dataclasses.fields(RolloutBatch)
-    }
-    return RolloutBatch(**fields)
-
-
-def _padded(rollout: RolloutBatch, width: int, response_width: int, pad_id: int) -> RolloutBatch:
-    """``rollout`` right-padded to ``width`` columns (``response_ids`` to ``response_width``): pad tokens, no
-    mask, log-prob 0, no routed expert (-1)."""
-
-    def pad(t: Tensor, to: int, value: float) -> Tensor:
-        if t.shape[1] == to:
-            return t
-        shape = (t.shape[0], to - t.shape[1], *t.shape[2:])
-        return torch.cat([t, torch.full(shape, value, dtype=t.dtype)], dim=1)
-
-    return dataclasses.replace(
-        rollout,
-        tokens=pad(rollout.tokens, width, pad_id),
-        response_mask=pad(rollout.response_mask, width, 0.0),
-        rollout_log_probs=pad(rollout.rollout_log_probs, width, 0.0),
-        response_ids=pad(rollout.response_ids, response_width, pad_id),
-        expert_choices=None if rollout.expert_choices is None else pad(rollout.expert_choices, width, -1),
-    )
 
 
 def _joined_scores(parts: Sequence[ScoredBatch]) -> ScoredBatch:

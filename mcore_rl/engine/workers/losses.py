@@ -193,27 +193,15 @@ def policy_loss(
             mb.tokens, mask != 0, settings.vocab_size, settings.temperature
         )
         old_log_probs = log_probs.detach() if settings.on_policy else batch.old_log_probs
+        ratios = (log_probs, old_log_probs, batch.advantages, mask)
+        low, high = settings.clip_ratio_low, settings.clip_ratio_high
         if settings.loss_mode == PolicyLossMode.GSPO:
             pg = gspo_policy_loss(
-                log_probs,
-                old_log_probs,
-                batch.advantages,
-                mask,
-                clip_ratio_low=settings.clip_ratio_low,
-                clip_ratio_high=settings.clip_ratio_high,
-                global_num_seqs=global_seqs,
+                *ratios, clip_ratio_low=low, clip_ratio_high=high, global_num_seqs=global_seqs
             )
         else:
-            pg = ppo_policy_loss(
-                log_probs,
-                old_log_probs,
-                batch.advantages,
-                mask,
-                clip_ratio_low=settings.clip_ratio_low,
-                clip_ratio_high=settings.clip_ratio_high,
-                clip_ratio_c=settings.clip_ratio_c,
-                agg=agg,
-            )
+            c = settings.clip_ratio_c
+            pg = ppo_policy_loss(*ratios, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c, agg=agg)
         loss, kl_term = pg.loss, torch.zeros(())
         if settings.use_kl_loss:
             kl_term = kl_loss(log_probs, batch.ref_log_probs, mask, settings.kl_loss_type, agg)
