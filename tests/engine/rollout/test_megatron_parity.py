@@ -121,7 +121,8 @@ def test_rollout_matches_megatron_at_tp1_and_tp2(run_distributed, family):
     tp1, tp2 = results[0]["outputs"][1], results[0]["outputs"][2]
     assert torch.equal(tp1.token_ids, tp2.token_ids) and tp1.finish_reasons == tp2.finish_reasons
     assert tp1.finish_reasons[0] == "stop"
-    assert float((tp1.log_probs - tp2.log_probs).abs().max()) < 1e-5
+    # each within 1e-5 of megatron's (above), so within twice that of each other
+    assert float((tp1.log_probs - tp2.log_probs).abs().max()) < 2e-5
     # Both TP ranks return the very same samples (one generator seed, gathered logits).
     other = results[1]["outputs"][2]
     assert torch.equal(tp2.token_ids, other.token_ids) and torch.equal(tp2.log_probs, other.log_probs)
