@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mcore_rl.ops import _native
+from mcore_rl.ops import _native, decode
 
-_NATIVE_OPS = ("swiglu_backward", "rms_norm_backward", "rope", "silu_mul")
+_NATIVE_OPS = ("swiglu_backward", "rms_norm_backward", "rope")
 
 
 def _native_ops_built() -> bool:
@@ -117,9 +117,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate_up: Tensor) -> Tensor:
         ctx.save_for_backward(gate_up)
-        if _native_fp32(gate_up):
-            return torch.ops.mcore_rl.silu_mul(gate_up)  # bitwise the reference, in one pass
-        return swiglu_reference(gate_up)
+        return decode.silu_mul(gate_up)  # the kernel where built, else the reference: bitwise the same
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:

@@ -49,8 +49,9 @@ def mixed_groups(values: Tensor, n: int) -> list[int]:
 
 def take_groups(sampled: Sampled, groups: Sequence[int], n: int) -> Sampled:
     """The rows of ``groups`` (in that order), their prompts renumbered 0..len(groups)-1."""
-    rows = torch.tensor([g * n + k for g in groups for k in range(n)], dtype=torch.long)
-    rollout = select_rows(sampled.rollout, rows.tolist())
+    kept = [g * n + k for g in groups for k in range(n)]
+    rows = torch.tensor(kept, dtype=torch.long)
+    rollout = select_rows(sampled.rollout, kept)
     rollout.prompt_index = torch.arange(len(groups)).repeat_interleave(n)
     index = torch.tensor(list(groups), dtype=torch.long)
     prompts = dataclasses.replace(
@@ -74,7 +75,6 @@ def take_groups(sampled: Sampled, groups: Sequence[int], n: int) -> Sampled:
     )
     turns = sampled.turns
     if turns is not None:
-        kept = rows.tolist()
         turns = MultiTurnOutput(
             rollout,
             turns.tool_rewards[rows],
